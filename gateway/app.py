@@ -1,0 +1,263 @@
+"""Builds the aiohttp application and owns every resource and background task.
+
+Resources (the upstream session, the scheduler, the health task) are created in one
+`cleanup_ctx` generator and torn down in reverse order; handlers reach them through
+typed `AppKey`s. Nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from . import errors
+from .auth import KeyChecker
+from .config import Config
+from .dispatch import (
+    STRATEGIES,
+    HealthPolicy,
+    InstanceSpec,
+    Lane,
+    Limits,
+    Scheduler,
+    score_all,
+)
+from .dispatcher import Dispatcher
+from .health import HealthChecker
+from .health import Target as ProbeTarget
+from .metrics import Metrics
+from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
+from .upstream import Upstream
+
+
+@dataclass
+class Lifecycle:
+    draining: bool = False
+
+
+CONFIG = web.AppKey("config", Config)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+PROXY = web.AppKey("proxy", Proxy)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+HEALTH = web.AppKey("health", HealthChecker)
+METRICS = web.AppKey("metrics", Metrics)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(config: Config) -> web.Application:
+    app = web.Application(
+        client_max_size=config.gateway.max_body_bytes, middlewares=[_openai_errors]
+    )
+    app[CONFIG] = config
+    app[LIFECYCLE] = Lifecycle()
+    app.cleanup_ctx.append(_resources)
+    for prefix in config.route_prefixes:
+        app.router.add_post(prefix + "/chat/completions", _openai_route(CHAT))
+        app.router.add_post(prefix + "/completions", _openai_route(COMPLETIONS))
+        app.router.add_post(prefix + "/embeddings", _openai_route(EMBEDDINGS))
+        app.router.add_get(prefix + "/models", _models)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/instances", _admin_instances)
+    return app
+
+
+def _instance_headers(config: Config, api_key_env: str | None) -> dict[str, str]:
+    headers = {k: v for k, v in config.channel.headers.items() if k.lower() not in _NEVER_FORWARD}
+    headers["Content-Type"] = "application/json"
+    if api_key_env:
+        headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
+    return headers
+
+
+_NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-request-tag"})
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    dispatch = config.dispatch
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    specs = [
+        InstanceSpec(
+            name=i.label,
+            lane=i.lane,
+            weight=i.weight,
+            slots=i.max_num_seqs or dispatch.max_num_seqs,
+        )
+        for i in config.instances
+    ]
+    stale_after = dispatch.health.metrics_stale_after or 3 * dispatch.health_check_interval
+    limits = Limits(
+        max_queue_per_instance=dispatch.max_queue_per_instance,
+        max_long_per_instance=config.prefill.max_long_per_instance,
+        gateway_queue_size=dispatch.gateway_queue_size,
+        global_limit=config.gateway.max_connections,
+        metrics_stale_after=stale_after,
+        queue_retry_after=max(1.0, min(dispatch.health_check_interval, 10.0)),
+    )
+    h = dispatch.health
+    policy = HealthPolicy(
+        rise=h.rise,
+        fall=h.fall,
+        eject_after_failures=h.eject_after_failures,
+        ejection_base=h.ejection_base,
+        ejection_max=h.ejection_max,
+        max_ejected_fraction=h.max_ejected_fraction,
+    )
+    scheduler = Scheduler(specs, STRATEGIES[dispatch.strategy](stale_after), limits, policy)
+    dispatcher = Dispatcher(scheduler, metrics)
+    metrics.watch(scheduler, dispatcher.clock)
+    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
+    await upstream.start()
+    targets = {
+        i.label: Target(i.label, i.url, _instance_headers(config, i.api_key_env))
+        for i in config.instances
+    }
+    checker = HealthChecker(
+        [ProbeTarget(t.name, t.url, _probe_headers(t.headers)) for t in targets.values()],
+        upstream,
+        dispatcher,
+        interval=dispatch.health_check_interval,
+        probe_timeout=h.probe_timeout,
+    )
+    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    app[METRICS] = metrics
+    app[DISPATCHER] = dispatcher
+    app[HEALTH] = checker
+    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets)
+    # Verdicts before the first request, so start-up does not send traffic blind.
+    await checker.run_round()
+    task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await upstream.close()
+
+
+def _probe_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k == "Authorization"}
+
+
+def _openai_route(route: Route) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].handle(request, route)
+
+    handler.__name__ = f"openai_{route.name.replace('.', '_')}"
+    return handler
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    request.app[PROXY].authorize(request)
+    dispatcher = request.app[DISPATCHER]
+    now = dispatcher.clock()
+    up = {s.name for s in dispatcher.scheduler.states if s.available(now)}
+    if not up:
+        raise errors.NoInstanceAvailable("no vLLM instance is up", retry_after=1)
+    data = request.app[HEALTH].model_union(up)
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _healthz(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.StreamResponse:
+    dispatcher = request.app[DISPATCHER]
+    now = dispatcher.clock()
+    up = sum(1 for s in dispatcher.scheduler.states if s.available(now))
+    draining = request.app[LIFECYCLE].draining
+    ready = up > 0 and not draining
+    body = {"ready": ready, "instances_up": up, "draining": draining}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    data = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _admin_instances(request: web.Request) -> web.StreamResponse:
+    request.app[PROXY].authorize(request)
+    scheduler = request.app[DISPATCHER].scheduler
+    now = request.app[DISPATCHER].clock()
+    scores = score_all(scheduler.states, now, scheduler.limits.metrics_stale_after)
+    instances: list[dict[str, Any]] = []
+    for state in scheduler.states:
+        report = state.report
+        score = scores[state.name]
+        instances.append(
+            {
+                "name": state.name,
+                "state": {None: "unknown", True: "up", False: "down"}[state.up],
+                "available": state.available(now),
+                "ejected_for_s": round(state.ejected_until - now, 1)
+                if state.ejected_until and state.ejected_until > now
+                else None,
+                "lane": state.spec.lane,
+                "weight": state.spec.weight,
+                "slots": state.spec.slots,
+                "inflight": state.inflight,
+                "long_prefilling": state.long_prefilling,
+                "queue_depth": state.queue_depth(),
+                "score": round(score.total, 4),
+                "load_fresh": score.fresh,
+                "vllm": None
+                if report is None
+                else {
+                    "running": report.running,
+                    "waiting": report.waiting,
+                    "kv_cache_usage": report.kv_usage,
+                    "age_s": round(now - report.at, 1),
+                },
+                "assigned_total": state.assigned_total,
+                "failures_total": state.failures_total,
+                "consecutive_failures": state.consecutive_failures,
+                "ejections_total": state.ejections_total,
+                "recent_errors": list(state.recent_errors),
+            }
+        )
+    queues = {lane.value: scheduler.queue_length(lane) for lane in Lane}
+    body = {
+        "strategy": scheduler.strategy.name,
+        "inflight": scheduler.inflight,
+        "instances": instances,
+        "queues": queues,
+    }
+    return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape."""
+    try:
+        return await handler(request)
+    except errors.GatewayError as exc:
+        return exc.response()
+    except web.HTTPNotFound:
+        return errors.NotFound(
+            f"no route {request.method} {request.path}: the OpenAI routes are "
+            "POST /v1/chat/completions, /v1/completions, /v1/embeddings and GET /v1/models"
+        ).response()
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return errors.MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path}; use {allowed}"
+        ).response()
+    except web.HTTPRequestEntityTooLarge:
+        return errors.PayloadTooLarge(
+            "the request body is larger than the gateway's limit"
+        ).response()

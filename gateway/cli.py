@@ -1,0 +1,88 @@
+"""`gateway`: validate the configuration, then serve (optionally before simulated vLLM).
+
+    gateway [--config config.toml] [--settings settings.json] [--check] [--simulate]
+            [--host H] [--port P] [--open] [--log-level info] [--version]
+
+Without --config it uses ./config.toml if there is one, else the defaults embedded in
+the package (two instances on 127.0.0.1:8000-8001), which suit --simulate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from . import __version__, log
+from .config import Config, ConfigError, load
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gateway", description="OpenAI-compatible dispatch gateway for vLLM fleets"
+    )
+    p.add_argument("--config", help="config.toml (default: ./config.toml, else built-in)")
+    p.add_argument("--settings", help="settings.json (default: beside the config file)")
+    p.add_argument("--check", action="store_true", help="validate the configuration and exit")
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="start a simulated vLLM instance on each configured (loopback) URL first",
+    )
+    p.add_argument("--host", help="listen address (overrides [gateway].host)")
+    p.add_argument("--port", type=int, help="listen port (overrides [gateway].port)")
+    p.add_argument("--open", action="store_true", help="run without an API key (no auth)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--version", action="version", version=f"gateway {__version__}")
+    return p
+
+
+def _config_path(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    local = Path("config.toml")
+    if local.exists():
+        return local
+    return Path(str(resources.files("gateway") / "defaults" / "config.toml"))
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    config = load(_config_path(args.config), args.settings, allow_no_key=args.open)
+    return config.with_listen(args.host, args.port)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args)
+    except ConfigError as exc:
+        print(f"gateway: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(
+            f"ok: {config.config_path} and {config.settings_path} are valid; "
+            f"{len(config.instances)} instance(s), strategy {config.dispatch.strategy}, "
+            f"{len(config.api_keys)} key(s), listening on "
+            f"{config.gateway.host}:{config.gateway.port}"
+        )
+        return 0
+    log.configure(args.log_level)
+    from .server import serve
+
+    try:
+        import uvloop
+
+        uvloop.run(serve(config, simulate=args.simulate))
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(serve(config, simulate=args.simulate))
+    except OSError as exc:
+        print(f"gateway: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

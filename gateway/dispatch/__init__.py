@@ -1,0 +1,48 @@
+"""The pure dispatch core: decides, never waits.
+
+No asyncio, aiohttp, time, random (beyond the `random.Random` type passed in),
+structlog or prometheus here; `tests/dispatch/test_purity.py` enforces it.
+"""
+
+from .model import (
+    Assigned,
+    Decision,
+    HealthPolicy,
+    InstanceSpec,
+    InstanceState,
+    Lane,
+    Limits,
+    LoadReport,
+    Outcome,
+    Queued,
+    Rejected,
+    Ticket,
+)
+from .retry import GiveUp, RetryAfter, RetryBudget, plan_retry, reason_for_status
+from .scheduler import Scheduler, UnknownTicket
+from .select import STRATEGIES, Score, score_all
+
+__all__ = [
+    "STRATEGIES",
+    "Assigned",
+    "Decision",
+    "GiveUp",
+    "HealthPolicy",
+    "InstanceSpec",
+    "InstanceState",
+    "Lane",
+    "Limits",
+    "LoadReport",
+    "Outcome",
+    "Queued",
+    "Rejected",
+    "RetryAfter",
+    "RetryBudget",
+    "Scheduler",
+    "Score",
+    "Ticket",
+    "UnknownTicket",
+    "plan_retry",
+    "reason_for_status",
+    "score_all",
+]

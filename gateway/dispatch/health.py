@@ -1,0 +1,85 @@
+"""Health verdicts: active probes with rise/fall, passive ejection with growing time.
+
+Pure functions over `InstanceState`; the scheduler calls them and the shell feeds them
+probe answers and request outcomes with its own clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .model import HealthPolicy, InstanceState, Outcome
+
+_RECENT_ERRORS = 5
+
+
+def ejection_time(ejections: int, policy: HealthPolicy) -> float:
+    """How long the n-th ejection in a row lasts: base, 2x, 4x, ... capped.
+
+    With base 10 s and max 300 s: 10, 20, 40, 80, 160, 300, 300, ...
+    """
+    return float(min(policy.ejection_max, policy.ejection_base * 2 ** max(0, ejections - 1)))
+
+
+def apply_probe(state: InstanceState, ok: bool, policy: HealthPolicy) -> bool:
+    """Record one active probe; return True when the up/down verdict changed.
+
+    The first probe decides at once (start-up should not wait rise x interval); after
+    that it takes `rise` good probes in a row to come up and `fall` bad ones to go down,
+    so one slow answer does not flap an instance.
+    """
+    if ok:
+        state.probe_streak = max(0, state.probe_streak) + 1
+    else:
+        state.probe_streak = min(0, state.probe_streak) - 1
+    before = state.up
+    if state.up is None:
+        state.up = ok
+    elif not state.up and state.probe_streak >= policy.rise:
+        state.up = True
+    elif state.up and -state.probe_streak >= policy.fall:
+        state.up = False
+    if ok and state.ejected_until is None and state.ejections > 0:
+        # A healthy interval decays the ejection multiplier one step, as Envoy does.
+        state.ejections -= 1
+    if state.up and not before:
+        state.consecutive_failures = 0
+    return state.up != before
+
+
+def apply_outcome(
+    state: InstanceState,
+    outcome: Outcome,
+    now: float,
+    policy: HealthPolicy,
+    fleet: Sequence[InstanceState],
+    error: str | None = None,
+) -> bool:
+    """Record a request's outcome on `state`; return True if the instance got ejected.
+
+    Ejection never takes the fleet below the panic threshold: at most
+    `max_ejected_fraction` of instances may be out, and never the last available one.
+    """
+    if state.ejected_until is not None and now >= state.ejected_until:
+        state.ejected_until = None
+    if outcome is Outcome.SUCCESS:
+        state.consecutive_failures = 0
+        return False
+    if outcome is Outcome.NEUTRAL:
+        return False
+    state.consecutive_failures += 1
+    state.failures_total += 1
+    if error:
+        state.recent_errors.append(error)
+        del state.recent_errors[:-_RECENT_ERRORS]
+    if state.consecutive_failures < policy.eject_after_failures or state.ejected_until is not None:
+        return False
+    out = sum(1 for s in fleet if not s.available(now))
+    available_after = len(fleet) - out - 1
+    if available_after < 1 or (out + 1) / len(fleet) > policy.max_ejected_fraction:
+        return False
+    state.ejections += 1
+    state.ejections_total += 1
+    state.ejected_until = now + ejection_time(state.ejections, policy)
+    state.consecutive_failures = 0
+    return True

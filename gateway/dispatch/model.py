@@ -1,0 +1,145 @@
+"""The values the dispatch core reads and returns. No I/O, no clock, no randomness.
+
+`InstanceState` is the one mutable record per instance; only the `Scheduler` changes it.
+Everything the core hands back to the shell is a small frozen value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+InstanceLane = Literal["short", "long", "any"]
+
+
+class Lane(enum.StrEnum):
+    SHORT = "short"
+    LONG = "long"
+
+
+class Outcome(enum.Enum):
+    """How an attempt on an instance ended, as far as that instance's health goes."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"  # connection error, timeout or 5xx: counts toward ejection
+    NEUTRAL = "neutral"  # 4xx, client gone, deadline: says nothing about the instance
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What the core needs to know about an instance, fixed at start-up."""
+
+    name: str
+    lane: InstanceLane = "any"
+    weight: float = 1.0
+    slots: int = 256
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One scrape of an instance's `/metrics`, taken at `at` (seconds on the shell's clock)."""
+
+    running: float
+    waiting: float
+    kv_usage: float | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queue_per_instance: int = 32
+    max_long_per_instance: int = 2
+    gateway_queue_size: int = 1024
+    global_limit: int | None = None  # the upstream connection pool: beyond it, queue here
+    metrics_stale_after: float = 30.0
+    queue_retry_after: float = 1.0
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    rise: int = 2
+    fall: int = 3
+    eject_after_failures: int = 5
+    ejection_base: float = 10.0
+    ejection_max: float = 300.0
+    max_ejected_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A request waiting for, or holding, a place on an instance."""
+
+    id: int
+    lane: Lane
+    deadline: float
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Assigned:
+    ticket: Ticket
+    instance: str
+
+
+@dataclass(frozen=True)
+class Queued:
+    ticket: Ticket
+    position: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    ticket: Ticket
+    reason: Literal["queue_full", "no_instance", "deadline", "shutting_down"]
+    retry_after: float
+
+
+Decision = Assigned | Queued | Rejected
+
+
+@dataclass
+class InstanceState:
+    """Live state of one instance: health, the gateway's own load on it, the last scrape."""
+
+    spec: InstanceSpec
+    # Health: None until the first probe answers; then the active-probe verdict.
+    up: bool | None = None
+    probe_streak: int = 0  # >0: consecutive good probes, <0: consecutive bad ones
+    consecutive_failures: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
+    # The gateway's own traffic: exact and instant.
+    inflight: int = 0
+    long_prefilling: int = 0
+    # What the instance itself reported; `inflight_at_report` lets us subtract our share.
+    report: LoadReport | None = None
+    inflight_at_report: int = 0
+    # Totals for the operator.
+    assigned_total: int = 0
+    failures_total: int = 0
+    ejections_total: int = 0
+    recent_errors: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def available(self, now: float) -> bool:
+        """Up by its probes and not ejected for passive failures."""
+        return self.up is True and (self.ejected_until is None or now >= self.ejected_until)
+
+    def serves(self, lane: Lane) -> bool:
+        return self.spec.lane == "any" or self.spec.lane == lane.value
+
+    def queue_depth(self) -> int:
+        """Requests of ours waiting at the instance beyond its running slots."""
+        return max(0, self.inflight - self.spec.slots)
+
+    def __repr__(self) -> str:
+        state = {None: "unknown", True: "up", False: "down"}[self.up]
+        return (
+            f"<Instance {self.name} {state} lane={self.spec.lane} inflight={self.inflight} "
+            f"long={self.long_prefilling} failures={self.consecutive_failures} "
+            f"ejected_until={self.ejected_until}>"
+        )

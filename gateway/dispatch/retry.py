@@ -1,0 +1,113 @@
+"""Whether and when to try a request again, and the budget that stops retry storms.
+
+Retries happen only before anything reached the client, to another instance where one
+exists, within the request deadline and under a fleet-wide budget.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+RetryReason = Literal["connect", "timeout", "status_429", "status_502", "status_503", "status_504"]
+
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+
+def reason_for_status(status: int) -> RetryReason | None:
+    """429 and vLLM's 503 "engine busy" mean the request never reached the GPU."""
+    if status in RETRYABLE_STATUSES:
+        return f"status_{status}"  # type: ignore[return-value]
+    return None
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Delay before retry number `attempt` (1-based): exponential with equal jitter.
+
+    With base 0.5 and cap 8 the ranges are [0.25, 0.5], [0.5, 1], [1, 2], [2, 4], [4, 8],
+    [4, 8], ...: never zero (so a burst of retries spreads) and never above the cap.
+    """
+    ceiling = min(cap, base * 2 ** max(0, attempt - 1))
+    return float(ceiling / 2 + rng.uniform(0, ceiling / 2))
+
+
+class RetryBudget:
+    """Retries may add at most `ratio` of the requests seen in the last `window` seconds.
+
+    A floor of `min_retries` per window keeps a quiet gateway able to retry at all.
+    Counts live in one bucket per second, so memory is fixed whatever the traffic.
+    """
+
+    def __init__(self, ratio: float = 0.2, min_retries: int = 3, window: int = 10) -> None:
+        self.ratio = ratio
+        self.min_retries = min_retries
+        self.window = window
+        self._requests = [0] * window
+        self._retries = [0] * window
+        self._stamp = [-1] * window
+
+    def _bucket(self, now: float) -> int:
+        second = int(now)
+        index = second % self.window
+        if self._stamp[index] != second:
+            self._stamp[index] = second
+            self._requests[index] = 0
+            self._retries[index] = 0
+        return index
+
+    def _totals(self, now: float) -> tuple[int, int]:
+        oldest = int(now) - self.window
+        requests = retries = 0
+        for i in range(self.window):
+            if self._stamp[i] > oldest:
+                requests += self._requests[i]
+                retries += self._retries[i]
+        return requests, retries
+
+    def record_request(self, now: float) -> None:
+        self._requests[self._bucket(now)] += 1
+
+    def try_spend(self, now: float) -> bool:
+        """Take one retry from the budget if there is one left."""
+        requests, retries = self._totals(now)
+        if retries >= max(self.min_retries, self.ratio * requests):
+            return False
+        self._retries[self._bucket(now)] += 1
+        return True
+
+    def __repr__(self) -> str:
+        requests, retries = self._totals(max(self._stamp) if max(self._stamp) >= 0 else 0)
+        return f"<RetryBudget ratio={self.ratio} requests={requests} retries={retries}>"
+
+
+@dataclass(frozen=True)
+class RetryAfter:
+    delay: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    why: Literal["attempts", "deadline", "budget"]
+
+
+def plan_retry(
+    *,
+    attempt: int,
+    max_attempts: int,
+    deadline: float,
+    now: float,
+    budget: RetryBudget,
+    base: float,
+    cap: float,
+    rng: random.Random,
+) -> RetryAfter | GiveUp:
+    """After failed attempt number `attempt`, decide: retry after a delay, or give up."""
+    if attempt >= max_attempts:
+        return GiveUp("attempts")
+    delay = backoff_delay(attempt, base, cap, rng)
+    if now + delay >= deadline:
+        return GiveUp("deadline")
+    if not budget.try_spend(now):
+        return GiveUp("budget")
+    return RetryAfter(delay)

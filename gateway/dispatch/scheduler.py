@@ -1,0 +1,239 @@
+"""The scheduler: which instance takes a request, or whether it waits or is turned away.
+
+Pure and synchronous, in the manner of httpcore's connection pool: every method takes
+the shell's `now` (and an `rng` where a choice is made), changes the state, and returns
+decisions. Decisions about requests that were waiting in the gateway queue come back as
+a list from whichever call freed room (`release`, `prefill_done`, `probe`), and the
+shell wakes those requests.
+
+Limits an instance holds:
+- at most `slots + max_queue_per_instance` of our requests (`slots` is its
+  `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
+  a request that would exceed it goes to another instance (overflow);
+- on an instance shared by both lanes, at most `max_long_per_instance` long requests
+  still in prefill, so short requests never wait behind a wall of long ones.
+When no instance has room, the request waits in a bounded FIFO queue of its lane.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+
+from . import health
+from .model import (
+    Assigned,
+    Decision,
+    HealthPolicy,
+    InstanceSpec,
+    InstanceState,
+    Lane,
+    Limits,
+    LoadReport,
+    Outcome,
+    Queued,
+    Rejected,
+    Ticket,
+)
+from .select import Strategy
+
+
+class UnknownTicket(KeyError):
+    """A ticket id the scheduler does not hold (released twice, or never assigned)."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        specs: Sequence[InstanceSpec],
+        strategy: Strategy,
+        limits: Limits = Limits(),
+        health_policy: HealthPolicy = HealthPolicy(),
+    ) -> None:
+        if not specs:
+            raise ValueError("a scheduler needs at least one instance")
+        self.states = [InstanceState(spec) for spec in specs]
+        self.strategy = strategy
+        self.limits = limits
+        self.health_policy = health_policy
+        self.closed = False
+        self._by_name = {s.name: s for s in self.states}
+        # Where a lane has no dedicated or shared instance, it may use any.
+        self._pool = {
+            lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
+        }
+        # Insertion-ordered dicts: FIFO with O(1) removal of a ticket whose client left.
+        self._queues: dict[Lane, dict[int, Ticket]] = {lane: {} for lane in Lane}
+        self._holding: dict[int, tuple[InstanceState, Ticket, bool]] = {}
+
+    # ------------------------------------------------------------ queries
+
+    def state(self, name: str) -> InstanceState:
+        return self._by_name[name]
+
+    @property
+    def inflight(self) -> int:
+        return len(self._holding)
+
+    def queue_length(self, lane: Lane) -> int:
+        return len(self._queues[lane])
+
+    def any_available(self, now: float) -> bool:
+        return any(s.available(now) for s in self.states)
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
+        """A new request (or a retry): assign it, queue it, or reject it."""
+        if self.closed:
+            return Rejected(ticket, "shutting_down", self.limits.queue_retry_after)
+        if ticket.deadline <= now:
+            return Rejected(ticket, "deadline", self.limits.queue_retry_after)
+        if not self._lane_alive(ticket.lane, now):
+            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
+        queue = self._queues[ticket.lane]
+        if not queue:  # FIFO: nobody may overtake requests already waiting in this lane
+            candidates = self._candidates(ticket, now)
+            if candidates:
+                return self._assign(ticket, candidates, now, rng)
+        if len(queue) >= self.limits.gateway_queue_size:
+            return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
+        queue[ticket.id] = ticket
+        return Queued(ticket, len(queue))
+
+    def cancel(self, ticket_id: int) -> bool:
+        """Drop a queued request whose client left or whose deadline passed."""
+        return any(q.pop(ticket_id, None) is not None for q in self._queues.values())
+
+    def prefill_done(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
+        """The first token arrived: a long request no longer holds a prefill place."""
+        held = self._holding.get(ticket_id)
+        if held is None or not held[2]:
+            return []
+        state, ticket, _ = held
+        state.long_prefilling -= 1
+        self._holding[ticket_id] = (state, ticket, False)
+        return self._drain(now, rng)
+
+    def release(
+        self,
+        ticket_id: int,
+        outcome: Outcome,
+        now: float,
+        rng: random.Random,
+        error: str | None = None,
+    ) -> list[Decision]:
+        """A request left its instance (done, failed or cancelled); hand its place on."""
+        try:
+            state, _, prefilling = self._holding.pop(ticket_id)
+        except KeyError:
+            raise UnknownTicket(ticket_id) from None
+        state.inflight -= 1
+        if prefilling:
+            state.long_prefilling -= 1
+        health.apply_outcome(state, outcome, now, self.health_policy, self.states, error)
+        return self._drain(now, rng)
+
+    def holder(self, ticket_id: int) -> str | None:
+        held = self._holding.get(ticket_id)
+        return held[0].name if held else None
+
+    # ------------------------------------------------------------ instances
+
+    def probe(self, name: str, ok: bool, now: float, rng: random.Random) -> list[Decision]:
+        """An active health probe answered (or failed)."""
+        state = self._by_name[name]
+        changed = health.apply_probe(state, ok, self.health_policy)
+        return self._drain(now, rng) if changed else []
+
+    def report_load(self, name: str, report: LoadReport) -> None:
+        state = self._by_name[name]
+        state.report = report
+        state.inflight_at_report = state.inflight
+
+    def close(self) -> list[Decision]:
+        """Shutting down: refuse new requests and turn away every queued one."""
+        self.closed = True
+        out: list[Decision] = []
+        for queue in self._queues.values():
+            out += [
+                Rejected(t, "shutting_down", self.limits.queue_retry_after) for t in queue.values()
+            ]
+            queue.clear()
+        return out
+
+    # ------------------------------------------------------------ internals
+
+    def _lane_alive(self, lane: Lane, now: float) -> bool:
+        return any(s.available(now) for s in self._pool[lane])
+
+    def _has_room(self, state: InstanceState, lane: Lane) -> bool:
+        if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+            return False
+        if lane is Lane.LONG and state.spec.lane == "any":
+            return state.long_prefilling < self.limits.max_long_per_instance
+        return True
+
+    def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:
+        limit = self.limits.global_limit
+        if limit is not None and len(self._holding) >= limit:
+            return []
+        pool = [
+            s
+            for s in self._pool[ticket.lane]
+            if s.available(now) and self._has_room(s, ticket.lane)
+        ]
+        # A retry prefers an instance it has not tried; with none left, any will do.
+        untried = [s for s in pool if s.name not in ticket.exclude]
+        return untried or pool
+
+    def _assign(
+        self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
+    ) -> Assigned:
+        state = self.strategy.choose(candidates, self.states, ticket, now, rng)
+        long = ticket.lane is Lane.LONG
+        state.inflight += 1
+        state.assigned_total += 1
+        if long:
+            state.long_prefilling += 1
+        self._holding[ticket.id] = (state, ticket, long)
+        return Assigned(ticket, state.name)
+
+    def _drain(self, now: float, rng: random.Random) -> list[Decision]:
+        """Place queued requests while any lane's head fits somewhere, oldest head first."""
+        out: list[Decision] = []
+        for lane, queue in self._queues.items():
+            if queue and not self._lane_alive(lane, now):
+                out += [
+                    Rejected(t, "no_instance", self.limits.queue_retry_after)
+                    for t in queue.values()
+                ]
+                queue.clear()
+        while True:
+            heads = sorted(
+                (next(iter(q.values())) for q in self._queues.values() if q), key=lambda t: t.id
+            )
+            placed = False
+            for ticket in heads:
+                queue = self._queues[ticket.lane]
+                if ticket.deadline <= now:
+                    del queue[ticket.id]
+                    out.append(Rejected(ticket, "deadline", self.limits.queue_retry_after))
+                    placed = True
+                    break
+                candidates = self._candidates(ticket, now)
+                if candidates:
+                    del queue[ticket.id]
+                    out.append(self._assign(ticket, candidates, now, rng))
+                    placed = True
+                    break
+            if not placed:
+                return out
+
+    def queued_tickets(self) -> Iterable[Ticket]:
+        for queue in self._queues.values():
+            yield from queue.values()
+
+    def __repr__(self) -> str:
+        queues = " ".join(f"{lane.value}={len(q)}" for lane, q in self._queues.items())
+        return f"<Scheduler {self.strategy.name} inflight={self.inflight} queued {queues}>"

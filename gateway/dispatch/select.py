@@ -1,0 +1,127 @@
+"""Strategies: given the instances that may take a request now, pick one.
+
+The candidates reaching a strategy are already filtered: available, serving the lane,
+with room under their limits. A strategy only ranks them.
+
+`least_busy` scores each instance (lower is better):
+
+    own      = requests this gateway has in flight there (exact, instant)
+    others   = running + waiting that the instance reported in its last /metrics scrape,
+               minus the requests of ours it was running then (traffic that bypasses us)
+    kv       = its reported KV-cache usage, 0..1
+    score    = (own + others) / weight + kv + failures
+
+A report older than `metrics_stale_after` (or none yet) is unknown, not idle: its
+`others` and `kv` are taken as the highest any instance with a fresh report shows, so
+an instance nobody has measured never looks like the emptiest. `failures` is the count
+of consecutive failed requests, so a backend that fails fast does not attract traffic
+by looking idle. Ties break at random.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .model import InstanceState, Ticket
+
+_TIE = 1e-9
+
+
+@dataclass(frozen=True)
+class Score:
+    own: int
+    others: float
+    kv: float
+    failures: int
+    weight: float
+    fresh: bool
+
+    @property
+    def total(self) -> float:
+        return (self.own + self.others) / self.weight + self.kv + self.failures
+
+
+def _fresh_load(state: InstanceState, now: float, stale_after: float) -> tuple[float, float] | None:
+    report = state.report
+    if report is None or now - report.at > stale_after:
+        return None
+    others = max(0.0, report.running + report.waiting - state.inflight_at_report)
+    return others, report.kv_usage or 0.0
+
+
+def score_all(states: Sequence[InstanceState], now: float, stale_after: float) -> dict[str, Score]:
+    """Score every instance in `states`, filling unknown loads pessimistically."""
+    fresh = {s.name: _fresh_load(s, now, stale_after) for s in states}
+    known = [load for load in fresh.values() if load is not None]
+    worst_others = max((o for o, _ in known), default=0.0)
+    worst_kv = max((k for _, k in known), default=0.0)
+    scores = {}
+    for s in states:
+        load = fresh[s.name]
+        others, kv = load if load is not None else (worst_others, worst_kv)
+        scores[s.name] = Score(
+            own=s.inflight,
+            others=others,
+            kv=kv,
+            failures=s.consecutive_failures,
+            weight=s.spec.weight,
+            fresh=load is not None,
+        )
+    return scores
+
+
+class LeastBusy:
+    name = "least_busy"
+
+    def __init__(self, stale_after: float) -> None:
+        self.stale_after = stale_after
+
+    def choose(
+        self,
+        candidates: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+        rng: random.Random,
+    ) -> InstanceState:
+        # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
+        scores = score_all(fleet, now, self.stale_after)
+        best = min(scores[c.name].total for c in candidates)
+        ties = [c for c in candidates if scores[c.name].total <= best + _TIE]
+        return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self, stale_after: float) -> None:
+        self._next = 0
+
+    def choose(
+        self,
+        candidates: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+        rng: random.Random,
+    ) -> InstanceState:
+        # Walk the whole fleet's order so skipping a full instance does not skew the cycle.
+        names = {c.name for c in candidates}
+        for step in range(len(fleet)):
+            state = fleet[(self._next + step) % len(fleet)]
+            if state.name in names:
+                self._next = (self._next + step + 1) % len(fleet)
+                return state
+        raise ValueError("choose() needs at least one candidate")
+
+    def __repr__(self) -> str:
+        return f"<RoundRobin next={self._next}>"
+
+
+Strategy = LeastBusy | RoundRobin
+STRATEGIES: dict[str, Callable[[float], Strategy]] = {
+    "least_busy": LeastBusy,
+    "round_robin": RoundRobin,
+}

@@ -1,0 +1,138 @@
+"""Active health: probe each instance's `/health`, scrape its `/metrics` and `/v1/models`.
+
+One background task, owned by the app, runs a round every `health_check_interval`
+(jittered by +-10% so a fleet of gateways does not probe in step). A round probes all
+instances concurrently; verdicts go to the scheduler through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from . import log
+from .dispatcher import Dispatcher
+from .upstream import AttemptFailed, Upstream
+
+_log = log.get("gateway.health")
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+# vLLM renamed the KV gauge; accept either so old and new instances both count.
+_KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class VllmLoad:
+    running: float
+    waiting: float
+    kv_usage: float | None
+
+
+def parse_vllm_metrics(text: str) -> VllmLoad | None:
+    """Sum vLLM's load gauges over `engine` (and any other) labels; None if absent."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == _RUNNING or sample.name == _WAITING or sample.name in _KV_NAMES:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            # KV usage is a fraction per engine: average it rather than sum.
+            if sample.name in _KV_NAMES:
+                totals[sample.name + "#n"] = totals.get(sample.name + "#n", 0.0) + 1
+    if _RUNNING not in totals and _WAITING not in totals:
+        return None
+    kv: float | None = None
+    for name in _KV_NAMES:
+        if name in totals:
+            kv = totals[name] / totals[name + "#n"]
+            break
+    return VllmLoad(totals.get(_RUNNING, 0.0), totals.get(_WAITING, 0.0), kv)
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        targets: list[Target],
+        upstream: Upstream,
+        dispatcher: Dispatcher,
+        *,
+        interval: float,
+        probe_timeout: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.targets = targets
+        self.upstream = upstream
+        self.dispatcher = dispatcher
+        self.interval = interval
+        self.probe_timeout = probe_timeout
+        self.rng = rng or random.Random()
+        self.models: dict[str, list[dict[str, Any]]] = {}
+        self.rounds = 0
+
+    async def run_round(self) -> None:
+        await asyncio.gather(*(self._check(t) for t in self.targets))
+        self.rounds += 1
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval * self.rng.uniform(0.9, 1.1))
+            await self.run_round()
+
+    async def _check(self, target: Target) -> None:
+        ok = await self._probe(target)
+        if self.dispatcher.probe(target.name, ok):
+            _log.warning("instance_up" if ok else "instance_down", instance=target.name)
+        if ok:
+            await asyncio.gather(self._scrape(target), self._models(target))
+
+    async def _probe(self, target: Target) -> bool:
+        try:
+            status, _ = await self.upstream.get(
+                target.url + "/health", headers=target.headers, timeout=self.probe_timeout
+            )
+        except AttemptFailed:
+            return False
+        return status == 200
+
+    async def _scrape(self, target: Target) -> None:
+        try:
+            status, body = await self.upstream.get(
+                target.url + "/metrics", headers=target.headers, timeout=self.probe_timeout
+            )
+            load = parse_vllm_metrics(body.decode()) if status == 200 else None
+        except (AttemptFailed, ValueError, UnicodeDecodeError):
+            load = None
+        if load is not None:
+            self.dispatcher.report_load(target.name, load.running, load.waiting, load.kv_usage)
+
+    async def _models(self, target: Target) -> None:
+        try:
+            status, body = await self.upstream.get(
+                target.url + "/v1/models", headers=target.headers, timeout=self.probe_timeout
+            )
+            data = json.loads(body)["data"] if status == 200 else None
+        except (AttemptFailed, ValueError, KeyError, TypeError):
+            data = None
+        if isinstance(data, list):
+            self.models[target.name] = [m for m in data if isinstance(m, dict) and "id" in m]
+
+    def model_union(self, up: set[str]) -> list[dict[str, Any]]:
+        """The models of the instances that are up, each id once."""
+        seen: dict[str, dict[str, Any]] = {}
+        for name in (t.name for t in self.targets):
+            if name in up:
+                for model in self.models.get(name, []):
+                    seen.setdefault(model["id"], model)
+        return list(seen.values())

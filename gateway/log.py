@@ -1,0 +1,42 @@
+"""Logging with structlog: JSON lines for machines, readable lines on a terminal.
+
+Configured once by the CLI. Request context (request_id, tag, lane, instance) lives in
+contextvars, so every line a request's task logs carries it without passing it around.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+
+def configure(
+    level: str = "info", *, stream: TextIO | None = None, json: bool | None = None
+) -> None:
+    stream = stream or sys.stderr
+    as_json = json if json is not None else not stream.isatty()
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if as_json
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get(name: str) -> Any:
+    return structlog.get_logger(name)

@@ -1,0 +1,189 @@
+"""Prometheus metrics, on a registry owned by the app (never the global one).
+
+Request-path metrics are counters and histograms updated once per request. Everything
+that describes current state (queue depths, in-flight, up/down, scraped vLLM load) is
+read from the scheduler at scrape time by `StateCollector`, so the hot path pays nothing
+for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .dispatch import Lane, Scheduler, score_all
+
+# TTFT spans a cached short prompt (tens of ms) to a long prefill behind a queue (a minute).
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+
+OTHER_TAG = "other"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, max_tags: int = 20) -> None:
+        self.registry = registry
+        self.max_tags = max_tags
+        self._tags: set[str] = set()
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by route, status, lane and (capped) X-Request-Tag.",
+            ["route", "status", "lane", "tag"],
+            registry=registry,
+        )
+        self.instance_requests = Counter(
+            "gateway_instance_requests",
+            "Attempts sent to each instance, by the status it answered (or the error).",
+            ["instance", "status"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "gateway_retries", "Retries, by reason.", ["reason"], registry=registry
+        )
+        self.retries_refused = Counter(
+            "gateway_retries_refused",
+            "Retries not made, by why (attempts, deadline, budget).",
+            ["why"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "gateway_rejections",
+            "Requests the gateway turned away itself, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.stream_aborts = Counter(
+            "gateway_stream_aborts",
+            "Streams ended after they started, by which side broke them.",
+            ["side"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "gateway_ttft_seconds",
+            "Time to first token (first streamed chunk), from arrival at the gateway.",
+            ["lane"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "gateway_tpot_seconds",
+            "Time per output token after the first, of streamed answers.",
+            ["lane"],
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "End-to-end time of requests that reached an instance.",
+            ["lane"],
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time requests spent in the gateway queue before an instance took them.",
+            ["lane"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+
+    def tag_label(self, tag: str) -> str:
+        """The tag itself while fewer than `max_tags` distinct tags were seen, else 'other'."""
+        if tag in self._tags:
+            return tag
+        if len(self._tags) < self.max_tags:
+            self._tags.add(tag)
+            return tag
+        return OTHER_TAG
+
+    def watch(self, scheduler: Scheduler, now: Callable[[], float]) -> None:
+        self.registry.register(StateCollector(scheduler, now))
+
+
+class StateCollector(Collector):
+    """Reads the scheduler's live state when Prometheus scrapes."""
+
+    def __init__(self, scheduler: Scheduler, now: Callable[[], float]) -> None:
+        self.scheduler = scheduler
+        self.now = now
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.now()
+        sched = self.scheduler
+        stale = sched.limits.metrics_stale_after
+        scores = score_all(sched.states, now, stale)
+        families = {
+            "queue_depth": GaugeMetricFamily(
+                "gateway_instance_queue_depth",
+                "Requests waiting at each instance beyond its running slots: the larger of "
+                "the gateway's own count and the instance's fresh vllm:num_requests_waiting.",
+                labels=["instance"],
+            ),
+            "inflight": GaugeMetricFamily(
+                "gateway_instance_inflight",
+                "Requests this gateway has in flight on each instance.",
+                labels=["instance"],
+            ),
+            "up": GaugeMetricFamily(
+                "gateway_instance_up",
+                "1 if the instance takes traffic (probes pass, not ejected), else 0.",
+                labels=["instance"],
+            ),
+            "score": GaugeMetricFamily(
+                "gateway_instance_score",
+                "The least_busy score of each instance (lower takes the next request).",
+                labels=["instance"],
+            ),
+            "running": GaugeMetricFamily(
+                "gateway_instance_vllm_running",
+                "vllm:num_requests_running at the last scrape (NaN if never or stale).",
+                labels=["instance"],
+            ),
+            "waiting": GaugeMetricFamily(
+                "gateway_instance_vllm_waiting",
+                "vllm:num_requests_waiting at the last scrape (NaN if never or stale).",
+                labels=["instance"],
+            ),
+            "kv": GaugeMetricFamily(
+                "gateway_instance_vllm_kv_cache_usage",
+                "vllm:kv_cache_usage_perc at the last scrape, 0..1 (NaN if unknown).",
+                labels=["instance"],
+            ),
+        }
+        ejections = CounterMetricFamily(
+            "gateway_instance_ejections",
+            "Passive ejections of each instance after consecutive failures.",
+            labels=["instance"],
+        )
+        for state in sched.states:
+            name = [state.name]
+            report = state.report
+            fresh = report is not None and now - report.at <= stale
+            waiting = report.waiting if fresh and report else float("nan")
+            own_queue = state.queue_depth()
+            queue = max(own_queue, waiting) if fresh else own_queue
+            families["queue_depth"].add_metric(name, queue)
+            families["inflight"].add_metric(name, state.inflight)
+            families["up"].add_metric(name, 1.0 if state.available(now) else 0.0)
+            families["score"].add_metric(name, scores[state.name].total)
+            families["running"].add_metric(
+                name, report.running if fresh and report else float("nan")
+            )
+            families["waiting"].add_metric(name, waiting)
+            kv = report.kv_usage if fresh and report and report.kv_usage is not None else None
+            families["kv"].add_metric(name, float("nan") if kv is None else kv)
+            ejections.add_metric(name, state.ejections_total)
+        yield from families.values()
+        yield ejections
+        lanes = GaugeMetricFamily(
+            "gateway_queue_depth",
+            "Requests waiting in the gateway queue, by lane.",
+            labels=["lane"],
+        )
+        for lane in Lane:
+            lanes.add_metric([lane.value], sched.queue_length(lane))
+        yield lanes

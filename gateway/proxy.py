@@ -1,0 +1,476 @@
+"""The request handler for the OpenAI routes: check, place, forward, stream back.
+
+Per request: validate the headers and the key, read the body once (bounded), parse it
+once, pick the lane from the estimated prompt size, then loop over attempts: get an
+instance from the dispatcher, send, and either relay the answer or retry elsewhere.
+Nothing reaches the client until an attempt is committed (a non-retryable status, or
+the first streamed chunk), so a retry is always invisible to the client. After that a
+failure ends the stream with an in-band SSE error and `data: [DONE]`.
+
+The per-chunk loop copies bytes and counts `data:` markers; it parses no JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from . import errors, log
+from .auth import KeyChecker
+from .config import Config
+from .dispatch import GiveUp, Lane, Outcome, RetryBudget, plan_retry, reason_for_status
+from .dispatcher import Dispatcher
+from .metrics import Metrics
+from .tokens import estimate_request
+from .upstream import AttemptFailed, Upstream
+
+_access = log.get("gateway.access")
+_log = log.get("gateway.proxy")
+
+TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_DATA = b"data:"
+_DONE = b"data: [DONE]"
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # label in metrics and logs
+    upstream_path: str
+    streams: bool
+
+
+CHAT = Route("chat.completions", "/v1/chat/completions", streams=True)
+COMPLETIONS = Route("completions", "/v1/completions", streams=True)
+EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
+
+
+@dataclass(frozen=True)
+class Target:
+    """An instance as the proxy sends to it: base URL and the headers it always gets."""
+
+    name: str
+    url: str
+    headers: dict[str, str]
+
+
+@dataclass
+class Exchange:
+    """What one request did, for its access-log line and metrics."""
+
+    route: str
+    request_id: str
+    started: float
+    tag: str = ""
+    lane: str = ""
+    instance: str = ""
+    status: int = 0
+    attempts: int = 0
+    ttft: float | None = None
+    tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, error: errors.GatewayError | web.Response) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: Config,
+        dispatcher: Dispatcher,
+        upstream: Upstream,
+        metrics: Metrics,
+        keys: KeyChecker,
+        targets: dict[str, Target],
+    ) -> None:
+        self.config = config
+        self.dispatcher = dispatcher
+        self.upstream = upstream
+        self.metrics = metrics
+        self.keys = keys
+        self.targets = targets
+        channel = config.channel
+        self.default_model = channel.default_model
+        self.default_tag = channel.headers.get("X-Request-Tag", "")
+        self.threshold = config.prefill.long_input_threshold
+        self.long_tag = config.prefill.tag
+        self.max_body = config.gateway.max_body_bytes
+        self.request_timeout = config.gateway.request_timeout
+        self.retry = channel.retry
+        self.ttft_allowance = {
+            Lane.SHORT: channel.timeout.read,
+            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
+        }
+        self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
+        self.clock = time.monotonic
+
+    # ------------------------------------------------------------ checks
+
+    def authorize(self, request: web.Request) -> None:
+        if not self.keys.check(request.headers.get("Authorization")):
+            raise errors.Unauthorized(
+                "missing or invalid API key: send the gateway's key as "
+                "'Authorization: Bearer <key>'"
+            )
+
+    def _tag(self, request: web.Request) -> str:
+        tag = request.headers.get("X-Request-Tag")
+        if tag is None:
+            return self.default_tag
+        if not TAG_PATTERN.fullmatch(tag):
+            raise errors.InvalidHeader(
+                f"X-Request-Tag {tag[:80]!r} is not allowed: use 1-64 characters from "
+                "letters, digits and . _ : / @ + = -",
+                param="X-Request-Tag",
+            )
+        return tag
+
+    async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        if request.content_type != "application/json":
+            raise errors.UnsupportedContentType(
+                f"Content-Type {request.content_type!r} is not supported: send application/json"
+            )
+        length = request.content_length
+        if length is not None and length > self.max_body:
+            raise self._too_large()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise errors.InvalidJSON(
+                f"the request body must be a JSON object, got {type(payload).__name__}"
+            )
+        return body, payload
+
+    def _too_large(self) -> errors.PayloadTooLarge:
+        return errors.PayloadTooLarge(
+            f"the request body is larger than the gateway's limit of {self.max_body} bytes"
+        )
+
+    # ------------------------------------------------------------ handler
+
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+        started = self.clock()
+        request_id = request.headers.get("X-Request-ID", "")
+        if not _REQUEST_ID.fullmatch(request_id):
+            request_id = uuid.uuid4().hex
+        ex = Exchange(route.name, request_id, started)
+        headers = {"X-Request-ID": request_id}
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            ex.tag = self._tag(request)
+            if ex.tag:
+                headers["X-Request-Tag"] = ex.tag
+                structlog.contextvars.bind_contextvars(tag=ex.tag)
+            self.authorize(request)
+            body, payload = await self._json_body(request)
+            if payload.get("model") is None and self.default_model:
+                payload["model"] = self.default_model
+                body = json.dumps(payload).encode()
+            lane = Lane.LONG if estimate_request(payload) > self.threshold else Lane.SHORT
+            ex.lane = lane.value
+            structlog.contextvars.bind_contextvars(
+                lane=self.long_tag if lane is Lane.LONG else "short"
+            )
+            stream = route.streams and payload.get("stream") is True
+            return await self._forward(request, route, body, lane, stream, ex, headers)
+        except errors.GatewayError as exc:
+            ex.status = exc.status
+            return exc.response(headers)
+        except asyncio.CancelledError:
+            if ex.status == 200:
+                self.metrics.stream_aborts.labels("client").inc()
+            ex.status = 499  # the client closed the connection (nginx's code for it)
+            raise
+        finally:
+            self._record(ex)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        route: Route,
+        body: bytes,
+        lane: Lane,
+        stream: bool,
+        ex: Exchange,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        deadline = ex.started + self.request_timeout
+        self.budget.record_request(self.clock())
+        tried: frozenset[str] = frozenset()
+        while True:
+            ex.attempts += 1
+            ticket = self.dispatcher.new_ticket(lane, self._loop_deadline(deadline), tried)
+            instance = await self.dispatcher.acquire(ticket)
+            ex.instance = instance
+            structlog.contextvars.bind_contextvars(instance=instance)
+            try:
+                return await self._attempt(
+                    request, route, body, lane, stream, ex, headers, ticket.id, deadline
+                )
+            except _Retryable as failed:
+                plan = plan_retry(
+                    attempt=ex.attempts,
+                    max_attempts=self.retry.max_attempts,
+                    deadline=deadline,
+                    now=self.clock(),
+                    budget=self.budget,
+                    base=self.retry.backoff_base,
+                    cap=self.retry.backoff_max,
+                    rng=self.dispatcher.rng,
+                )
+                if isinstance(plan, GiveUp):
+                    self.metrics.retries_refused.labels(plan.why).inc()
+                    if isinstance(failed.error, web.Response):
+                        ex.status = failed.error.status
+                        failed.error.headers.update(headers)
+                        return failed.error
+                    raise failed.error from None
+                self.metrics.retries.labels(failed.reason).inc()
+                _log.info("retrying", reason=failed.reason, delay_s=round(plan.delay, 3))
+                tried = tried | {instance}
+                await asyncio.sleep(plan.delay)
+
+    def _loop_deadline(self, deadline: float) -> float:
+        # The scheduler runs on the event loop's clock; translate our monotonic deadline.
+        return asyncio.get_running_loop().time() + (deadline - self.clock())
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        route: Route,
+        body: bytes,
+        lane: Lane,
+        stream: bool,
+        ex: Exchange,
+        headers: dict[str, str],
+        ticket_id: int,
+        deadline: float,
+    ) -> web.StreamResponse:
+        target = self.targets[ex.instance]
+        send_headers = dict(target.headers)
+        send_headers["X-Request-Id"] = ex.request_id
+        if ex.tag:
+            send_headers["X-Request-Tag"] = ex.tag
+        remaining = deadline - self.clock()
+        # A stream must show its first token within the lane's allowance; a plain answer
+        # arrives whole, so only the deadline bounds it.
+        allowance = min(remaining, self.ttft_allowance[lane]) if stream else remaining
+        outcome, error = Outcome.NEUTRAL, None
+        response: aiohttp.ClientResponse | None = None
+        opened = self.clock()
+        try:
+            try:
+                response = await self.upstream.open(
+                    "POST",
+                    target.url + route.upstream_path,
+                    body=body,
+                    headers=send_headers,
+                    timeout=max(0.001, allowance),
+                )
+            except AttemptFailed as failed:
+                outcome, error = Outcome.FAILURE, failed.kind
+                self.metrics.instance_requests.labels(ex.instance, failed.kind).inc()
+                raise _Retryable(failed.kind, self._attempt_error(failed)) from None
+            status = response.status
+            self.metrics.instance_requests.labels(ex.instance, str(status)).inc()
+            reason = reason_for_status(status)
+            if reason is not None:
+                # 502/504: the instance is failing. 429/503: busy, it never ran the request.
+                outcome = Outcome.FAILURE if status in (502, 504) else Outcome.NEUTRAL
+                error = f"status {status}"
+                passthrough = await self._read_answer(response, ex, headers, deadline)
+                raise _Retryable(reason, passthrough)
+            if status == 200 and stream:
+                first = await self._first_chunk(response, allowance - (self.clock() - opened))
+                out, outcome, error = await self._relay(
+                    request, response, first, ex, headers, ticket_id
+                )
+                return out
+            answer = await self._read_answer(response, ex, headers, deadline)
+            outcome = Outcome.FAILURE if status >= 500 else Outcome.SUCCESS
+            return answer
+        except _Retryable as failed:
+            if error is None:  # failed before commit while reading the first chunk
+                outcome, error = Outcome.FAILURE, failed.reason
+            raise
+        finally:
+            if response is not None:
+                response.close()  # idempotent; closing (not pooling) aborts unfinished work
+            self.dispatcher.release(ticket_id, outcome, error)
+
+    def _attempt_error(self, failed: AttemptFailed) -> errors.GatewayError:
+        if failed.kind == "timeout":
+            return errors.UpstreamTimeout(
+                f"the vLLM instance did not answer in time ({failed.detail})"
+            )
+        return errors.UpstreamError(f"could not reach a vLLM instance ({failed.detail})")
+
+    async def _read_answer(
+        self,
+        response: aiohttp.ClientResponse,
+        ex: Exchange,
+        headers: dict[str, str],
+        deadline: float,
+    ) -> web.Response:
+        """Read a whole (non-streamed or error) answer and pass it on unchanged."""
+        try:
+            async with asyncio.timeout(max(0.001, deadline - self.clock())):
+                data = await response.read()
+        except TimeoutError:
+            raise _Retryable(
+                "timeout", errors.UpstreamTimeout("the vLLM instance did not finish in time")
+            ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Retryable(
+                "connect", errors.UpstreamError(f"the vLLM instance broke the connection: {exc}")
+            ) from None
+        ex.status = response.status
+        match = _COMPLETION_TOKENS.search(data, max(0, len(data) - 512))
+        ex.tokens = int(match.group(1)) if match else None
+        out_headers = dict(headers)
+        out_headers["X-Gateway-Instance"] = ex.instance
+        return web.Response(
+            status=response.status,
+            body=data,
+            headers=out_headers,
+            content_type=response.content_type or "application/json",
+        )
+
+    async def _first_chunk(self, response: aiohttp.ClientResponse, timeout: float) -> bytes:
+        try:
+            async with asyncio.timeout(max(0.001, timeout)):
+                first = await response.content.readany()
+        except TimeoutError:
+            raise _Retryable(
+                "timeout",
+                errors.UpstreamTimeout("the vLLM instance sent no token within the allowance"),
+            ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Retryable(
+                "connect", errors.UpstreamError(f"the vLLM instance broke the stream: {exc}")
+            ) from None
+        if not first:
+            raise _Retryable(
+                "connect", errors.UpstreamError("the vLLM instance closed the stream empty")
+            )
+        return first
+
+    async def _relay(
+        self,
+        request: web.Request,
+        response: aiohttp.ClientResponse,
+        first: bytes,
+        ex: Exchange,
+        headers: dict[str, str],
+        ticket_id: int,
+    ) -> tuple[web.StreamResponse, Outcome, str | None]:
+        """Commit: send headers and the first chunk, then copy chunks as they arrive."""
+        out_headers = dict(headers)
+        out_headers["X-Gateway-Instance"] = ex.instance
+        out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
+        out_headers["Cache-Control"] = "no-cache"
+        out = web.StreamResponse(status=200, headers=out_headers)
+        ex.status = 200
+        try:
+            await out.prepare(request)
+            await out.write(first)
+        except ConnectionResetError:
+            return out, self._client_left(ex), None
+        first_at = self.clock()
+        ex.ttft = first_at - ex.started
+        self.dispatcher.prefill_done(ticket_id)
+        events = first.count(_DATA)
+        last = first
+        reader = response.content
+        outcome: Outcome = Outcome.SUCCESS
+        error: str | None = None
+        while True:
+            try:
+                chunk = await reader.readany()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                outcome, error = Outcome.FAILURE, "stream_broken"
+                self.metrics.stream_aborts.labels("upstream").inc()
+                _log.warning("stream_aborted", side="upstream", error=type(exc).__name__)
+                await out.write(
+                    errors.sse_error_event(
+                        f"the vLLM instance {ex.instance} broke the stream after it started "
+                        f"({type(exc).__name__}); the answer is incomplete"
+                    )
+                )
+                break
+            if not chunk:
+                break
+            try:
+                await out.write(chunk)
+            except ConnectionResetError:
+                return out, self._client_left(ex), None
+            events += chunk.count(_DATA)
+            last = chunk
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            return out, self._client_left(ex), None
+        ex.tokens = self._stream_tokens(events, last, ex.route)
+        if ex.tokens and ex.tokens > 1:
+            self.metrics.tpot.labels(ex.lane).observe((self.clock() - first_at) / (ex.tokens - 1))
+        return out, outcome, error
+
+    def _client_left(self, ex: Exchange) -> Outcome:
+        ex.status = 499
+        self.metrics.stream_aborts.labels("client").inc()
+        return Outcome.NEUTRAL
+
+    @staticmethod
+    def _stream_tokens(events: int, last: bytes, route: str) -> int:
+        """Output tokens: the usage chunk's count if sent, else one per content event."""
+        match = _COMPLETION_TOKENS.search(last)
+        if match:
+            return int(match.group(1))
+        overhead = (1 if _DONE in last else 0) + (1 if route == CHAT.name else 0)
+        return max(0, events - overhead)
+
+    # ------------------------------------------------------------ records
+
+    def _record(self, ex: Exchange) -> None:
+        duration = self.clock() - ex.started
+        lane = ex.lane or "none"
+        self.metrics.requests.labels(
+            ex.route, str(ex.status), lane, self.metrics.tag_label(ex.tag or "none")
+        ).inc()
+        if ex.instance:
+            self.metrics.duration.labels(lane).observe(duration)
+        if ex.ttft is not None:
+            self.metrics.ttft.labels(lane).observe(ex.ttft)
+        _access.info(
+            "request",
+            route=ex.route,
+            status=ex.status,
+            instance=ex.instance or None,
+            lane=ex.lane or None,
+            attempts=ex.attempts,
+            duration_ms=round(duration * 1000, 2),
+            ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 2),
+            tokens=ex.tokens,
+        )

@@ -1,0 +1,90 @@
+"""Runs the gateway: bind, serve, and drain on SIGINT/SIGTERM.
+
+Shutdown order: readiness turns 503 and the listening socket closes; requests still
+queued in the gateway get 503 with Retry-After; streams already started get up to
+`drain_timeout` seconds to finish; then resources close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from . import log
+from .app import DISPATCHER, LIFECYCLE, build_app
+from .config import Config
+
+_log = log.get("gateway.server")
+
+
+async def start_simulated(config: Config) -> list[object]:
+    """One simulated vLLM instance per configured URL, on that URL's loopback port."""
+    from loadtest.fleet import start_fleet  # only --simulate needs the simulator
+    from loadtest.sim_vllm import SimConfig
+
+    configs, ports = [], []
+    for spec in config.instances:
+        parts = urlsplit(spec.url)
+        host = parts.hostname or ""
+        if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
+            raise SystemExit(f"--simulate binds only loopback addresses; {spec.url} is not one")
+        ports.append(parts.port or 80)
+        tp = config.settings.vllm.tensor_parallel_size
+        configs.append(
+            SimConfig(
+                model=config.channel.default_model or "sim-model",
+                max_num_seqs=spec.max_num_seqs or config.dispatch.max_num_seqs,
+                # A tensor-parallel group of N cards prefills about N times faster.
+                prefill_tokens_per_s=SimConfig.prefill_tokens_per_s * tp,
+            )
+        )
+    return list(await start_fleet(configs, ports=ports))
+
+
+async def serve(
+    config: Config,
+    *,
+    simulate: bool = False,
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    sims = await start_simulated(config) if simulate else []
+    for sim in sims:
+        _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
+    app = build_app(config)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that leaves cancels its upstream request
+        access_log=None,  # we write our own access line per request
+        shutdown_timeout=config.gateway.drain_timeout,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.gateway.host, config.gateway.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        _log.info("listening", url=url, instances=len(config.instances))
+        if on_ready:
+            on_ready(url)
+        await stop.wait()
+        _log.info("draining", drain_timeout_s=config.gateway.drain_timeout)
+        app[LIFECYCLE].draining = True
+        app[DISPATCHER].close()
+    finally:
+        await runner.cleanup()
+        if sims:
+            from loadtest.fleet import stop_fleet
+
+            await stop_fleet(sims)  # type: ignore[arg-type]
+        _log.info("stopped")

@@ -1,0 +1,108 @@
+"""The one seam to the network: the only module that uses aiohttp's client.
+
+One pooled `ClientSession` sized by `max_connections` serves every instance. Failures
+are mapped here, where they enter, to `AttemptFailed` with a short kind that the retry
+policy understands ("connect" or "timeout"); HTTP answers of any status come back as
+responses for the proxy to judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from .config import Timeouts
+
+
+class AttemptFailed(Exception):
+    """An attempt got no HTTP answer: kind is "connect" or "timeout"."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class Upstream:
+    def __init__(self, max_connections: int, timeouts: Timeouts) -> None:
+        self.max_connections = max_connections
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections, limit_per_host=0, enable_cleanup_closed=True
+        )
+        # No total timeout: a stream may run for minutes. Connect and each socket read are
+        # bounded; the time to the first byte is bounded per attempt by the proxy.
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.timeouts.connect, sock_read=self.timeouts.read
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Upstream.start() was not awaited")
+        return self._session
+
+    async def open(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> aiohttp.ClientResponse:
+        """Send a request and return once the response headers arrived (or fail).
+
+        On timeout or cancellation aiohttp closes the half-open connection, so the
+        instance sees its client leave and aborts the request.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.session.request(method, url, data=body, headers=headers)
+        except TimeoutError:
+            raise AttemptFailed("timeout", f"no response headers within {timeout:.1f}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise AttemptFailed("connect", f"cannot connect: {exc.os_error}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
+
+    async def get(
+        self, url: str, *, headers: dict[str, str] | None = None, timeout: float
+    ) -> tuple[int, bytes]:
+        """A small GET (health, metrics, models): status and body, or AttemptFailed."""
+        response = await self.open("GET", url, body=None, headers=headers or {}, timeout=timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                return response.status, await response.read()
+        except TimeoutError:
+            raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            response.release()
+
+    def __repr__(self) -> str:
+        state = "open" if self._session is not None else "closed"
+        return f"<Upstream {state} max_connections={self.max_connections}>"
+
+
+def json_headers(extra: dict[str, Any] | None = None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    headers.update({k: str(v) for k, v in (extra or {}).items()})
+    return headers
