@@ -3,8 +3,8 @@
     gateway [--config config.toml] [--settings settings.json] [--check] [--simulate]
             [--host H] [--port P] [--open] [--log-level info] [--version]
 
-Without --config it uses ./config.toml if there is one, else the defaults embedded in
-the package (two instances on 127.0.0.1:8000-8001), which suit --simulate.
+Without --config it uses the defaults embedded in the package (two instances on
+127.0.0.1:8000-8001, key from GATEWAY_API_KEY), which suit --simulate.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gateway", description="OpenAI-compatible dispatch gateway for vLLM fleets"
     )
-    p.add_argument("--config", help="config.toml (default: ./config.toml, else built-in)")
+    p.add_argument("--config", help="config.toml (default: the built-in one)")
     p.add_argument("--settings", help="settings.json (default: beside the config file)")
     p.add_argument("--check", action="store_true", help="validate the configuration and exit")
     p.add_argument(
@@ -43,9 +43,6 @@ def _parser() -> argparse.ArgumentParser:
 def _config_path(given: str | None) -> Path:
     if given:
         return Path(given)
-    local = Path("config.toml")
-    if local.exists():
-        return local
     return Path(str(resources.files("gateway") / "defaults" / "config.toml"))
 
 
