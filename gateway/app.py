@@ -87,7 +87,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     dispatch = config.dispatch
     registry = CollectorRegistry()
-    metrics = Metrics(registry)
+    metrics = Metrics(registry, lane_names={Lane.SHORT: "short", Lane.LONG: config.prefill.tag})
     specs = [
         InstanceSpec(
             name=i.label,

@@ -25,8 +25,14 @@ OTHER_TAG = "other"
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, max_tags: int = 20) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        max_tags: int = 20,
+        lane_names: dict[Lane, str] | None = None,
+    ) -> None:
         self.registry = registry
+        self.lane_names = lane_names or {lane: lane.value for lane in Lane}
         self.max_tags = max_tags
         self._tags: set[str] = set()
         self.requests = Counter(
@@ -101,15 +107,18 @@ class Metrics:
         return OTHER_TAG
 
     def watch(self, scheduler: Scheduler, now: Callable[[], float]) -> None:
-        self.registry.register(StateCollector(scheduler, now))
+        self.registry.register(StateCollector(scheduler, now, self.lane_names))
 
 
 class StateCollector(Collector):
     """Reads the scheduler's live state when Prometheus scrapes."""
 
-    def __init__(self, scheduler: Scheduler, now: Callable[[], float]) -> None:
+    def __init__(
+        self, scheduler: Scheduler, now: Callable[[], float], lane_names: dict[Lane, str]
+    ) -> None:
         self.scheduler = scheduler
         self.now = now
+        self.lane_names = lane_names
 
     def collect(self) -> Iterator[Metric]:
         now = self.now()
@@ -185,5 +194,5 @@ class StateCollector(Collector):
             labels=["lane"],
         )
         for lane in Lane:
-            lanes.add_metric([lane.value], sched.queue_length(lane))
+            lanes.add_metric([self.lane_names[lane]], sched.queue_length(lane))
         yield lanes

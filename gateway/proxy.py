@@ -108,7 +108,8 @@ class Proxy:
         self.default_model = channel.default_model
         self.default_tag = channel.headers.get("X-Request-Tag", "")
         self.threshold = config.prefill.long_input_threshold
-        self.long_tag = config.prefill.tag
+        # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
+        self.lane_names = {Lane.SHORT: "short", Lane.LONG: config.prefill.tag}
         self.max_body = config.gateway.max_body_bytes
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry
@@ -189,10 +190,8 @@ class Proxy:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
             lane = Lane.LONG if estimate_request(payload) > self.threshold else Lane.SHORT
-            ex.lane = lane.value
-            structlog.contextvars.bind_contextvars(
-                lane=self.long_tag if lane is Lane.LONG else "short"
-            )
+            ex.lane = self.lane_names[lane]
+            structlog.contextvars.bind_contextvars(lane=ex.lane)
             stream = route.streams and payload.get("stream") is True
             return await self._forward(request, route, body, lane, stream, ex, headers)
         except errors.GatewayError as exc:

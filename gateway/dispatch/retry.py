@@ -35,11 +35,13 @@ def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> 
 class RetryBudget:
     """Retries may add at most `ratio` of the requests seen in the last `window` seconds.
 
-    A floor of `min_retries` per window keeps a quiet gateway able to retry at all.
+    A floor of `min_retries` per window (one a second by default, as Linkerd allows ten)
+    keeps a quiet gateway able to retry at all; a storm needs volume, and then the ratio
+    rules.
     Counts live in one bucket per second, so memory is fixed whatever the traffic.
     """
 
-    def __init__(self, ratio: float = 0.2, min_retries: int = 3, window: int = 10) -> None:
+    def __init__(self, ratio: float = 0.2, min_retries: int = 10, window: int = 10) -> None:
         self.ratio = ratio
         self.min_retries = min_retries
         self.window = window

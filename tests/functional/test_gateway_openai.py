@@ -193,9 +193,17 @@ def _is_openai_error(body: object, code: str) -> bool:
 @pytest.mark.parametrize(
     ("kwargs", "status", "code"),
     [
-        ({"data": b"{not json", "headers": {"Content-Type": "application/json"}}, 400, "invalid_json"),
+        (
+            {"data": b"{not json", "headers": {"Content-Type": "application/json"}},
+            400,
+            "invalid_json",
+        ),
         ({"data": b"[1, 2]", "headers": {"Content-Type": "application/json"}}, 400, "invalid_json"),
-        ({"data": b"{}", "headers": {"Content-Type": "text/plain"}}, 400, "unsupported_content_type"),
+        (
+            {"data": b"{}", "headers": {"Content-Type": "text/plain"}},
+            400,
+            "unsupported_content_type",
+        ),
         ({"json": {}, "headers": {"X-Request-Tag": "bad tag!"}}, 400, "invalid_header"),
         ({"json": {}, "headers": {"Authorization": "Bearer nope"}}, 401, "invalid_api_key"),
         ({"json": {}, "headers": {"Authorization": "Basic abc"}}, 401, "invalid_api_key"),
