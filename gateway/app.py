@@ -35,6 +35,7 @@ from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics
 from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
+from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
 
 
@@ -132,10 +133,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         probe_timeout=h.probe_timeout,
     )
     keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    counter = _token_counter(config, upstream, dispatcher, targets)
     app[METRICS] = metrics
     app[DISPATCHER] = dispatcher
     app[HEALTH] = checker
-    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets)
+    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
@@ -146,6 +148,27 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await upstream.close()
+
+
+def _token_counter(
+    config: Config, upstream: Upstream, dispatcher: Dispatcher, targets: dict[str, Target]
+) -> TokenCounter:
+    source = config.prefill.tokenizer
+    threshold = config.prefill.long_input_threshold
+    if source is None:
+        return TokenCounter(threshold)
+    if source != "instance":
+        return TokenCounter(threshold, local=LocalTokenizer(source))
+
+    def least_loaded_instance() -> tuple[str, dict[str, str]] | None:
+        now = dispatcher.clock()
+        up = [s for s in dispatcher.scheduler.states if s.available(now)]
+        if not up:
+            return None
+        target = targets[min(up, key=lambda s: s.inflight).name]
+        return target.url, target.headers
+
+    return TokenCounter(threshold, upstream=upstream, pick_instance=least_loaded_instance)
 
 
 def _probe_headers(headers: dict[str, str]) -> dict[str, str]:

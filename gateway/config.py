@@ -27,8 +27,9 @@ from pydantic import (
     model_validator,
 )
 
+from .dispatch.select import STRATEGIES
+
 Lane = Literal["short", "long", "any"]
-STRATEGIES = ("round_robin", "least_busy")
 
 _M = TypeVar("_M", bound=BaseModel)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -63,6 +64,13 @@ class GatewaySection(_Frozen):
             _check_http_url(value)
         return value
 
+    @field_validator("port", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic's lax int would take true as port 1
+            raise ValueError("expected a port number, got a boolean")
+        return value
+
 
 class HealthSection(_Frozen):
     rise: int = Field(2, ge=1)
@@ -88,7 +96,8 @@ class DispatchSection(_Frozen):
     @classmethod
     def _known_strategy(cls, value: str) -> str:
         if value not in STRATEGIES:
-            raise ValueError(f"unknown strategy {value!r}; expected one of {', '.join(STRATEGIES)}")
+            names = ", ".join(sorted(STRATEGIES))
+            raise ValueError(f"unknown strategy {value!r}; expected one of {names}")
         return value
 
 
@@ -97,7 +106,24 @@ class PrefillSection(_Frozen):
     long_input_threshold: int = Field(4096, ge=1)
     max_long_per_instance: int = Field(2, ge=1)
     long_ttft_factor: float = Field(4.0, ge=1)
+    # None: estimate; "instance": ask an instance's /tokenize near the threshold;
+    # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).
     tokenizer: str | None = None
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_source(cls, value: str | None) -> str | None:
+        if value is None or value == "instance":
+            return value
+        if not Path(value).is_file():
+            raise ValueError(f"expected 'instance' or the path of a tokenizer.json, got {value!r}")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
+            ) from None
+        return value
 
 
 class ConfigFile(_Frozen):
@@ -159,7 +185,8 @@ class InstanceSpec(_Frozen):
         if self.name:
             return self.name
         parts = urlsplit(self.url)
-        return parts.netloc + parts.path
+        # Never user:password@ from the URL: the label goes into metrics and logs.
+        return parts.netloc.rpartition("@")[2] + parts.path
 
 
 class VllmSection(_Frozen):
@@ -251,7 +278,11 @@ class Config(_Frozen):
             changes["port"] = port
         if not changes:
             return self
-        gateway = self.gateway.model_copy(update=changes)
+        try:
+            gateway = GatewaySection.model_validate({**self.gateway.model_dump(), **changes})
+        except ValidationError as exc:
+            problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"command line: --host/--port: {problems}") from None
         return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
 
 
@@ -268,9 +299,10 @@ def load(
     settings_path = Path(settings_path) if settings_path else config_path.parent / "settings.json"
     raw_file = _expand(_read_toml(config_path), env, str(config_path), ())
     raw_settings = _expand(_read_json(settings_path), env, str(settings_path), ())
+    block = "taotoken" if "taotoken" in raw_settings else "channel"
     file = _validate(ConfigFile, raw_file, config_path)
-    settings = _validate(Settings, raw_settings, settings_path)
-    keys = _api_keys(file, settings, env, settings_path)
+    settings = _validate(Settings, raw_settings, settings_path, {"channel": block})
+    keys = _api_keys(file, settings, env, settings_path, block)
     if not keys and not allow_no_key:
         names = [n for n in (file.gateway.api_key_env, settings.channel.api_key_env) if n]
         where = " or ".join(f"the environment variable {n}" for n in names) or "no variable"
@@ -294,16 +326,19 @@ def load(
 
 
 def _api_keys(
-    file: ConfigFile, settings: Settings, env: Mapping[str, str], settings_path: Path
+    file: ConfigFile, settings: Settings, env: Mapping[str, str], settings_path: Path, block: str
 ) -> tuple[SecretStr, ...]:
     keys: list[str] = []
     configured = settings.channel.api_key
-    if isinstance(configured, SecretStr):
-        configured = [configured]
-    for index, secret in enumerate(configured or []):
+    single = isinstance(configured, SecretStr)
+    secrets: list[SecretStr] = (
+        [configured] if isinstance(configured, SecretStr) else configured or []
+    )
+    for index, secret in enumerate(secrets):
         value = secret.get_secret_value().strip()
         if not value:
-            raise ConfigError(f"{settings_path}: channel.api_key[{index}]: the key is empty")
+            where = f"{block}.api_key" + ("" if single else f"[{index}]")
+            raise ConfigError(f"{settings_path}: {where}: the key is empty")
         keys.append(value)
     # An env var may hold several comma-separated keys, for rotation.
     for name in (file.gateway.api_key_env, settings.channel.api_key_env):
@@ -334,6 +369,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -347,6 +384,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top, got {type(data).__name__}")
     return data
@@ -358,10 +397,10 @@ def _expand(value: Any, env: Mapping[str, str], file: str, path: tuple[str | int
 
         def substitute(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
+            if default is not None:  # as in the shell: unset or empty takes the default
+                return env.get(name) or default
             if name in env:
                 return env[name]
-            if default is not None:
-                return default
             raise ConfigError(
                 f"{file}: {_dotted(path)}: environment variable {name} is not set "
                 f"(referenced as {match.group(0)})"
@@ -375,14 +414,27 @@ def _expand(value: Any, env: Mapping[str, str], file: str, path: tuple[str | int
     return value
 
 
-def _validate(model: type[_M], data: dict[str, Any], path: Path) -> _M:
+def _validate(
+    model: type[_M], data: dict[str, Any], path: Path, block_names: Mapping[str, str] | None = None
+) -> _M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         lines = [f"{path}: {len(exc.errors())} problem(s):"]
         for error in exc.errors():
-            where = _dotted(error["loc"]) or "(top level)"
-            shown = "" if error["type"] == "missing" else f" (got {_show(error.get('input'))})"
+            loc = error["loc"]
+            if loc and block_names and loc[0] in block_names:
+                loc = (block_names[str(loc[0])], *loc[1:])  # name the block as the file does
+            where = _dotted(loc) or "(top level)"
+            value = error.get("input")
+            # Whole blocks may hold keys (after ${VAR} expansion): show only scalars, and
+            # nothing at all under a key field.
+            hidden = (
+                error["type"] == "missing"
+                or (isinstance(value, dict | list) and bool(value))
+                or any(isinstance(p, str) and "api_key" in p for p in loc)
+            )
+            shown = "" if hidden else f" (got {_show(value)})"
             lines.append(f"  {where}: {error['msg']}{shown}")
         raise ConfigError("\n".join(lines)) from None
 
@@ -392,8 +444,8 @@ def _dotted(loc: tuple[str | int, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "InstanceSpec", "list[SecretStr]", "SecretStr"):
-            continue  # union branch names pydantic adds; they say nothing to an operator
+        elif not part.isidentifier() or part in ("str", "InstanceSpec", "SecretStr"):
+            continue  # union branch tags pydantic adds; they say nothing to an operator
         else:
             out += ("." if out else "") + part
     return out

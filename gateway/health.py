@@ -99,7 +99,7 @@ class HealthChecker:
 
     async def _probe(self, target: Target) -> bool:
         try:
-            status, _ = await self.upstream.get(
+            status, _ = await self.upstream.fetch(
                 target.url + "/health", headers=target.headers, timeout=self.probe_timeout
             )
         except AttemptFailed:
@@ -108,7 +108,7 @@ class HealthChecker:
 
     async def _scrape(self, target: Target) -> None:
         try:
-            status, body = await self.upstream.get(
+            status, body = await self.upstream.fetch(
                 target.url + "/metrics", headers=target.headers, timeout=self.probe_timeout
             )
             load = parse_vllm_metrics(body.decode()) if status == 200 else None
@@ -119,7 +119,7 @@ class HealthChecker:
 
     async def _models(self, target: Target) -> None:
         try:
-            status, body = await self.upstream.get(
+            status, body = await self.upstream.fetch(
                 target.url + "/v1/models", headers=target.headers, timeout=self.probe_timeout
             )
             data = json.loads(body)["data"] if status == 200 else None

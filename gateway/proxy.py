@@ -30,7 +30,7 @@ from .config import Config
 from .dispatch import GiveUp, Lane, Outcome, RetryBudget, plan_retry, reason_for_status
 from .dispatcher import Dispatcher
 from .metrics import Metrics
-from .tokens import estimate_request
+from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
 
 _access = log.get("gateway.access")
@@ -97,6 +97,7 @@ class Proxy:
         metrics: Metrics,
         keys: KeyChecker,
         targets: dict[str, Target],
+        counter: TokenCounter,
     ) -> None:
         self.config = config
         self.dispatcher = dispatcher
@@ -104,6 +105,7 @@ class Proxy:
         self.metrics = metrics
         self.keys = keys
         self.targets = targets
+        self.counter = counter
         channel = config.channel
         self.default_model = channel.default_model
         self.default_tag = channel.headers.get("X-Request-Tag", "")
@@ -189,7 +191,7 @@ class Proxy:
             if payload.get("model") is None and self.default_model:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
-            lane = Lane.LONG if estimate_request(payload) > self.threshold else Lane.SHORT
+            lane = Lane.LONG if await self.counter.count(payload) > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
             stream = route.streams and payload.get("stream") is True
@@ -297,7 +299,7 @@ class Proxy:
             reason = reason_for_status(status)
             if reason is not None:
                 # 502/504: the instance is failing. 429/503: busy, it never ran the request.
-                outcome = Outcome.FAILURE if status in (502, 504) else Outcome.NEUTRAL
+                outcome = Outcome.FAILURE if status in (502, 504) else Outcome.BUSY
                 error = f"status {status}"
                 passthrough = await self._read_answer(response, ex, headers, deadline)
                 raise _Retryable(reason, passthrough)

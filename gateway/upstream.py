@@ -9,7 +9,6 @@ responses for the proxy to judge.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 
@@ -82,11 +81,17 @@ class Upstream:
         except (aiohttp.ClientError, OSError) as exc:
             raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
 
-    async def get(
-        self, url: str, *, headers: dict[str, str] | None = None, timeout: float
+    async def fetch(
+        self,
+        url: str,
+        *,
+        method: str = "GET",
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float,
     ) -> tuple[int, bytes]:
-        """A small GET (health, metrics, models): status and body, or AttemptFailed."""
-        response = await self.open("GET", url, body=None, headers=headers or {}, timeout=timeout)
+        """A small exchange (health, metrics, models, tokenize): status and whole body."""
+        response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
         try:
             async with asyncio.timeout(timeout):
                 return response.status, await response.read()
@@ -100,9 +105,3 @@ class Upstream:
     def __repr__(self) -> str:
         state = "open" if self._session is not None else "closed"
         return f"<Upstream {state} max_connections={self.max_connections}>"
-
-
-def json_headers(extra: dict[str, Any] | None = None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    headers.update({k: str(v) for k, v in (extra or {}).items()})
-    return headers

@@ -67,6 +67,11 @@ def apply_outcome(
         return False
     if outcome is Outcome.NEUTRAL:
         return False
+    if outcome is Outcome.BUSY:
+        # Fast "busy" answers would make an instance look idle and attract traffic
+        # (linkerd2-proxy#4537); it is alive, so this is a short penalty, not a failure.
+        state.busy_until = now + policy.busy_penalty
+        return False
     state.consecutive_failures += 1
     state.failures_total += 1
     if error:

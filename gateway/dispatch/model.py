@@ -23,6 +23,7 @@ class Outcome(enum.Enum):
 
     SUCCESS = "success"
     FAILURE = "failure"  # connection error, timeout or 5xx: counts toward ejection
+    BUSY = "busy"  # 429 or vLLM's 503 "engine busy": alive, but prefer others for a while
     NEUTRAL = "neutral"  # 4xx, client gone, deadline: says nothing about the instance
 
 
@@ -64,6 +65,7 @@ class HealthPolicy:
     ejection_base: float = 10.0
     ejection_max: float = 300.0
     max_ejected_fraction: float = 0.5
+    busy_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ class InstanceState:
     consecutive_failures: int = 0
     ejections: int = 0
     ejected_until: float | None = None
+    # A busy answer (429/503) makes the instance a last resort until then.
+    busy_until: float | None = None
     # The gateway's own traffic: exact and instant.
     inflight: int = 0
     long_prefilling: int = 0
@@ -128,6 +132,9 @@ class InstanceState:
     def available(self, now: float) -> bool:
         """Up by its probes and not ejected for passive failures."""
         return self.up is True and (self.ejected_until is None or now >= self.ejected_until)
+
+    def busy(self, now: float) -> bool:
+        return self.busy_until is not None and now < self.busy_until
 
     def serves(self, lane: Lane) -> bool:
         return self.spec.lane == "any" or self.spec.lane == lane.value

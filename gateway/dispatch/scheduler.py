@@ -183,9 +183,11 @@ class Scheduler:
             for s in self._pool[ticket.lane]
             if s.available(now) and self._has_room(s, ticket.lane)
         ]
-        # A retry prefers an instance it has not tried; with none left, any will do.
+        # Prefer an instance this request has not tried and that did not just answer
+        # "busy"; with none such left, any with room will do.
         untried = [s for s in pool if s.name not in ticket.exclude]
-        return untried or pool
+        fresh = [s for s in untried if not s.busy(now)]
+        return fresh or untried or pool
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random

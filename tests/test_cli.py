@@ -1,0 +1,203 @@
+"""The command line: `gateway.cli.main` and `python -m gateway`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gateway
+from gateway import __version__
+from gateway.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "sk-cli-test-key"
+SETTINGS = {"vllm": {"instances": ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]}}
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def write(folder: Path, toml: str = "", settings: object = SETTINGS) -> Path:
+    """Write config.toml and settings.json into folder; return the config path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "config.toml"
+    config.write_text(toml, encoding="utf-8")
+    (folder / "settings.json").write_text(json.dumps(settings), encoding="utf-8")
+    return config
+
+
+@pytest.fixture
+def keyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GATEWAY_API_KEY is set for the test."""
+    monkeypatch.setenv("GATEWAY_API_KEY", KEY)
+
+
+@pytest.fixture
+def keyless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No variable the default configuration reads a key from is set."""
+    monkeypatch.delenv("GATEWAY_API_KEY", raising=False)
+
+
+@pytest.mark.usefixtures("keyed")
+def test_check_prints_ok_for_a_valid_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--check` on a valid configuration prints ok to stdout and returns 0."""
+    config = write(tmp_path, "[gateway]\nport = 8181\n")
+    assert main(["--config", str(config), "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ok")
+    assert str(config) in out
+    assert "2 instance(s)" in out
+    assert "1 key(s)" in out
+    assert "127.0.0.1:8181" in out
+    assert err == ""
+
+
+@pytest.mark.usefixtures("keyed")
+def test_explicit_settings_path_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--settings` points at a settings file that is not beside the config file."""
+    config = write(tmp_path / "a")
+    other = write(tmp_path / "b", settings={"vllm": {"instances": ["http://10.0.0.1:1"]}})
+    settings = other.parent / "settings.json"
+    assert main(["--config", str(config), "--settings", str(settings), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert str(settings) in out
+    assert "1 instance(s)" in out
+
+
+@pytest.mark.usefixtures("keyed")
+def test_bad_config_exits_2_before_binding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad config returns 2 at once with the field path on stderr, and binds no port."""
+    port = free_port()
+    config = write(tmp_path, f'[gateway]\nport = {port}\n[dispatch]\nstrategy = "fastest"\n')
+    started = time.monotonic()
+    assert main(["--config", str(config)]) == 2
+    assert time.monotonic() - started < 2
+    out, err = capsys.readouterr()
+    assert "configuration error" in err
+    assert "dispatch.strategy" in err
+    assert "'fastest'" in err
+    assert out == ""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.usefixtures("keyed")
+def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --config path that does not exist returns 2 and names the file."""
+    missing = tmp_path / "nope.toml"
+    assert main(["--config", str(missing), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error" in err
+    assert str(missing) in err
+
+
+def test_version_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--version` prints the package version and exits 0."""
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gateway {__version__}"
+
+
+def test_bad_port_argument_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A non-numeric --port is rejected by argparse with exit status 2."""
+    with pytest.raises(SystemExit) as info:
+        main(["--port", "eighty", "--check"])
+    assert info.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("keyed")
+def test_host_and_port_overrides_show_in_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--host` and `--port` override the file's listen address, as `--check` reports."""
+    config = write(tmp_path, '[gateway]\nhost = "127.0.0.1"\nport = 8080\n')
+    assert main(["--config", str(config), "--host", "0.0.0.0", "--port", "9123", "--check"]) == 0
+    assert "listening on 0.0.0.0:9123" in capsys.readouterr().out
+    assert main(["--config", str(config), "--port", "9124", "--check"]) == 0
+    assert "listening on 127.0.0.1:9124" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("keyed")
+def test_out_of_range_port_override_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--port 70000` is rejected like `port = 70000` in the file (exit 2), not reported ok."""
+    config = write(tmp_path)
+    assert main(["--config", str(config), "--port", "70000", "--check"]) == 2
+    assert "port" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("keyless")
+def test_open_allows_no_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a key `--check` fails naming --open; with `--open` it passes with zero keys."""
+    config = write(tmp_path)
+    assert main(["--config", str(config), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "GATEWAY_API_KEY" in err
+    assert "--open" in err
+    assert main(["--config", str(config), "--open", "--check"]) == 0
+    assert "0 key(s)" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("keyed")
+def test_without_config_uses_packaged_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --config the CLI uses the package's defaults, even if ./config.toml exists."""
+    write(tmp_path, '[dispatch]\nstrategy = "fastest"\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["--check"]) == 0
+    out = capsys.readouterr().out
+    assert str(Path(gateway.__file__).parent / "defaults" / "config.toml") in out
+    assert "2 instance(s)" in out
+
+
+def run_module(*args: str, key: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `python -m gateway ARGS` in a fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_API_KEY"}
+    if key:
+        env["GATEWAY_API_KEY"] = KEY
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_module_check_exits_0(tmp_path: Path) -> None:
+    """`python -m gateway --config ... --check` exits 0 and prints ok for a valid config."""
+    proc = run_module("--config", str(write(tmp_path)), "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")
+
+
+def test_module_check_exits_2_on_a_bad_file(tmp_path: Path) -> None:
+    """`python -m gateway --config ... --check` exits 2 with the error on stderr for a bad file."""
+    config = write(tmp_path, "[gateway]\nport = 70000\n")
+    proc = run_module("--config", str(config), "--check")
+    assert proc.returncode == 2
+    assert "configuration error" in proc.stderr
+    assert "gateway.port" in proc.stderr
+    assert proc.stdout == ""
