@@ -13,6 +13,7 @@ The per-chunk loop copies bytes and counts `data:` markers; it parses no JSON.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -121,6 +122,31 @@ class Proxy:
         }
         self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
         self.clock = time.monotonic
+        # Shutdown: the tasks of requests in progress, and whether their drain time is up.
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.aborting = False
+
+    async def drain(self, timeout: float) -> int:
+        """Let requests in progress finish for up to `timeout` s, then end the rest.
+
+        Streams that are still running get an in-band error event and `[DONE]`; requests
+        that have not started answering get 503 with Retry-After. Returns how many had to
+        be ended.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        left = len(self._tasks)
+        if left:
+            self.aborting = True
+            for task in list(self._tasks):
+                task.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await self._idle.wait()
+        return left
 
     # ------------------------------------------------------------ checks
 
@@ -181,6 +207,10 @@ class Proxy:
         headers = {"X-Request-ID": request_id}
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            self._idle.clear()
         try:
             ex.tag = self._tag(request)
             if ex.tag:
@@ -200,11 +230,20 @@ class Proxy:
             ex.status = exc.status
             return exc.response(headers)
         except asyncio.CancelledError:
+            if self.aborting and ex.status == 0 and task is not None:
+                task.uncancel()  # our own drain deadline, not the client: answer it
+                error = errors.ShuttingDown("the gateway is shutting down", retry_after=1)
+                ex.status = error.status
+                return error.response(headers)
             if ex.status == 200:
                 self.metrics.stream_aborts.labels("client").inc()
             ex.status = 499  # the client closed the connection (nginx's code for it)
             raise
         finally:
+            if task is not None:
+                self._tasks.discard(task)
+                if not self._tasks:
+                    self._idle.set()
             self._record(ex)
 
     async def _forward(
@@ -410,6 +449,21 @@ class Proxy:
         while True:
             try:
                 chunk = await reader.readany()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self.aborting or task is None:
+                    raise
+                task.uncancel()  # the drain deadline passed: end the stream in-band
+                outcome, error = Outcome.NEUTRAL, "drain_deadline"
+                self.metrics.stream_aborts.labels("shutdown").inc()
+                await out.write(
+                    errors.sse_error_event(
+                        "the gateway is shutting down and its drain time is over; "
+                        "the answer is incomplete",
+                        503,
+                    )
+                )
+                break
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 outcome, error = Outcome.FAILURE, "stream_broken"
                 self.metrics.stream_aborts.labels("upstream").inc()

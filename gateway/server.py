@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from . import log
-from .app import DISPATCHER, LIFECYCLE, build_app
+from .app import DISPATCHER, LIFECYCLE, PROXY, build_app
 from .config import Config
 
 _log = log.get("gateway.server")
@@ -80,7 +80,10 @@ async def serve(
         await stop.wait()
         _log.info("draining", drain_timeout_s=config.gateway.drain_timeout)
         app[LIFECYCLE].draining = True
+        await site.stop()  # no new connections; open ones finish their requests
         app[DISPATCHER].close()
+        ended = await app[PROXY].drain(config.gateway.drain_timeout)
+        _log.info("drained", ended_at_deadline=ended)
     finally:
         await runner.cleanup()
         if sims:
