@@ -32,7 +32,11 @@ class Upstream:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
-            limit=self.max_connections, limit_per_host=0, enable_cleanup_closed=True
+            limit=self.max_connections,
+            limit_per_host=0,
+            # vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids
+            # sending a request down a socket the instance is closing.
+            keepalive_timeout=4.0,
         )
         # No total timeout: a stream may run for minutes. Connect and each socket read are
         # bounded; the time to the first byte is bounded per attempt by the proxy.

@@ -1,0 +1,1 @@
+"""Load-test tooling: simulated vLLM instances and fleets of them."""

@@ -1,0 +1,474 @@
+"""Pure parts of the simulated vLLM: config, counters, tokenizer, batching engine, body shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from types import MappingProxyType
+from typing import Any
+
+MAX_MODEL_LEN = 32768
+# KV capacity per running slot, so kv_cache_usage_perc reaches 1.0 only with full, long sequences.
+KV_TOKENS_PER_SEQ = 2048
+_VOCAB_SIZE = 32000
+# Ids reserved for the chat template's per-message framing tokens.
+_TEMPLATE_IDS = (1, 2, 3, 4)
+# Every word is exactly 4 bytes, so count_tokens() of generated text equals the tokens generated.
+VOCAB = (" the", " and", " for", " sim", " gpu", " llm", " run", " set", " one", " two", " new")
+
+
+def dumps(obj: object) -> str:
+    """Compact JSON, as pydantic's model_dump_json writes vLLM's bodies."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Fixed properties of one simulated instance."""
+
+    model: str = "sim-model"
+    speed: float = 1.0  # multiplies all throughput: 0.4 is a card at 40 % speed
+    prefill_tokens_per_s: float = 20000.0
+    decode_s_per_token: float = 0.010  # decode step time with a batch of one
+    decode_slowdown_per_seq: float = 0.02  # step time grows by this fraction per extra seq
+    max_num_seqs: int = 16  # running slots
+    max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
+    max_waiting: int | None = None  # queued requests beyond this get 503 engine busy
+    default_max_tokens: int = 16
+    api_key: str | None = None  # like vLLM --api-key: guards /v1/* only
+    instant: bool = False  # no timing model: answer at once
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
+            raise ValueError("speed and prefill_tokens_per_s must be > 0, decode time >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+
+
+@dataclass
+class SimStats:
+    """Live counters of one simulated instance."""
+
+    requests: int = 0  # /v1 POSTs received
+    completed: int = 0
+    cancelled: int = 0  # client left before the answer finished
+    rejected: int = 0  # 503 busy, fault statuses and simulated connection drops
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    last_headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
+    seen_request_ids: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=1000)
+    )
+
+
+def count_tokens(text: str) -> int:
+    """Token count of a text under the simulator's tokenizer (about 4 bytes a token)."""
+    return max(1, (len(text.encode()) + 3) // 4)
+
+
+def _message_text(message: Any) -> str:
+    if not isinstance(message, Mapping):
+        return ""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        # Multimodal content: only the text parts cost tokens here.
+        return "".join(
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text"
+        )
+    return ""
+
+
+def count_message_tokens(messages: Iterable[Any]) -> int:
+    """Token count of chat messages: contents plus 4 template tokens per message."""
+    return sum(count_tokens(_message_text(m)) + len(_TEMPLATE_IDS) for m in messages)
+
+
+def tokenize_text(text: str) -> list[int]:
+    """Token ids of a text; always count_tokens(text) of them."""
+    data = text.encode()
+    chunks = [data[i : i + 4] for i in range(0, len(data), 4)] or [b""]
+    return [int.from_bytes(chunk, "little") % _VOCAB_SIZE for chunk in chunks]
+
+
+def tokenize_messages(messages: Iterable[Any]) -> list[int]:
+    """Token ids of chat messages; always count_message_tokens(messages) of them."""
+    ids: list[int] = []
+    for message in messages:
+        ids.extend(_TEMPLATE_IDS)
+        ids.extend(tokenize_text(_message_text(message)))
+    return ids
+
+
+# --- request validation, as vLLM's pydantic models answer it -----------------------------
+
+BUSY_MESSAGE = (
+    "The engine is currently busy with too many queued requests. "
+    "Please try again later or on a different instance."
+)
+_ERROR_TYPES = MappingProxyType(
+    {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        429: "RateLimitError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
+)
+
+
+@dataclass
+class Faults:
+    """Failure switches that tests flip while the instance runs."""
+
+    status: int | None = None
+    busy: bool = False
+    health_status: int = 200
+    hang_before_headers: bool = False
+    die_after_chunks: int | None = None
+
+
+class ApiError(Exception):
+    """An error answered with vLLM's OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+        self.err_type = _ERROR_TYPES.get(status, phrase + "Error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": None,
+                "code": self.status,
+            }
+        }
+
+
+def parse_max_tokens(body: Mapping[str, Any], default: int, prompt_tokens: int) -> int:
+    """max_completion_tokens or max_tokens, checked against the context length like vLLM."""
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {value}.")
+    if prompt_tokens + value > MAX_MODEL_LEN:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+            f"requested {prompt_tokens + value} tokens ({prompt_tokens} in the messages, "
+            f"{value} in the completion). Please reduce the length of the messages or "
+            "completion.",
+        )
+    return value
+
+
+def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a generation request."""
+    stream = body.get("stream", False)
+    options = body.get("stream_options")
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be a boolean")
+    if options and not stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+    return stream, bool(isinstance(options, Mapping) and options.get("include_usage"))
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def prompt_token_count(prompt: Any) -> int:
+    """Tokens of a completions prompt: a string or token ids, alone or as a list of one."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return count_tokens(prompt)
+    if _is_token_ids(prompt):
+        return len(prompt)
+    raise ApiError(400, "prompt: a string or one list of token ids is required")
+
+
+def embedding_inputs(raw: Any) -> list[tuple[str, int]]:
+    """(key, token count) per input of an embeddings request."""
+    inputs: list[Any] = raw if isinstance(raw, list) and raw else [raw]
+    if _is_token_ids(inputs):
+        inputs = [inputs]
+    parsed: list[tuple[str, int]] = []
+    for item in inputs:
+        if isinstance(item, str):
+            parsed.append((item, count_tokens(item)))
+        elif _is_token_ids(item):
+            parsed.append((str(item), len(item)))
+        else:
+            raise ApiError(400, "input: a string, list of strings or token ids is required")
+    return parsed
+
+
+class EngineBusy(Exception):
+    """The waiting queue is full (admission control)."""
+
+
+class EngineRequest:
+    """One sequence inside the engine; its handler reads tokens with next_token()."""
+
+    __slots__ = ("_queue", "active", "generated", "max_tokens", "prefilled", "prompt_tokens")
+
+    def __init__(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.prefilled = 0
+        self.generated = 0
+        self.active = True
+        # One item per produced token (its 1-based index); None marks the end.
+        self._queue: asyncio.Queue[int | None] = asyncio.Queue()
+
+    async def next_token(self) -> int | None:
+        """Wait for the next token's index; None once the request has finished."""
+        return await self._queue.get()
+
+    @property
+    def in_decode(self) -> bool:
+        return self.prefilled >= self.prompt_tokens
+
+
+class Engine:
+    """Continuous batching: FIFO admission into max_num_seqs slots, chunked prefill, decode steps.
+
+    The step loop runs as a task only while there is work, so an idle instance costs nothing.
+    """
+
+    def __init__(self, config: SimConfig, stats: SimStats) -> None:
+        self.config = config
+        self.speed = config.speed
+        self._stats = stats
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._running: list[EngineRequest] = []
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def kv_cache_usage(self) -> float:
+        held = sum(r.prefilled + r.generated for r in self._running)
+        return min(1.0, held / (self.config.max_num_seqs * KV_TOKENS_PER_SEQ))
+
+    def submit(self, prompt_tokens: int, max_tokens: int) -> EngineRequest:
+        """Queue a request; raises EngineBusy when the waiting queue is full."""
+        if self._closed:
+            raise EngineBusy("engine is shut down")
+        # Every prompt costs at least one prefill token, so each request reaches decode.
+        req = EngineRequest(max(1, prompt_tokens), max_tokens)
+        # A request that finds a free slot is admitted at once rather than at the next step
+        # boundary, so that admission control only counts requests that really queue.
+        if not self._waiting and len(self._running) < self.config.max_num_seqs:
+            self._running.append(req)
+        elif self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
+            raise EngineBusy("waiting queue full")
+        else:
+            self._waiting.append(req)
+        self._sync_stats()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return req
+
+    def abort(self, req: EngineRequest) -> bool:
+        """Drop a request (client gone); True if it was still unfinished."""
+        if not req.active:
+            return False
+        req.active = False
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._sync_stats()
+        return True
+
+    async def close(self) -> None:
+        """Stop the step loop and drop everything still queued or running."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for req in [*self._running, *self._waiting]:
+            req.active = False
+            req._queue.put_nowait(None)
+        self._running.clear()
+        self._waiting.clear()
+        self._sync_stats()
+
+    def _sync_stats(self) -> None:
+        self._stats.running = len(self._running)
+        self._stats.waiting = len(self._waiting)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            self._running.append(self._waiting.popleft())
+        self._sync_stats()
+
+    def _emit(self, req: EngineRequest) -> None:
+        req.generated += 1
+        self._stats.generation_tokens += 1
+        req._queue.put_nowait(req.generated)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        # Steps are scheduled against a deadline so sleep overshoot does not accumulate.
+        deadline = loop.time()
+        try:
+            while self._running or self._waiting:
+                self._admit()
+                decoding = [r for r in self._running if r.in_decode]
+                # As in vLLM, each decoding sequence takes one token of the step's budget.
+                budget = cfg.max_num_batched_tokens - len(decoding)
+                chunks: list[tuple[EngineRequest, int]] = []
+                for req in self._running:
+                    need = req.prompt_tokens - req.prefilled
+                    if need > 0 and budget > 0:
+                        take = min(need, budget)
+                        chunks.append((req, take))
+                        budget -= take
+                step = sum(take for _, take in chunks) / cfg.prefill_tokens_per_s
+                if decoding:
+                    slowdown = 1 + cfg.decode_slowdown_per_seq * (len(decoding) - 1)
+                    step += cfg.decode_s_per_token * slowdown
+                deadline = max(deadline + step / self.speed, loop.time())
+                await asyncio.sleep(deadline - loop.time())
+                self._apply_step(decoding, chunks)
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
+
+    def _apply_step(
+        self, decoding: list[EngineRequest], chunks: list[tuple[EngineRequest, int]]
+    ) -> None:
+        # Requests aborted during the sleep are skipped: their slot is already free.
+        for req in decoding:
+            if req.active:
+                self._emit(req)
+        for req, take in chunks:
+            if not req.active:
+                continue
+            req.prefilled += take
+            if req.in_decode:
+                self._stats.prompt_tokens += req.prompt_tokens
+                if req.max_tokens > 0:
+                    self._emit(req)
+        for req in [r for r in self._running if r.in_decode and r.generated >= r.max_tokens]:
+            self._running.remove(req)
+            req.active = False
+            self._stats.completed += 1
+            req._queue.put_nowait(None)
+        self._sync_stats()
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI usage object as vLLM fills it."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def embedding_vector(key: str) -> list[float]:
+    """A deterministic unit vector of 8 floats for a key (vLLM normalizes embeddings)."""
+    rng = random.Random(key)
+    vector = [rng.uniform(-1.0, 1.0) for _ in range(8)]
+    norm = sum(v * v for v in vector) ** 0.5 or 1.0
+    return [v / norm for v in vector]
+
+
+@dataclass
+class Generation:
+    """Builds one request's response bodies and SSE events in vLLM's exact shapes."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    prompt_tokens: int
+    tokens: list[str] = field(default_factory=list)
+
+    def _envelope(self, choices: list[dict[str, Any]], obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _event(self, payload: object) -> bytes:
+        return f"data: {dumps(payload)}\n\n".encode()
+
+    def full_body(self) -> dict[str, Any]:
+        text = "".join(self.tokens)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "tool_calls": [],
+                "reasoning_content": None,
+            }
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
+        body["usage"] = usage_body(self.prompt_tokens, len(self.tokens))
+        return body
+
+    def token_events(self, last: bool) -> list[bytes]:
+        """The SSE events that carry the newest token (and the role chunk before the first)."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        finish: dict[str, Any] = {"finish_reason": "length", "stop_reason": None}
+        if not last:
+            finish = {"finish_reason": None}
+        events = []
+        if self.chat and len(self.tokens) == 1:
+            delta = {"role": "assistant", "content": ""}
+            role_choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            events.append(self._event(self._envelope([role_choice], obj)))
+        content: dict[str, Any] = (
+            {"delta": {"content": self.tokens[-1]}} if self.chat else {"text": self.tokens[-1]}
+        )
+        choice = {"index": 0, **content, "logprobs": None, **finish}
+        events.append(self._event(self._envelope([choice], obj)))
+        return events
+
+    def tail_events(self, include_usage: bool) -> list[bytes]:
+        """Optional usage chunk, then the [DONE] terminator."""
+        events = []
+        if include_usage:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            body = self._envelope([], obj)
+            body["usage"] = usage_body(self.prompt_tokens, len(self.tokens))
+            events.append(self._event(body))
+        events.append(b"data: [DONE]\n\n")
+        return events

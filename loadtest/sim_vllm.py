@@ -1,0 +1,407 @@
+"""Simulated vLLM instance: vLLM's OpenAI-compatible HTTP API over a continuous-batching model."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import hmac
+import ipaddress
+import json
+import random
+import struct
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from loadtest.sim_engine import (
+    BUSY_MESSAGE,
+    MAX_MODEL_LEN,
+    VOCAB,
+    ApiError,
+    Engine,
+    EngineBusy,
+    EngineRequest,
+    Faults,
+    Generation,
+    SimConfig,
+    SimStats,
+    count_message_tokens,
+    count_tokens,
+    dumps,
+    embedding_inputs,
+    embedding_vector,
+    parse_max_tokens,
+    parse_stream,
+    prompt_token_count,
+    tokenize_messages,
+    tokenize_text,
+    usage_body,
+)
+
+__all__ = [
+    "BUSY_MESSAGE",
+    "Faults",
+    "SimConfig",
+    "SimInstance",
+    "SimStats",
+    "count_message_tokens",
+    "count_tokens",
+]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    # Starlette's JSONResponse: compact, and no charset parameter on the content type.
+    return web.Response(body=dumps(body).encode(), status=status, content_type="application/json")
+
+
+class _Dropped(Exception):
+    """The simulated server died mid-request (die_after_chunks)."""
+
+
+class _MetricsCollector:
+    """Reads the instance's live state at scrape time, with vLLM's metric names and labels."""
+
+    def __init__(self, sim: SimInstance) -> None:
+        self._sim = sim
+
+    def collect(self) -> Iterable[Metric]:
+        sim, stats = self._sim, self._sim.stats
+        names, values = ["model_name", "engine"], [sim.config.model, "0"]
+        for name, value in [
+            ("vllm:num_requests_running", stats.running),
+            ("vllm:num_requests_waiting", stats.waiting),
+            ("vllm:kv_cache_usage_perc", sim.engine.kv_cache_usage),
+        ]:
+            gauge = GaugeMetricFamily(name, name.removeprefix("vllm:"), labels=names)
+            gauge.add_metric(values, float(value))
+            yield gauge
+        for name, total in [
+            ("vllm:prompt_tokens", stats.prompt_tokens),
+            ("vllm:generation_tokens", stats.generation_tokens),
+        ]:
+            counter = CounterMetricFamily(name, name.removeprefix("vllm:"), labels=names)
+            counter.add_metric(values, float(total))
+            yield counter
+        # vLLM splits successes by finish reason; every simulated request stops on length.
+        success = CounterMetricFamily(
+            "vllm:request_success", "request_success", labels=[*names, "finished_reason"]
+        )
+        success.add_metric([*values, "length"], float(stats.completed))
+        yield success
+
+
+class SimInstance:
+    """One simulated vLLM server; start() binds it to a loopback port."""
+
+    def __init__(self, config: SimConfig = SimConfig()) -> None:  # noqa: B008 - frozen
+        self.config = config
+        self.faults = Faults()
+        self.stats = SimStats()
+        self.engine = Engine(config, self.stats)
+        self.url = ""
+        self._rng = random.Random(config.seed)
+        self._runner: web.AppRunner | None = None
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_MetricsCollector(self))
+        self.app = web.Application(
+            middlewares=[self._v1_middleware], client_max_size=64 * 1024 * 1024
+        )
+        self.app.on_response_prepare.append(self._mimic_uvicorn)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/embeddings", self._embeddings)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_post("/tokenize", self._tokenize)
+        self.app.router.add_get("/metrics", self._metrics)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on host:port (loopback only; port 0 picks a free one) and return the URL."""
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            raise ValueError(f"refusing to listen on non-loopback host {host!r}")
+        if self._runner is not None:
+            raise RuntimeError("already started")
+        if self.engine.closed:
+            self.engine = Engine(self.config, self.stats)
+        # handler_cancellation: a client that leaves cancels its handler, which aborts the
+        # request in the engine, as vLLM aborts requests of disconnected clients.
+        # keepalive_timeout: uvicorn (vLLM's server) drops idle connections after 5 s, and a
+        # gateway's connection pool must cope with that.
+        runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=0.1,
+            keepalive_timeout=5.0,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runner = runner
+        sockname = runner.addresses[0]
+        url_host = f"[{sockname[0]}]" if ":" in sockname[0] else sockname[0]
+        self.url = f"http://{url_host}:{sockname[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        """Close the port and cut open connections at once, like a killed process."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            # aiohttp's graceful shutdown would let streams run on; a dead server cuts them.
+            for connection in runner.server.connections if runner.server else []:
+                if connection.transport is not None:
+                    connection.transport.close()
+            await runner.cleanup()
+        await self.engine.close()
+
+    def set_speed(self, speed: float) -> None:
+        """Change throughput mid-run; takes effect from the next engine step."""
+        self.config = dataclasses.replace(self.config, speed=speed)
+        self.engine.speed = speed
+
+    @staticmethod
+    async def _mimic_uvicorn(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = "uvicorn"
+
+    @web.middleware
+    async def _v1_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        is_v1 = request.path.startswith("/v1/")
+        if is_v1:
+            self.stats.requests += request.method == "POST"
+            self.stats.last_headers = {k.lower(): v for k, v in request.headers.items()}
+            if request_id := request.headers.get("X-Request-Id"):
+                self.stats.seen_request_ids.append(request_id)
+        if is_v1 and request.method != "OPTIONS" and self.config.api_key:
+            expected = f"Bearer {self.config.api_key}".encode()
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _json({"error": "Unauthorized"}, status=401)
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        except web.HTTPNotFound:
+            # FastAPI's answer for unknown routes, not aiohttp's plain text.
+            return _json({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed:
+            return _json({"detail": "Method Not Allowed"}, status=405)
+
+    # --- request parsing ------------------------------------------------------------------
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any]:
+        if request.content_type != "application/json":
+            raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"JSON decode error: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "Request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise ApiError(404, f"The model `{model}` does not exist.")
+        return body
+
+    def _request_id(self, request: web.Request) -> str:
+        # vLLM bases the response id on the caller's X-Request-Id when there is one.
+        return request.headers.get("X-Request-Id") or f"{self._rng.getrandbits(128):032x}"
+
+    # --- faults -----------------------------------------------------------------------------
+
+    async def _apply_faults(self) -> None:
+        faults = self.faults
+        if faults.status is not None:
+            self.stats.rejected += 1
+            raise ApiError(faults.status, f"Simulated failure with status {faults.status}")
+        if faults.busy:
+            self.stats.rejected += 1
+            raise ApiError(503, BUSY_MESSAGE)
+        if faults.hang_before_headers:
+            try:
+                await asyncio.get_running_loop().create_future()
+            finally:
+                self.stats.cancelled += 1
+
+    def _submit(self, prompt_tokens: int, max_tokens: int) -> EngineRequest:
+        try:
+            return self.engine.submit(prompt_tokens, max_tokens)
+        except EngineBusy as exc:
+            self.stats.rejected += 1
+            raise ApiError(503, BUSY_MESSAGE) from exc
+
+    @staticmethod
+    def _drop(request: web.Request) -> None:
+        # close(), not abort(): bytes already written still reach the client, then the body
+        # simply ends without the chunked terminator, as when a server process is killed.
+        if request.transport is not None:
+            request.transport.close()
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        await self._apply_faults()
+        body = await self._read_body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages: field required (a non-empty list)")
+        return await self._generate(request, body, count_message_tokens(messages), chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        await self._apply_faults()
+        body = await self._read_body(request)
+        prompt_tokens = prompt_token_count(body.get("prompt"))
+        return await self._generate(request, body, prompt_tokens, chat=False)
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], prompt_tokens: int, *, chat: bool
+    ) -> web.StreamResponse:
+        max_tokens = parse_max_tokens(body, self.config.default_max_tokens, prompt_tokens)
+        stream, include_usage = parse_stream(body)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        gen = Generation(
+            id=prefix + self._request_id(request),
+            created=int(time.time()),
+            model=self.config.model,
+            chat=chat,
+            prompt_tokens=prompt_tokens,
+        )
+        die_after = self.faults.die_after_chunks
+        # instant mode skips the engine: every token is ready at once.
+        req = None if self.config.instant else self._submit(prompt_tokens, max_tokens)
+        resp: web.StreamResponse | None = None
+        dropped = done = False
+        sent = 0
+
+        async def send(events: list[bytes]) -> None:
+            nonlocal sent
+            assert resp is not None
+            for event in events:
+                if die_after is not None and sent >= die_after:
+                    raise _Dropped
+                await resp.write(event)
+                sent += 1
+
+        try:
+            if stream:
+                resp = await self._start_stream(request)
+            elif die_after is not None:
+                raise _Dropped
+            while len(gen.tokens) < max_tokens:
+                if req is not None and await req.next_token() is None:
+                    break
+                gen.tokens.append(self._rng.choice(VOCAB))
+                if stream:
+                    await send(gen.token_events(last=len(gen.tokens) == max_tokens))
+            if req is None:
+                self.stats.prompt_tokens += prompt_tokens
+                self.stats.generation_tokens += max_tokens
+                self.stats.completed += 1
+            if resp is None:
+                done = True
+                return _json(gen.full_body())
+            await send(gen.tail_events(include_usage))
+            done = True
+            return resp
+        except _Dropped:
+            dropped = True
+            self._drop(request)
+            return resp or web.Response(status=500)
+        except ConnectionResetError:
+            # The client left between two writes; aiohttp only logs errors that escape.
+            return resp or web.Response(status=500)
+        finally:
+            unfinished = self.engine.abort(req) if req is not None else not done
+            if dropped:
+                self.stats.rejected += 1
+            elif unfinished:
+                self.stats.cancelled += 1
+
+    @staticmethod
+    async def _start_stream(request: web.Request) -> web.StreamResponse:
+        # Headers go out before the first token, as Starlette's StreamingResponse does.
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        return resp
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        await self._apply_faults()
+        body = await self._read_body(request)
+        inputs = embedding_inputs(body.get("input"))
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise ApiError(400, f"Unsupported encoding_format: {encoding}")
+        if self.faults.die_after_chunks is not None:
+            self.stats.rejected += 1
+            self._drop(request)
+            return web.Response(status=500)
+        total = sum(count for _, count in inputs)
+        if self.config.instant:
+            self.stats.prompt_tokens += total
+            self.stats.completed += 1
+        else:
+            req = self._submit(total, 0)
+            try:
+                while await req.next_token() is not None:
+                    pass
+            finally:
+                if self.engine.abort(req):
+                    self.stats.cancelled += 1
+        data = []
+        for index, (key, _) in enumerate(inputs):
+            vector = embedding_vector(f"{self.config.seed}:{key}")
+            value: list[float] | str = vector
+            if encoding == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"index": index, "object": "embedding", "embedding": value})
+        return _json(
+            {
+                "id": "embd-" + self._request_id(request),
+                "object": "list",
+                "created": int(time.time()),
+                "model": self.config.model,
+                "data": data,
+                "usage": usage_body(total, 0),
+            }
+        )
+
+    # --- other routes -----------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        model = self.config.model
+        card = {
+            "id": model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": model,
+            "parent": None,
+            "max_model_len": MAX_MODEL_LEN,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=self.faults.health_status)
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_body(request)
+        if isinstance(body.get("messages"), list):
+            tokens = tokenize_messages(body["messages"])
+        elif isinstance(body.get("prompt"), str):
+            tokens = tokenize_text(body["prompt"])
+        else:
+            raise ApiError(400, "Either prompt or messages is required")
+        answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens}
+        return _json({**answer, "token_strs": None})
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=generate_latest(self._registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_PLAIN_0_0_4
+        return resp
