@@ -42,6 +42,9 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DATA = b"data:"
 _DONE = b"data: [DONE]"
+# Writes that may block (the client is behind, or the chunk is big) are timed; others are
+# free. 16 KiB is asyncio's low-water mark.
+_BACKLOG = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class Proxy:
             Lane.SHORT: channel.timeout.read,
             Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
         }
+        self.write_timeout = channel.timeout.write
         self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
         self.clock = time.monotonic
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
@@ -444,6 +448,7 @@ class Proxy:
         events = first.count(_DATA)
         last = first
         reader = response.content
+        transport = request.transport
         outcome: Outcome = Outcome.SUCCESS
         error: str | None = None
         while True:
@@ -478,8 +483,17 @@ class Proxy:
             if not chunk:
                 break
             try:
-                await out.write(chunk)
-            except ConnectionResetError:
+                if (
+                    transport is not None
+                    and transport.get_write_buffer_size() + len(chunk) > _BACKLOG
+                ):
+                    # The client is not reading. Give it `timeout.write` seconds, then
+                    # let it go rather than keep a GPU generating into a full buffer.
+                    async with asyncio.timeout(self.write_timeout):
+                        await out.write(chunk)
+                else:
+                    await out.write(chunk)
+            except (ConnectionResetError, TimeoutError):
                 return out, self._client_left(ex), None
             events += chunk.count(_DATA)
             last = chunk
