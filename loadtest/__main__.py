@@ -1,0 +1,194 @@
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, overhead (see loadtest/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest import overhead, scenarios
+from loadtest.loadgen import Mix
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,1,0.4, got {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in _floats(text))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("common")
+    g.add_argument("--seed", type=int, default=1, help="workload and simulator seed")
+    g.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT objective, s (goodput)")
+    g.add_argument("--tpot-slo", type=float, default=0.05, help="TPOT objective, s (goodput)")
+    g.add_argument("--out", type=Path, default=Path("loadtest/results"), help="report folder")
+    g.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
+    g.add_argument("--limit", type=float, default=300.0, help="seconds any one run may take")
+
+
+def _mix(p: argparse.ArgumentParser, long_share: float, max_tokens: str) -> None:
+    g = p.add_argument_group("workload mix (tokens, ~4 UTF-8 bytes each)")
+    g.add_argument("--long-share", type=float, default=long_share, help="share above 4096")
+    g.add_argument("--short-tokens", type=_range, default=(200, 1000), metavar="LO-HI")
+    g.add_argument("--long-tokens", type=_range, default=(5000, 8000), metavar="LO-HI")
+    g.add_argument("--max-tokens", type=_range, default=_range(max_tokens), metavar="LO-HI")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    sub = parser.add_subparsers(dest="scenario", required=True)
+
+    p = sub.add_parser("run", help="one load against any OpenAI-compatible base URL")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--key", required=True)
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--requests", type=int, default=100)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, default=8, help="closed loop (default)")
+    mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    _mix(p, 0.2, "32-128")
+    _common(p)
+
+    p = sub.add_parser("sweep", help="TTFT and TPOT against concurrency, through the gateway")
+    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))
+    p.add_argument("--levels", type=_ints, default=(1, 2, 4, 8, 16))
+    p.add_argument("--requests-per-client", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--strategy", default="least_busy")
+    _mix(p, 0.0, "64")
+    _common(p)
+
+    p = sub.add_parser("compare", help="strategies and no gateway on a one-slow-card fleet")
+    p.add_argument("--strategies", type=_names, default=("round_robin", "least_busy"))
+    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--load", type=float, default=0.75, help="open loop: share of capacity")
+    p.add_argument("--duration", type=float, default=40.0, help="open loop: seconds")
+    p.add_argument("--concurrency", type=int, default=16, help="closed loop (0: skip)")
+    p.add_argument("--closed-requests", type=int, default=160)
+    p.add_argument("--closed-long-share", type=float, default=1.0)
+    p.add_argument("--clients", type=int, default=16, help="pinned clients in the baseline")
+    p.add_argument("--no-independent", action="store_true", help="skip the no-gateway baseline")
+    _mix(p, 0.2, "32-128")
+    _common(p)
+
+    p = sub.add_parser("overhead", help="the gateway's added latency, CPU and memory")
+    p.add_argument("--idle-requests", type=int, default=400, help="per arm, concurrency 1")
+    p.add_argument("--requests", type=int, default=3000, help="loaded run")
+    p.add_argument("--concurrency", type=int, default=32, help="loaded run")
+    p.add_argument("--streams", type=int, default=2000, help="open streams for the memory run")
+    p.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
+    _common(p)
+    return parser
+
+
+def _common_of(args: argparse.Namespace) -> scenarios.Common:
+    return scenarios.Common(
+        seed=args.seed,
+        ttft_slo=args.ttft_slo,
+        tpot_slo=args.tpot_slo,
+        out=args.out,
+        pin=not args.no_pin,
+        limit=args.limit,
+    )
+
+
+def _mix_of(args: argparse.Namespace, long_share: float | None = None) -> Mix:
+    return Mix(
+        long_share=args.long_share if long_share is None else long_share,
+        short_tokens=args.short_tokens,
+        long_tokens=args.long_tokens,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _job(args: argparse.Namespace) -> Coroutine[Any, Any, Any]:
+    common = _common_of(args)
+    jobs: dict[str, Callable[[], Coroutine[Any, Any, Any]]] = {
+        "run": lambda: scenarios.run_once(
+            scenarios.RunOptions(
+                base_url=args.base_url,
+                key=args.key,
+                model=args.model,
+                requests=args.requests,
+                concurrency=None if args.rate else args.concurrency,
+                rate=args.rate,
+                mix=_mix_of(args),
+            ),
+            common,
+        ),
+        "sweep": lambda: scenarios.sweep(
+            scenarios.SweepOptions(
+                speeds=args.speeds,
+                levels=args.levels,
+                requests_per_client=args.requests_per_client,
+                max_num_seqs=args.max_num_seqs,
+                strategy=args.strategy,
+                mix=_mix_of(args),
+            ),
+            common,
+        ),
+        "compare": lambda: scenarios.compare(
+            scenarios.CompareOptions(
+                strategies=args.strategies,
+                speeds=args.speeds,
+                max_num_seqs=args.max_num_seqs,
+                load=args.load,
+                duration=args.duration,
+                concurrency=args.concurrency,
+                closed_requests=args.closed_requests,
+                closed_mix=_mix_of(args, args.closed_long_share),
+                mix=_mix_of(args),
+                independent=not args.no_independent,
+                clients=args.clients,
+            ),
+            common,
+        ),
+        "overhead": lambda: overhead.overhead(
+            overhead.OverheadOptions(
+                idle_requests=args.idle_requests,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                streams=args.streams,
+                profile=not args.no_profile,
+            ),
+            common,
+        ),
+    }
+    return jobs[args.scenario]()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        asyncio.run(_job(args))
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

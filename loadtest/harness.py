@@ -1,0 +1,240 @@
+"""Start a simulated fleet and a gateway as separate processes on 127.0.0.1, and watch them.
+
+Scenarios run the system under test the way an operator would: `python -m loadtest.fleet`
+and `python -m gateway --config ... --settings ...`, each its own process (optionally
+pinned to a core with `taskset`), with the gateway's log in a file so a full pipe never
+stalls it. `/proc/<pid>` gives the CPU time and peak memory of a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+KEY = "sk-loadtest-local"
+_STARTUP_LIMIT = 30.0
+
+
+def pin_prefix(core: int | None) -> list[str]:
+    """`taskset -c core` when pinning is asked for and possible, else nothing."""
+    if core is None or shutil.which("taskset") is None:
+        return []
+    if core >= (os.cpu_count() or 1):
+        return []
+    return ["taskset", "-c", str(core)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmHWM (peak resident) and VmRSS of a process, in KiB, from /proc/<pid>/status."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmHWM", "VmRSS"):
+            out[name] = int(value.split()[0])
+    return out
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+@dataclass
+class FleetProc:
+    proc: asyncio.subprocess.Process
+    urls: list[str]
+
+
+@contextlib.asynccontextmanager
+async def fleet_process(
+    speeds: Sequence[float],
+    *,
+    max_num_seqs: int,
+    seed: int,
+    instant: bool = False,
+    core: int | None = None,
+) -> AsyncIterator[FleetProc]:
+    """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs."""
+    args = [
+        *pin_prefix(core),
+        sys.executable,
+        "-m",
+        "loadtest.fleet",
+        "--speeds",
+        ",".join(str(s) for s in speeds),
+        "--base-port",
+        "0",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        str(seed),
+    ]
+    if instant:
+        args.append("--instant")
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        urls = []
+        for _ in speeds:
+            line = await asyncio.wait_for(proc.stdout.readline(), _STARTUP_LIMIT)
+            if not line:
+                raise RuntimeError(f"the fleet exited early with status {await proc.wait()}")
+            urls.append(line.decode().strip())
+        yield FleetProc(proc, urls)
+    finally:
+        await _stop(proc)
+
+
+def gateway_files(
+    folder: Path,
+    port: int,
+    instances: Sequence[str],
+    *,
+    strategy: str,
+    max_num_seqs: int,
+    dispatch: dict[str, Any] | None = None,
+    gateway: dict[str, Any] | None = None,
+) -> tuple[Path, Path]:
+    """Write the config.toml and settings.json a scenario's gateway runs with."""
+    sections: dict[str, dict[str, Any]] = {
+        "gateway": {"host": "127.0.0.1", "port": port, **(gateway or {})},
+        "dispatch": {
+            "strategy": strategy,
+            "health_check_interval": 1.0,
+            "max_num_seqs": max_num_seqs,
+            **(dispatch or {}),
+        },
+    }
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    config = folder / "config.toml"
+    config.write_text("\n".join(lines) + "\n")
+    settings = folder / "settings.json"
+    body = {
+        "channel": {
+            "api_key": "${GATEWAY_API_KEY}",
+            "default_model": "sim-model",
+            "headers": {"X-Request-Tag": "loadtest"},
+        },
+        "vllm": {"instances": [{"url": u, "max_num_seqs": max_num_seqs} for u in instances]},
+    }
+    settings.write_text(json.dumps(body, indent=2))
+    return config, settings
+
+
+@dataclass
+class GatewayProc:
+    proc: asyncio.subprocess.Process
+    url: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+async def _wait_ready(url: str, instances: int, proc: asyncio.subprocess.Process) -> None:
+    """Until /admin/instances shows every instance up (bounded by _STARTUP_LIMIT)."""
+    deadline = time.monotonic() + _STARTUP_LIMIT
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"the gateway exited with status {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(url + "/admin/instances", headers=headers) as resp:
+                    if resp.status == 200:
+                        body = await resp.json()
+                        if sum(i["available"] for i in body["instances"]) == instances:
+                            return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"the gateway at {url} was not ready within {_STARTUP_LIMIT} s")
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(
+    instances: Sequence[str],
+    *,
+    strategy: str,
+    max_num_seqs: int,
+    core: int | None = None,
+    dispatch: dict[str, Any] | None = None,
+    gateway: dict[str, Any] | None = None,
+) -> AsyncIterator[GatewayProc]:
+    """`python -m gateway` before `instances`, ready when every instance is up."""
+    with tempfile.TemporaryDirectory(prefix="loadtest-gw-") as tmp:
+        folder = Path(tmp)
+        port = free_port()
+        config, settings = gateway_files(
+            folder,
+            port,
+            instances,
+            strategy=strategy,
+            max_num_seqs=max_num_seqs,
+            dispatch=dispatch,
+            gateway=gateway,
+        )
+        log = folder / "gateway.log"
+        env = {**os.environ, "GATEWAY_API_KEY": KEY}
+        args = [
+            *pin_prefix(core),
+            sys.executable,
+            "-m",
+            "gateway",
+            "--config",
+            str(config),
+            "--settings",
+            str(settings),
+        ]
+        with log.open("wb") as sink:
+            proc = await asyncio.create_subprocess_exec(
+                *args, env=env, stdout=sink, stderr=asyncio.subprocess.STDOUT
+            )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                await _wait_ready(url, len(instances), proc)
+            except RuntimeError as exc:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{exc}; gateway log:\n{tail}") from None
+            yield GatewayProc(proc, url, log)
+        finally:
+            await _stop(proc)

@@ -1,0 +1,302 @@
+"""The `overhead` scenario: what the gateway itself costs, measured from outside its process.
+
+The gateway runs as its own process pinned to core 0; the instant simulator and this
+load generator share core 1. Four measurements, side by side in one run:
+
+1. idle latency: concurrency 1, blocks alternating straight-to-instance and via-gateway,
+   so drift hits both arms alike; the added latency is the difference of the medians;
+2. CPU per streamed request (16 tokens): utime + stime of the gateway process from
+   /proc/<pid>/stat around a closed-loop run, once with an instant instance (the chunks
+   arrive in bursts) and once with tokens paced 2 ms apart (one chunk per token);
+3. hot spots: py-spy sampling the gateway during a repeat of the instant run;
+4. memory: VmHWM from /proc/<pid>/status with `streams` streams open at once against
+   slow-decoding instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest import harness, report
+from loadtest.loadgen import Client, Mix, Run, make_workload, run_closed, session
+from loadtest.scenarios import Common, cores, pin_self, say, summarize, to_v1, write_json
+
+IDLE_MIX = Mix(long_share=0.0, short_tokens=(100, 100), max_tokens=(16, 16))
+STREAM_MIX = Mix(long_share=0.0, short_tokens=(50, 50), max_tokens=(32, 32))
+
+
+@dataclass(frozen=True)
+class OverheadOptions:
+    idle_requests: int = 400  # per arm
+    requests: int = 3000
+    concurrency: int = 32
+    streams: int = 2000
+    profile: bool = True
+    rounds: int = 4  # idle blocks per arm
+
+
+@dataclass
+class System:
+    fleet: harness.FleetProc
+    gw: harness.GatewayProc
+    client: Client
+
+
+@contextlib.asynccontextmanager
+async def _system(
+    common: Common,
+    speeds: Sequence[float],
+    *,
+    instant: bool,
+    max_num_seqs: int,
+    max_connections: int = 64,
+) -> AsyncIterator[System]:
+    gw_core, fleet_core = cores(common)
+    async with (
+        harness.fleet_process(
+            speeds, max_num_seqs=max_num_seqs, seed=common.seed, instant=instant, core=fleet_core
+        ) as fleet,
+        harness.gateway_process(
+            fleet.urls,
+            strategy="least_busy",
+            max_num_seqs=max_num_seqs,
+            core=gw_core,
+            gateway={"max_connections": max_connections},
+        ) as gw,
+        session() as http,
+    ):
+        yield System(fleet, gw, Client(http, harness.KEY))
+
+
+async def _closed(
+    system: System, url: str, count: int, concurrency: int, label: str, mix: Mix, common: Common
+) -> Run:
+    specs = make_workload(count, mix, common.seed)
+    return await run_closed(
+        system.client,
+        specs,
+        lambda s, w: url,
+        concurrency=concurrency,
+        label=label,
+        limit=common.limit,
+    )
+
+
+def _merge(label: str, runs: Sequence[Run]) -> Run:
+    merged = Run(label, started=0.0, ended=sum(r.duration for r in runs))
+    for run in runs:
+        merged.results.extend(run.results)
+        merged.unfinished += run.unfinished
+    return merged
+
+
+async def _idle(system: System, opts: OverheadOptions, common: Common) -> dict[str, Any]:
+    direct, via = to_v1(system.fleet.urls[0]), system.gw.base_url
+    for url in (direct, via):  # warm both paths' connections and code
+        await _closed(system, url, 20, 1, "warm-up", IDLE_MIX, common)
+    per_block = max(1, opts.idle_requests // opts.rounds)
+    arms: dict[str, list[Run]] = {"direct": [], "gateway": []}
+    for _ in range(opts.rounds):
+        for arm, url in (("direct", direct), ("gateway", via)):
+            arms[arm].append(await _closed(system, url, per_block, 1, arm, IDLE_MIX, common))
+    runs = {arm: summarize(_merge(arm, r), common) for arm, r in arms.items()}
+    added = {
+        f"{metric}_{p}_ms": 1000 * (runs["gateway"][metric][p] - runs["direct"][metric][p])
+        for metric in ("latency_s", "ttft_s")
+        for p in ("p50", "p99")
+        if runs["gateway"][metric][p] is not None and runs["direct"][metric][p] is not None
+    }
+    return {"runs": runs, "added": added}
+
+
+async def _cpu(system: System, opts: OverheadOptions, common: Common, label: str) -> dict[str, Any]:
+    await _closed(system, system.gw.base_url, 100, opts.concurrency, "warm-up", IDLE_MIX, common)
+    before, wall = harness.cpu_seconds(system.gw.pid), time.perf_counter()
+    run = await _closed(
+        system, system.gw.base_url, opts.requests, opts.concurrency, label, IDLE_MIX, common
+    )
+    cpu = harness.cpu_seconds(system.gw.pid) - before
+    wall = time.perf_counter() - wall
+    summary = summarize(run, common)
+    done = max(1, summary["completed"])
+    return {
+        "run": summary,
+        "gateway_cpu_s": cpu,
+        "cpu_ms_per_request": 1000 * cpu / done,
+        "cpu_s_per_1000_requests": 1000 * cpu / done,
+        "gateway_core_utilisation": cpu / wall,
+        "requests_per_s": summary["requests_per_s"],
+        "requests_per_s_per_gateway_core": done / cpu if cpu else None,
+        "reads_per_stream_p50": summary["reads_per_stream"]["p50"],
+        "memory_kib": harness.memory_kib(system.gw.pid),
+    }
+
+
+async def _profile(system: System, opts: OverheadOptions, common: Common, out: Path) -> Any:
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        return {"skipped": "py-spy is not installed (pip install py-spy)"}
+    raw = out / "overhead-pyspy.txt"
+    args = [
+        *harness.pin_prefix(cores(common)[1]),
+        spy,
+        "record",
+        "-p",
+        str(system.gw.pid),
+        "-r",
+        "250",
+        "-f",
+        "raw",
+        "-o",
+        str(raw),
+        "--nonblocking",
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    await asyncio.sleep(1.0)  # let it attach
+    await _closed(
+        system, system.gw.base_url, opts.requests, opts.concurrency, "py-spy", IDLE_MIX, common
+    )
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    except TimeoutError:
+        proc.kill()
+        return {"skipped": "py-spy did not stop"}
+    if not raw.exists():
+        return {"skipped": f"py-spy wrote nothing: {err.decode(errors='replace')[-300:]}"}
+    return top_frames(raw.read_text())
+
+
+def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
+    """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        samples = int(n)
+        total += samples
+        frames = [_frame_name(f) for f in stack.split(";")]
+        own[frames[-1]] += samples
+        for name in set(frames):
+            inclusive[name] += samples
+
+    def share(counts: Counter[str]) -> list[tuple[str, float]]:
+        return [(name, round(n / max(1, total), 4)) for name, n in counts.most_common(count)]
+
+    return {"samples": total, "self": share(own), "inclusive": share(inclusive)}
+
+
+def _frame_name(frame: str) -> str:
+    # "handle (gateway/proxy.py:171)" -> "handle (gateway/proxy.py)": lines split a function
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rpartition(":")[0] or where.rstrip(")")
+    for marker in ("site-packages/", "lib/python3"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return f"{name} ({path})"
+
+
+async def _memory(opts: OverheadOptions, common: Common) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * opts.streams + 1024
+    if soft < want:  # children inherit it: fleet, gateway
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    speeds = (0.5, 0.5, 0.5, 0.5)
+    seqs = max(16, -(-opts.streams // len(speeds)) + 8)
+    async with _system(
+        common, speeds, instant=False, max_num_seqs=seqs, max_connections=opts.streams + 64
+    ) as system:
+        pid = system.gw.pid
+        at_start = harness.memory_kib(pid)
+        peak = {"inflight": 0}
+        watcher = asyncio.create_task(_watch_inflight(system.gw.url, peak))
+        try:
+            run = await _closed(
+                system,
+                system.gw.base_url,
+                opts.streams,
+                opts.streams,
+                "streams",
+                STREAM_MIX,
+                common,
+            )
+        finally:
+            watcher.cancel()
+        return {
+            "streams": opts.streams,
+            "peak_inflight_seen": peak["inflight"],
+            "memory_kib_at_start": at_start,
+            "memory_kib_after": harness.memory_kib(pid),
+            "run": summarize(run, common),
+        }
+
+
+async def _watch_inflight(url: str, peak: dict[str, int]) -> None:
+    headers = {"Authorization": f"Bearer {harness.KEY}"}
+    async with aiohttp.ClientSession() as http:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(url + "/admin/instances", headers=headers) as resp:
+                    peak["inflight"] = max(peak["inflight"], (await resp.json())["inflight"])
+            await asyncio.sleep(0.25)
+
+
+async def overhead(opts: OverheadOptions, common: Common) -> dict[str, Any]:
+    """All four measurements; prints a summary and writes overhead.json."""
+    pin_self(common)
+    common.out.mkdir(parents=True, exist_ok=True)
+    body: dict[str, Any] = {"options": asdict(opts), "pinned": bool(harness.pin_prefix(0))}
+    async with _system(common, (1.0,), instant=True, max_num_seqs=256) as system:
+        body["idle"] = await _idle(system, opts, common)
+        body["cpu_instant"] = await _cpu(system, opts, common, "instant")
+        body["profile"] = await _profile(system, opts, common, common.out) if opts.profile else {}
+        body["memory_kib_loaded"] = harness.memory_kib(system.gw.pid)
+    async with _system(common, (5.0,), instant=False, max_num_seqs=256) as system:
+        body["cpu_paced"] = await _cpu(system, opts, common, "paced 2 ms/token")
+    body["streams"] = await _memory(opts, common)
+    _print(body)
+    say(f"wrote {write_json(common, 'overhead', body)}")
+    return body
+
+
+def _print(body: dict[str, Any]) -> None:
+    idle = body["idle"]
+    say(report.run_table(list(idle["runs"].values())))
+    say("added by the gateway (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in idle["added"].items()))
+    for key in ("cpu_instant", "cpu_paced"):
+        c = body[key]
+        say(
+            f"{key}: {c['cpu_ms_per_request']:.3f} ms CPU/request, {c['requests_per_s']:.0f} req/s"
+            f" at {c['gateway_core_utilisation']:.0%} of a core -> "
+            f"{c['requests_per_s_per_gateway_core'] or 0:.0f} req/s per core; "
+            f"{c['reads_per_stream_p50']} reads/stream; "
+            f"VmHWM {c['memory_kib']['VmHWM'] / 1024:.1f} MiB"
+        )
+    s = body["streams"]
+    say(
+        f"{s['streams']} streams (peak {s['peak_inflight_seen']} in flight): VmHWM "
+        f"{s['memory_kib_after']['VmHWM'] / 1024:.1f} MiB (at start "
+        f"{s['memory_kib_at_start']['VmRSS'] / 1024:.1f} MiB); "
+        f"{s['run']['ok']}/{s['run']['requests']} ok"
+    )
+    prof = body.get("profile") or {}
+    for name, share in prof.get("self", [])[:10]:
+        say(f"  self {share:6.1%}  {name}")

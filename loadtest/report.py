@@ -1,0 +1,240 @@
+"""Turn runs into numbers: percentiles, throughput, goodput, shares; tables and plots.
+
+A summary is a plain JSON-able dict, so scenarios can print it, write it, and tests can
+check that it adds up. Throughput and goodput divide by the run's span, from its start
+until its last answer (the drain of a backlog counts, as it does for the users waiting).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.loadgen import Result, Run
+
+Summary = dict[str, Any]
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: Iterable[float]) -> dict[str, float | None]:
+    """Nearest-rank p50/p90/p99, max and mean; None for each when there are no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+    out: dict[str, float | None] = {}
+    for p in PERCENTILES:
+        out[f"p{p}"] = ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+    out["max"] = ordered[-1]
+    out["mean"] = sum(ordered) / len(ordered)
+    return out
+
+
+def meets(result: Result, ttft_slo: float, tpot_slo: float) -> bool:
+    """Whether a request succeeded within both objectives (a 1-token answer has no TPOT)."""
+    if not result.ok or result.ttft is None or result.ttft > ttft_slo:
+        return False
+    return result.tpot is None or result.tpot <= tpot_slo
+
+
+def summarize(run: Run, *, ttft_slo: float, tpot_slo: float) -> Summary:
+    """Everything a report shows about one run."""
+    results = run.results
+    ok = [r for r in results if r.ok]
+    duration = run.duration
+    errors = Counter(r.error_key() for r in results if not r.ok)
+    if run.unfinished:
+        errors["unfinished"] = run.unfinished
+    served = Counter(r.instance for r in ok)
+    good = sum(1 for r in results if meets(r, ttft_slo, tpot_slo))
+    return {
+        "label": run.label,
+        "requests": len(results) + run.unfinished,
+        "completed": len(results),
+        "ok": len(ok),
+        "errors": dict(sorted(errors.items())),
+        "duration_s": duration,
+        "requests_per_s": len(ok) / duration,
+        "output_tokens_per_s": sum(r.tokens for r in ok) / duration,
+        "goodput_rps": good / duration,
+        "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
+        "met_slo": good,
+        "ttft_s": percentiles(r.ttft for r in ok if r.ttft is not None),
+        "tpot_s": percentiles(r.tpot for r in ok if r.tpot is not None),
+        "latency_s": percentiles(r.latency for r in ok if r.latency is not None),
+        "output_tokens": percentiles(float(r.tokens) for r in ok),
+        "reads_per_stream": percentiles(float(r.reads) for r in ok),
+        "long_requests": sum(1 for r in results if r.long),
+        "long_ttft_s": percentiles(r.ttft for r in ok if r.long and r.ttft is not None),
+        "instances": {
+            name: {"requests": count, "share": count / len(ok)}
+            for name, count in sorted(served.items())
+        },
+    }
+
+
+# --- text ---------------------------------------------------------------------------------
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain aligned text table (first column left, the rest right)."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts)
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def shares_text(summary: Summary) -> str:
+    instances = summary["instances"]
+    return " ".join(f"{v['share']:.2f}" for v in instances.values()) or "-"
+
+
+def run_table(summaries: Sequence[Summary]) -> str:
+    """The full table: counts, latency percentiles (ms), throughput and goodput per run."""
+    headers = [
+        "run",
+        "ok/req",
+        "errors",
+        "ttft p50",
+        "p90",
+        "p99",
+        "max",
+        "tpot p50",
+        "p90",
+        "p99",
+        "e2e p50",
+        "p99",
+        "max",
+        "req/s",
+        "tok/s",
+        "goodput",
+    ]
+    rows = []
+    for s in summaries:
+        t, p, e = s["ttft_s"], s["tpot_s"], s["latency_s"]
+        errors = ",".join(f"{k}:{v}" for k, v in s["errors"].items()) or "-"
+        rows.append(
+            [
+                s["label"],
+                f"{s['ok']}/{s['requests']}",
+                errors,
+                ms(t["p50"]),
+                ms(t["p90"]),
+                ms(t["p99"]),
+                ms(t["max"]),
+                ms(p["p50"]),
+                ms(p["p90"]),
+                ms(p["p99"]),
+                ms(e["p50"]),
+                ms(e["p99"]),
+                ms(e["max"]),
+                f"{s['requests_per_s']:.1f}",
+                f"{s['output_tokens_per_s']:.0f}",
+                f"{s['goodput_rps']:.1f}",
+            ]
+        )
+    return table(headers, rows) + "\n(times in ms; goodput: req/s meeting both SLOs)"
+
+
+def seed_table(summaries: Sequence[Summary]) -> str:
+    """The seed post's table (average and max latency, tok/s) plus p99 TTFT, goodput, shares."""
+    headers = [
+        "setup",
+        "avg latency s",
+        "max latency s",
+        "tok/s",
+        "p99 TTFT ms",
+        "goodput req/s",
+        "ok/req",
+        "share per instance",
+    ]
+    rows = [
+        [
+            s["label"],
+            "-" if s["latency_s"]["mean"] is None else f"{s['latency_s']['mean']:.2f}",
+            "-" if s["latency_s"]["max"] is None else f"{s['latency_s']['max']:.2f}",
+            f"{s['output_tokens_per_s']:.0f}",
+            ms(s["ttft_s"]["p99"]),
+            f"{s['goodput_rps']:.2f}",
+            f"{s['ok']}/{s['requests']}",
+            shares_text(s),
+        ]
+        for s in summaries
+    ]
+    return table(headers, rows)
+
+
+# --- plots --------------------------------------------------------------------------------
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (the `bench` extra); without it scenarios skip PNGs."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(points: Sequence[tuple[int, Summary]], path: Path, title: str) -> None:
+    """TTFT and TPOT percentiles (ms) against concurrency, one panel each."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [c for c, _ in points]
+    for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+        for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ys = [s[key][p] * 1000 if s[key][p] is not None else math.nan for _, s in points]
+            ax.plot(xs, ys, style, label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_compare(groups: Sequence[tuple[str, Sequence[Summary]]], path: Path, title: str) -> None:
+    """Per group of runs (one per load shape): tok/s, p99 TTFT and goodput, one bar per run."""
+    plt = _pyplot()
+    metrics: tuple[tuple[str, Callable[[Summary], float]], ...] = (
+        ("output tokens/s", lambda s: s["output_tokens_per_s"]),
+        ("p99 TTFT (s)", lambda s: s["ttft_s"]["p99"] or math.nan),
+        ("goodput (req/s)", lambda s: s["goodput_rps"]),
+    )
+    fig, axes = plt.subplots(len(groups), 3, figsize=(12, 3.6 * len(groups)), squeeze=False)
+    for row, (name, summaries) in enumerate(groups):
+        labels = [s["label"] for s in summaries]
+        for col, (metric, get) in enumerate(metrics):
+            ax = axes[row][col]
+            ax.bar(range(len(labels)), [get(s) for s in summaries], color=f"C{col}")
+            ax.set_xticks(range(len(labels)), labels, rotation=15, fontsize=8)
+            ax.set_title(f"{name}: {metric}", fontsize=9)
+            ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

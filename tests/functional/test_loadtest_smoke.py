@@ -1,0 +1,139 @@
+"""Smoke runs of the load generator and its scenarios on loopback: complete, consistent reports.
+
+Tiny numbers, real processes (the scenarios start the fleet and the gateway as
+subprocesses); what is checked is that every report adds up, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import fleet
+
+from loadtest import report, scenarios
+from loadtest.loadgen import Client, Mix, make_workload, run_open, session
+from loadtest.overhead import OverheadOptions, overhead, top_frames
+from loadtest.sim_vllm import SimConfig
+
+TINY = Mix(long_share=0.3, short_tokens=(20, 60), long_tokens=(4200, 4400), max_tokens=(3, 6))
+
+
+def common(tmp_path: Path) -> scenarios.Common:
+    # No pinning: it would move the test process itself onto one core.
+    return scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
+
+
+def assert_consistent(summary: dict[str, Any]) -> None:
+    assert summary["completed"] + summary["errors"].get("unfinished", 0) == summary["requests"]
+    failed = sum(n for key, n in summary["errors"].items() if key != "unfinished")
+    assert summary["ok"] + failed == summary["completed"]
+    for key in ("ttft_s", "tpot_s", "latency_s", "output_tokens", "long_ttft_s"):
+        p = summary[key]
+        if p["p50"] is not None:
+            assert p["p50"] <= p["p90"] <= p["p99"] <= p["max"], key
+    assert 0 <= summary["goodput_rps"] <= summary["requests_per_s"] + 1e-9
+    assert summary["met_slo"] <= summary["ok"]
+    if summary["ok"]:
+        shares = [v["share"] for v in summary["instances"].values()]
+        assert sum(shares) == pytest.approx(1.0)
+        assert sum(v["requests"] for v in summary["instances"].values()) == summary["ok"]
+
+
+def test_workload_is_seeded_and_mixes_long_prompts() -> None:
+    """The same seed gives the same arrivals and prompts; the long share lands above 4096."""
+    a = make_workload(400, Mix(long_share=0.25), seed=5, rate=10.0)
+    assert a == make_workload(400, Mix(long_share=0.25), seed=5, rate=10.0)
+    assert a != make_workload(400, Mix(long_share=0.25), seed=6, rate=10.0)
+    assert all(x.at <= y.at for x, y in itertools.pairwise(a))
+    long = [s for s in a if s.long]
+    assert 0.15 < len(long) / len(a) < 0.35
+    assert all(len(s.prompt().encode()) // 4 + 4 > 4096 for s in long)
+
+
+def test_percentiles_are_nearest_rank_and_ordered() -> None:
+    """Percentiles come from the data itself, in order, with None for no data."""
+    p = report.percentiles(float(v) for v in range(1, 101))
+    assert (p["p50"], p["p90"], p["p99"], p["max"]) == (50.0, 90.0, 99.0, 100.0)
+    assert report.percentiles([])["p99"] is None
+
+
+def test_top_frames_sums_py_spy_stacks() -> None:
+    """Collapsed py-spy stacks become self and inclusive shares per function."""
+    raw = "main (a.py:1);f (gateway/proxy.py:10) 3\nmain (a.py:1);g (b.py:2) 1\n"
+    top = top_frames(raw)
+    assert top["samples"] == 4
+    assert top["self"][0] == ("f (gateway/proxy.py)", 0.75)
+    assert ("main (a.py)", 1.0) in top["inclusive"]
+
+
+async def test_open_loop_run_against_instances_times_every_stream(tmp_path: Path) -> None:
+    """An open-loop run straight at two simulated instances records TTFT, TPOT and tokens."""
+    async with fleet(SimConfig(seed=1), SimConfig(seed=2)) as sims, session() as http:
+        client = Client(http, "unused")
+        specs = make_workload(12, TINY, seed=1, rate=40.0)
+        urls = [s.url + "/v1" for s in sims]
+        run = await run_open(client, specs, lambda s, w: urls[w % 2], label="direct", limit=20)
+    summary = report.summarize(run, ttft_slo=1.0, tpot_slo=0.1)
+    assert_consistent(summary)
+    assert summary["ok"] == 12
+    assert all(
+        r.tokens == s.max_tokens
+        for r, s in zip(sorted(run.results, key=lambda r: r.index), specs, strict=True)
+    )
+    assert summary["tpot_s"]["p50"] is not None
+
+
+async def test_compare_smoke(tmp_path: Path) -> None:
+    """compare runs each strategy and the no-gateway baseline, open and closed, and adds up."""
+    opts = scenarios.CompareOptions(
+        duration=1.5, load=0.3, concurrency=4, closed_requests=8, mix=TINY, closed_mix=TINY
+    )
+    body = await scenarios.compare(opts, common(tmp_path))
+    for phase in ("open", "closed"):
+        runs = body["phases"][phase]
+        assert set(runs) == {"round_robin", "least_busy", "independent"}
+        for summary in runs.values():
+            assert_consistent(summary)
+            assert summary["ok"] == summary["requests"]
+    open_counts = {s["requests"] for s in body["phases"]["open"].values()}
+    assert len(open_counts) == 1  # the same workload for every setup
+    assert set(body["least_busy_over_round_robin"]) == {"open", "closed"}
+    assert json.loads((tmp_path / "compare.json").read_text())["phases"]
+    assert (tmp_path / "compare.png").exists() == report.can_plot()
+
+
+async def test_sweep_smoke(tmp_path: Path) -> None:
+    """sweep measures every concurrency level through the gateway and draws the plot."""
+    opts = scenarios.SweepOptions(
+        speeds=(1.0, 0.5), levels=(1, 2, 4), requests_per_client=2, mix=TINY
+    )
+    body = await scenarios.sweep(opts, common(tmp_path))
+    assert [p["concurrency"] for p in body["points"]] == [1, 2, 4]
+    for point in body["points"]:
+        assert_consistent(point)
+        assert point["ok"] == point["requests"] == point["concurrency"] * 2
+    assert (tmp_path / "sweep.png").exists() == report.can_plot()
+
+
+async def test_overhead_smoke(tmp_path: Path) -> None:
+    """overhead reports added latency, CPU per request and memory with open streams."""
+    opts = OverheadOptions(
+        idle_requests=8, rounds=2, requests=40, concurrency=4, streams=30, profile=False
+    )
+    body = await overhead(opts, common(tmp_path))
+    for summary in body["idle"]["runs"].values():
+        assert_consistent(summary)
+        assert summary["ok"] == 8
+    assert {"latency_s_p50_ms", "ttft_s_p99_ms"} <= set(body["idle"]["added"])
+    for key in ("cpu_instant", "cpu_paced"):
+        assert body[key]["run"]["ok"] == 40
+        assert body[key]["gateway_cpu_s"] >= 0
+    streams = body["streams"]
+    assert_consistent(streams["run"])
+    assert streams["run"]["ok"] == 30
+    assert streams["memory_kib_after"]["VmHWM"] >= streams["memory_kib_at_start"]["VmRSS"]
+    assert (tmp_path / "overhead.json").exists()
