@@ -126,10 +126,20 @@ class PrefillSection(_Frozen):
         return value
 
 
+class SloSection(_Frozen):
+    """Objectives per lane, in seconds; goodput counts streamed requests that meet both."""
+
+    ttft: float = Field(2.0, gt=0)
+    tpot: float = Field(0.1, gt=0)
+    long_ttft: float = Field(15.0, gt=0)
+    long_tpot: float = Field(0.1, gt=0)
+
+
 class ConfigFile(_Frozen):
     gateway: GatewaySection = GatewaySection()
     dispatch: DispatchSection = DispatchSection()
     prefill: PrefillSection = PrefillSection()
+    slo: SloSection = SloSection()
 
 
 # -------------------------------------------------------------- settings.json

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 from collections.abc import Callable
 
 from . import errors
@@ -42,13 +43,20 @@ class Dispatcher:
         self.scheduler = scheduler
         self.metrics = metrics
         self.rng = rng or random.Random()
-        self.clock = clock or asyncio.get_running_loop().time
+        # time.monotonic, not loop.time(): uvloop's loop clock has millisecond steps,
+        # too coarse for time-per-token.
+        self.clock = clock or time.monotonic
         self._waiters: dict[int, asyncio.Future[str]] = {}
 
     def new_ticket(
-        self, lane: Lane, deadline: float, exclude: frozenset[str] = frozenset()
+        self,
+        lane: Lane,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        tokens: int = 0,
+        max_tokens: int = 0,
     ) -> Ticket:
-        return Ticket(next(_ids), lane, deadline, exclude)
+        return Ticket(next(_ids), lane, deadline, exclude, tokens, max_tokens)
 
     async def acquire(self, ticket: Ticket) -> str:
         """Return the instance that takes `ticket`, waiting in the queue if need be.
@@ -91,8 +99,11 @@ class Dispatcher:
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
 
-    def prefill_done(self, ticket_id: int) -> None:
-        self._settle(self.scheduler.prefill_done(ticket_id, self.clock(), self.rng))
+    def prefill_done(self, ticket_id: int, ttft: float | None = None) -> None:
+        self._settle(self.scheduler.prefill_done(ticket_id, self.clock(), self.rng, ttft))
+
+    def observe_tpot(self, name: str, seconds: float) -> None:
+        self.scheduler.observe_tpot(name, seconds)
 
     def probe(self, name: str, ok: bool) -> bool:
         """Record a health probe; return whether the verdict changed."""

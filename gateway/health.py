@@ -84,6 +84,14 @@ class HealthChecker:
     async def run_round(self) -> None:
         await asyncio.gather(*(self._check(t) for t in self.targets))
         self.rounds += 1
+        for name, slow in self.dispatcher.scheduler.update_slow_flags().items():
+            state = self.dispatcher.scheduler.state(name)
+            _log.warning(
+                "instance_slow" if slow else "instance_speed_recovered",
+                instance=name,
+                prefill_tokens_per_s=state.speed.prefill.value,
+                tpot_s=state.speed.tpot.value,
+            )
 
     async def run_forever(self) -> None:
         while True:

@@ -68,6 +68,18 @@ class Metrics:
             ["side"],
             registry=registry,
         )
+        self.slo = Counter(
+            "gateway_slo_requests",
+            "Streamed requests by whether they met their lane's TTFT / TPOT objective.",
+            ["lane", "instance", "objective", "result"],
+            registry=registry,
+        )
+        self.goodput = Counter(
+            "gateway_goodput_requests",
+            "Streamed requests that met both objectives of their lane (rate() = goodput).",
+            ["lane", "instance"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             "gateway_ttft_seconds",
             "Time to first token (first streamed chunk), from arrival at the gateway.",
@@ -157,6 +169,21 @@ class StateCollector(Collector):
                 "vllm:num_requests_waiting at the last scrape (NaN if never or stale).",
                 labels=["instance"],
             ),
+            "prefill_rate": GaugeMetricFamily(
+                "gateway_instance_prefill_rate_tokens_per_second",
+                "Learned prefill throughput of each instance (NaN before any streamed answer).",
+                labels=["instance"],
+            ),
+            "tpot": GaugeMetricFamily(
+                "gateway_instance_tpot_estimate_seconds",
+                "Learned time per output token of each instance (NaN before any).",
+                labels=["instance"],
+            ),
+            "slow": GaugeMetricFamily(
+                "gateway_instance_slow",
+                "1 while the instance's learned speed is well below the fleet median.",
+                labels=["instance"],
+            ),
             "kv": GaugeMetricFamily(
                 "gateway_instance_vllm_kv_cache_usage",
                 "vllm:kv_cache_usage_perc at the last scrape, 0..1 (NaN if unknown).",
@@ -186,6 +213,10 @@ class StateCollector(Collector):
             kv = report.kv_usage if fresh and report and report.kv_usage is not None else None
             families["kv"].add_metric(name, float("nan") if kv is None else kv)
             ejections.add_metric(name, state.ejections_total)
+            rate, tpot = state.speed.prefill.value, state.speed.tpot.value
+            families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)
+            families["tpot"].add_metric(name, float("nan") if tpot is None else tpot)
+            families["slow"].add_metric(name, 1.0 if state.speed.slow else 0.0)
         yield from families.values()
         yield ejections
         lanes = GaugeMetricFamily(

@@ -16,9 +16,8 @@ import asyncio
 import contextlib
 import json
 import re
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,7 +27,15 @@ from aiohttp import web
 from . import errors, log
 from .auth import KeyChecker
 from .config import Config
-from .dispatch import GiveUp, Lane, Outcome, RetryBudget, plan_retry, reason_for_status
+from .dispatch import (
+    GiveUp,
+    Lane,
+    Outcome,
+    RetryAfter,
+    RetryBudget,
+    plan_retry,
+    reason_for_status,
+)
 from .dispatcher import Dispatcher
 from .metrics import Metrics
 from .tokenizer import TokenCounter
@@ -45,6 +52,7 @@ _DONE = b"data: [DONE]"
 # Writes that may block (the client is behind, or the chunk is big) are timed; others are
 # free. 16 KiB is asyncio's low-water mark.
 _BACKLOG = 16 * 1024
+_MAX_PARTIAL = 64 * 1024  # a "partial event" longer than this is passed on anyway
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,25 @@ class Exchange:
     status: int = 0
     attempts: int = 0
     ttft: float | None = None
+    tpot: float | None = None
     tokens: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+
+def _max_tokens(payload: dict[str, Any]) -> int:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _event_boundary(data: bytes) -> int:
+    """The index just past the last complete SSE event in `data` (0 if none)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class _Retryable(Exception):
@@ -116,6 +141,11 @@ class Proxy:
         self.threshold = config.prefill.long_input_threshold
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = {Lane.SHORT: "short", Lane.LONG: config.prefill.tag}
+        slo = config.file.slo
+        self.slo = {
+            self.lane_names[Lane.SHORT]: (slo.ttft, slo.tpot),
+            self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
+        }
         self.max_body = config.gateway.max_body_bytes
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry
@@ -125,7 +155,7 @@ class Proxy:
         }
         self.write_timeout = channel.timeout.write
         self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
-        self.clock = time.monotonic
+        self.clock = dispatcher.clock
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
@@ -225,7 +255,9 @@ class Proxy:
             if payload.get("model") is None and self.default_model:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
-            lane = Lane.LONG if await self.counter.count(payload) > self.threshold else Lane.SHORT
+            ex.prompt_tokens = await self.counter.count(payload)
+            ex.max_tokens = _max_tokens(payload)
+            lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
             stream = route.streams and payload.get("stream") is True
@@ -265,7 +297,9 @@ class Proxy:
         tried: frozenset[str] = frozenset()
         while True:
             ex.attempts += 1
-            ticket = self.dispatcher.new_ticket(lane, self._loop_deadline(deadline), tried)
+            ticket = self.dispatcher.new_ticket(
+                lane, deadline, tried, ex.prompt_tokens, ex.max_tokens
+            )
             instance = await self.dispatcher.acquire(ticket)
             ex.instance = instance
             structlog.contextvars.bind_contextvars(instance=instance)
@@ -274,16 +308,19 @@ class Proxy:
                     request, route, body, lane, stream, ex, headers, ticket.id, deadline
                 )
             except _Retryable as failed:
-                plan = plan_retry(
-                    attempt=ex.attempts,
-                    max_attempts=self.retry.max_attempts,
-                    deadline=deadline,
-                    now=self.clock(),
-                    budget=self.budget,
-                    base=self.retry.backoff_base,
-                    cap=self.retry.backoff_max,
-                    rng=self.dispatcher.rng,
-                )
+                tried = tried | {instance}
+                plan: RetryAfter | GiveUp = GiveUp("instances")
+                if self.dispatcher.scheduler.untried_available(lane, tried, self.clock()):
+                    plan = plan_retry(
+                        attempt=ex.attempts,
+                        max_attempts=self.retry.max_attempts,
+                        deadline=deadline,
+                        now=self.clock(),
+                        budget=self.budget,
+                        base=self.retry.backoff_base,
+                        cap=self.retry.backoff_max,
+                        rng=self.dispatcher.rng,
+                    )
                 if isinstance(plan, GiveUp):
                     self.metrics.retries_refused.labels(plan.why).inc()
                     if isinstance(failed.error, web.Response):
@@ -293,12 +330,7 @@ class Proxy:
                     raise failed.error from None
                 self.metrics.retries.labels(failed.reason).inc()
                 _log.info("retrying", reason=failed.reason, delay_s=round(plan.delay, 3))
-                tried = tried | {instance}
                 await asyncio.sleep(plan.delay)
-
-    def _loop_deadline(self, deadline: float) -> float:
-        # The scheduler runs on the event loop's clock; translate our monotonic deadline.
-        return asyncio.get_running_loop().time() + (deadline - self.clock())
 
     async def _attempt(
         self,
@@ -332,6 +364,9 @@ class Proxy:
                     body=body,
                     headers=send_headers,
                     timeout=max(0.001, allowance),
+                    # A stream may fall silent for at most its lane's allowance between
+                    # chunks; a whole answer is bounded by the deadline alone.
+                    idle=self.ttft_allowance[lane] if stream else None,
                 )
             except AttemptFailed as failed:
                 outcome, error = Outcome.FAILURE, failed.kind
@@ -349,7 +384,7 @@ class Proxy:
             if status == 200 and stream:
                 first = await self._first_chunk(response, allowance - (self.clock() - opened))
                 out, outcome, error = await self._relay(
-                    request, response, first, ex, headers, ticket_id
+                    request, response, first, ex, headers, ticket_id, opened
                 )
                 return out
             answer = await self._read_answer(response, ex, headers, deadline)
@@ -369,7 +404,11 @@ class Proxy:
             return errors.UpstreamTimeout(
                 f"the vLLM instance did not answer in time ({failed.detail})"
             )
-        return errors.UpstreamError(f"could not reach a vLLM instance ({failed.detail})")
+        # Nothing reached a GPU: the client may retry as soon as an instance is back.
+        return errors.NoInstanceAvailable(
+            f"could not reach a vLLM instance ({failed.detail})",
+            retry_after=self.config.dispatch.health_check_interval,
+        )
 
     async def _read_answer(
         self,
@@ -429,6 +468,7 @@ class Proxy:
         ex: Exchange,
         headers: dict[str, str],
         ticket_id: int,
+        sent_at: float,
     ) -> tuple[web.StreamResponse, Outcome, str | None]:
         """Commit: send headers and the first chunk, then copy chunks as they arrive."""
         out_headers = dict(headers)
@@ -439,19 +479,31 @@ class Proxy:
         ex.status = 200
         try:
             await out.prepare(request)
-            await out.write(first)
         except ConnectionResetError:
             return out, self._client_left(ex), None
         first_at = self.clock()
         ex.ttft = first_at - ex.started
-        self.dispatcher.prefill_done(ticket_id)
-        events = first.count(_DATA)
-        last = first
+        self.dispatcher.prefill_done(ticket_id, first_at - sent_at)
         reader = response.content
         transport = request.transport
         outcome: Outcome = Outcome.SUCCESS
         error: str | None = None
+        events, last, pending, chunk = 0, b"", b"", first
         while True:
+            # Pass on whole SSE events only, so an error event can never be glued to a
+            # half-sent one. vLLM sends whole events per chunk, so this rarely holds back.
+            if pending:
+                chunk, pending = pending + chunk, b""
+            cut = _event_boundary(chunk)
+            if cut < len(chunk) and len(chunk) - cut < _MAX_PARTIAL:
+                chunk, pending = chunk[:cut], chunk[cut:]
+            if chunk:
+                try:
+                    await self._write(out, transport, chunk)
+                except (ConnectionResetError, TimeoutError):
+                    return out, self._client_left(ex), None
+                events += chunk.count(_DATA)
+                last = chunk
             try:
                 chunk = await reader.readany()
             except asyncio.CancelledError:
@@ -461,13 +513,8 @@ class Proxy:
                 task.uncancel()  # the drain deadline passed: end the stream in-band
                 outcome, error = Outcome.NEUTRAL, "drain_deadline"
                 self.metrics.stream_aborts.labels("shutdown").inc()
-                await out.write(
-                    errors.sse_error_event(
-                        "the gateway is shutting down and its drain time is over; "
-                        "the answer is incomplete",
-                        503,
-                    )
-                )
+                message = "the gateway is shutting down and its drain time is over"
+                await out.write(errors.sse_error_event(f"{message}; the answer is incomplete", 503))
                 break
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 outcome, error = Outcome.FAILURE, "stream_broken"
@@ -481,30 +528,30 @@ class Proxy:
                 )
                 break
             if not chunk:
+                if pending:  # the instance ended without a final blank line: pass it on
+                    await out.write(pending)
                 break
-            try:
-                if (
-                    transport is not None
-                    and transport.get_write_buffer_size() + len(chunk) > _BACKLOG
-                ):
-                    # The client is not reading. Give it `timeout.write` seconds, then
-                    # let it go rather than keep a GPU generating into a full buffer.
-                    async with asyncio.timeout(self.write_timeout):
-                        await out.write(chunk)
-                else:
-                    await out.write(chunk)
-            except (ConnectionResetError, TimeoutError):
-                return out, self._client_left(ex), None
-            events += chunk.count(_DATA)
-            last = chunk
         try:
             await out.write_eof()
         except ConnectionResetError:
             return out, self._client_left(ex), None
         ex.tokens = self._stream_tokens(events, last, ex.route)
-        if ex.tokens and ex.tokens > 1:
-            self.metrics.tpot.labels(ex.lane).observe((self.clock() - first_at) / (ex.tokens - 1))
+        if outcome is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
+            ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
+            self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
+            self.dispatcher.observe_tpot(ex.instance, ex.tpot)
         return out, outcome, error
+
+    async def _write(
+        self, out: web.StreamResponse, transport: asyncio.BaseTransport | None, chunk: bytes
+    ) -> None:
+        if transport is not None and transport.get_write_buffer_size() + len(chunk) > _BACKLOG:  # type: ignore[attr-defined]
+            # The client is behind. Give it `timeout.write` seconds, then let it go
+            # rather than keep a GPU generating into a full buffer.
+            async with asyncio.timeout(self.write_timeout):
+                await out.write(chunk)
+        else:
+            await out.write(chunk)
 
     def _client_left(self, ex: Exchange) -> Outcome:
         ex.status = 499
@@ -522,6 +569,18 @@ class Proxy:
 
     # ------------------------------------------------------------ records
 
+    def _account_slo(self, ex: Exchange, lane: str) -> None:
+        """Count a finished stream against its lane's TTFT and TPOT objectives."""
+        assert ex.ttft is not None
+        assert ex.tpot is not None
+        ttft_goal, tpot_goal = self.slo[lane]
+        ttft_ok, tpot_ok = ex.ttft <= ttft_goal, ex.tpot <= tpot_goal
+        slo = self.metrics.slo
+        slo.labels(lane, ex.instance, "ttft", "met" if ttft_ok else "missed").inc()
+        slo.labels(lane, ex.instance, "tpot", "met" if tpot_ok else "missed").inc()
+        if ttft_ok and tpot_ok:
+            self.metrics.goodput.labels(lane, ex.instance).inc()
+
     def _record(self, ex: Exchange) -> None:
         duration = self.clock() - ex.started
         lane = ex.lane or "none"
@@ -532,6 +591,8 @@ class Proxy:
             self.metrics.duration.labels(lane).observe(duration)
         if ex.ttft is not None:
             self.metrics.ttft.labels(lane).observe(ex.ttft)
+            if ex.tpot is not None:
+                self._account_slo(ex, lane)
         _access.info(
             "request",
             route=ex.route,

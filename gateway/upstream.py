@@ -29,6 +29,7 @@ class Upstream:
         self.max_connections = max_connections
         self.timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
+        self._read_timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -38,11 +39,9 @@ class Upstream:
             # sending a request down a socket the instance is closing.
             keepalive_timeout=4.0,
         )
-        # No total timeout: a stream may run for minutes. Connect and each socket read are
-        # bounded; the time to the first byte is bounded per attempt by the proxy.
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.timeouts.connect, sock_read=self.timeouts.read
-        )
+        # No total timeout: a stream may run for minutes. The proxy bounds each attempt's
+        # wait for an answer and passes the silence allowed between chunks per request.
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect)
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=timeout,
@@ -69,15 +68,25 @@ class Upstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
+        idle: float | None = None,
     ) -> aiohttp.ClientResponse:
         """Send a request and return once the response headers arrived (or fail).
 
-        On timeout or cancellation aiohttp closes the half-open connection, so the
-        instance sees its client leave and aborts the request.
+        `timeout` bounds the wait for the headers; `idle`, if given, the silence between
+        reads of the body afterwards. On timeout or cancellation aiohttp closes the
+        half-open connection, so the instance sees its client leave and aborts.
         """
+        client_timeout = self._read_timeouts.get(idle)
+        if client_timeout is None:
+            client_timeout = aiohttp.ClientTimeout(
+                total=None, connect=self.timeouts.connect, sock_read=idle
+            )
+            self._read_timeouts[idle] = client_timeout
         try:
             async with asyncio.timeout(timeout):
-                return await self.session.request(method, url, data=body, headers=headers)
+                return await self.session.request(
+                    method, url, data=body, headers=headers, timeout=client_timeout
+                )
         except TimeoutError:
             raise AttemptFailed("timeout", f"no response headers within {timeout:.1f}s") from None
         except aiohttp.ClientConnectorError as exc:

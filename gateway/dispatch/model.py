@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .speed import Speed
+
 InstanceLane = Literal["short", "long", "any"]
 
 
@@ -76,6 +78,8 @@ class Ticket:
     lane: Lane
     deadline: float
     exclude: frozenset[str] = frozenset()
+    tokens: int = 0  # prompt tokens
+    max_tokens: int = 0  # output tokens asked for (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class InstanceState:
     # The gateway's own traffic: exact and instant.
     inflight: int = 0
     long_prefilling: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens of ours sent there, first token not yet back
+    speed: Speed = field(default_factory=Speed.new)
     # What the instance itself reported; `inflight_at_report` lets us subtract our share.
     report: LoadReport | None = None
     inflight_at_report: int = 0

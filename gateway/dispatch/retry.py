@@ -90,7 +90,7 @@ class RetryAfter:
 
 @dataclass(frozen=True)
 class GiveUp:
-    why: Literal["attempts", "deadline", "budget"]
+    why: Literal["attempts", "deadline", "budget", "instances"]
 
 
 def plan_retry(

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from . import health
+from . import health, speed
 from .model import (
     Assigned,
     Decision,
@@ -40,6 +41,16 @@ from .select import Strategy
 
 class UnknownTicket(KeyError):
     """A ticket id the scheduler does not hold (released twice, or never assigned)."""
+
+
+@dataclass
+class _Held:
+    """A request on an instance: whether it is still in prefill, and the work ahead of it."""
+
+    state: InstanceState
+    ticket: Ticket
+    prefilling: bool = True
+    ahead: int = 0  # our prompt tokens in prefill there when it was sent
 
 
 class Scheduler:
@@ -64,7 +75,7 @@ class Scheduler:
         }
         # Insertion-ordered dicts: FIFO with O(1) removal of a ticket whose client left.
         self._queues: dict[Lane, dict[int, Ticket]] = {lane: {} for lane in Lane}
-        self._holding: dict[int, tuple[InstanceState, Ticket, bool]] = {}
+        self._holding: dict[int, _Held] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -80,6 +91,10 @@ class Scheduler:
 
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states)
+
+    def untried_available(self, lane: Lane, tried: frozenset[str], now: float) -> bool:
+        """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
+        return any(s.available(now) and s.name not in tried for s in self._pool[lane])
 
     # ------------------------------------------------------------ requests
 
@@ -105,15 +120,29 @@ class Scheduler:
         """Drop a queued request whose client left or whose deadline passed."""
         return any(q.pop(ticket_id, None) is not None for q in self._queues.values())
 
-    def prefill_done(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
-        """The first token arrived: a long request no longer holds a prefill place."""
+    def prefill_done(
+        self, ticket_id: int, now: float, rng: random.Random, ttft: float | None = None
+    ) -> list[Decision]:
+        """The first token arrived `ttft` s after the request was sent to its instance.
+
+        The request's prompt leaves the instance's prefill work; the time teaches the
+        instance's prefill rate; a long request gives up its long-prefill place.
+        """
         held = self._holding.get(ticket_id)
-        if held is None or not held[2]:
+        if held is None or not held.prefilling:
             return []
-        state, ticket, _ = held
-        state.long_prefilling -= 1
-        self._holding[ticket_id] = (state, ticket, False)
-        return self._drain(now, rng)
+        self._end_prefill(held)
+        if ttft is not None:
+            held.state.speed.observe_prefill(held.ahead + held.ticket.tokens, ttft)
+        return self._drain(now, rng) if held.ticket.lane is Lane.LONG else []
+
+    def observe_tpot(self, name: str, seconds: float) -> None:
+        """A streamed answer's time per output token on `name`."""
+        self._by_name[name].speed.observe_tpot(seconds)
+
+    def update_slow_flags(self) -> dict[str, bool]:
+        """Re-evaluate which instances are slow cards; return the flags that changed."""
+        return speed.update_slow_flags({s.name: s.speed for s in self.states})
 
     def release(
         self,
@@ -125,18 +154,24 @@ class Scheduler:
     ) -> list[Decision]:
         """A request left its instance (done, failed or cancelled); hand its place on."""
         try:
-            state, _, prefilling = self._holding.pop(ticket_id)
+            held = self._holding.pop(ticket_id)
         except KeyError:
             raise UnknownTicket(ticket_id) from None
-        state.inflight -= 1
-        if prefilling:
-            state.long_prefilling -= 1
-        health.apply_outcome(state, outcome, now, self.health_policy, self.states, error)
+        if held.prefilling:
+            self._end_prefill(held)
+        held.state.inflight -= 1
+        health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
+
+    def _end_prefill(self, held: _Held) -> None:
+        held.prefilling = False
+        held.state.pending_prefill_tokens -= held.ticket.tokens
+        if held.ticket.lane is Lane.LONG:
+            held.state.long_prefilling -= 1
 
     def holder(self, ticket_id: int) -> str | None:
         held = self._holding.get(ticket_id)
-        return held[0].name if held else None
+        return held.state.name if held else None
 
     # ------------------------------------------------------------ instances
 
@@ -144,7 +179,8 @@ class Scheduler:
         """An active health probe answered (or failed)."""
         state = self._by_name[name]
         changed = health.apply_probe(state, ok, self.health_policy)
-        return self._drain(now, rng) if changed else []
+        # Also drain when nothing changed: an ejection may have run out since.
+        return self._drain(now, rng) if changed or self._any_queued() else []
 
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name[name]
@@ -163,6 +199,9 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------ internals
+
+    def _any_queued(self) -> bool:
+        return any(self._queues.values())
 
     def _lane_alive(self, lane: Lane, now: float) -> bool:
         return any(s.available(now) for s in self._pool[lane])
@@ -183,22 +222,23 @@ class Scheduler:
             for s in self._pool[ticket.lane]
             if s.available(now) and self._has_room(s, ticket.lane)
         ]
-        # Prefer an instance this request has not tried and that did not just answer
-        # "busy"; with none such left, any with room will do.
-        untried = [s for s in pool if s.name not in ticket.exclude]
+        # A retry goes only to instances it has not tried; the shell checks that one
+        # exists (`untried_available`) before it retries. Prefer one that did not just
+        # answer "busy".
+        untried = [s for s in pool if s.name not in ticket.exclude] if ticket.exclude else pool
         fresh = [s for s in untried if not s.busy(now)]
-        return fresh or untried or pool
+        return fresh or untried
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
     ) -> Assigned:
         state = self.strategy.choose(candidates, self.states, ticket, now, rng)
-        long = ticket.lane is Lane.LONG
+        self._holding[ticket.id] = _Held(state, ticket, ahead=state.pending_prefill_tokens)
         state.inflight += 1
         state.assigned_total += 1
-        if long:
+        state.pending_prefill_tokens += ticket.tokens
+        if ticket.lane is Lane.LONG:
             state.long_prefilling += 1
-        self._holding[ticket.id] = (state, ticket, long)
         return Assigned(ticket, state.name)
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:

@@ -24,6 +24,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import speed
 from .model import InstanceState, Ticket
 
 _TIE = 1e-9
@@ -120,8 +121,76 @@ class RoundRobin:
         return f"<RoundRobin next={self._next}>"
 
 
-Strategy = LeastBusy | RoundRobin
+class LeastTime:
+    """Send each request where its predicted time to first token is lowest.
+
+    For each candidate, with its learned prefill rate (tokens/s) and TPOT:
+
+        ahead     = prompt tokens of ours still in prefill there
+                    + others' requests (from /metrics) x this request's prompt size
+        slot_wait = when all its slots are taken: (queued + 1) x max_tokens x tpot / slots
+        ttft      = (ahead + prompt tokens) / prefill rate + slot_wait
+        cost      = (ttft + max_tokens x (tpot - fastest tpot in the fleet)) x (1 + failures)
+
+    The last term lets decode speed weigh in for long outputs: it is the extra decode
+    time this instance would cost over the fastest one. An instance without history is
+    assumed to run at the fleet's median speed; with no history anywhere, at a nominal
+    prior, which makes the choice "least prefill work queued". Ties break at random.
+    """
+
+    name = "least_time"
+    PRIOR_PREFILL = 5000.0  # tokens/s
+    PRIOR_TPOT = 0.03  # s
+
+    def __init__(self, stale_after: float) -> None:
+        self.stale_after = stale_after
+
+    def predict(
+        self, state: InstanceState, fleet: Sequence[InstanceState], ticket: Ticket, now: float
+    ) -> float:
+        return self.costs([state], fleet, ticket, now)[state.name]
+
+    def costs(
+        self,
+        candidates: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+    ) -> dict[str, float]:
+        prefill_median = speed.median(s.speed.prefill.value for s in fleet) or self.PRIOR_PREFILL
+        tpot_median = speed.median(s.speed.tpot.value for s in fleet) or self.PRIOR_TPOT
+        tpot_best = min((s.speed.tpot.value for s in fleet if s.speed.tpot.value), default=None)
+        loads = score_all(fleet, now, self.stale_after)
+        out: dict[str, float] = {}
+        for state in candidates:
+            rate = state.speed.prefill.value or prefill_median
+            tpot = state.speed.tpot.value or tpot_median
+            ahead = state.pending_prefill_tokens + loads[state.name].others * ticket.tokens
+            ttft = (ahead + ticket.tokens) / rate
+            queued = state.inflight - state.spec.slots
+            if queued >= 0:
+                ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
+            decode_extra = ticket.max_tokens * (tpot - (tpot_best or tpot))
+            out[state.name] = (ttft + decode_extra) * (1 + state.consecutive_failures)
+        return out
+
+    def choose(
+        self,
+        candidates: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+        rng: random.Random,
+    ) -> InstanceState:
+        costs = self.costs(candidates, fleet, ticket, now)
+        best = min(costs.values())
+        ties = [c for c in candidates if costs[c.name] <= best * (1 + _TIE) + _TIE]
+        return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+Strategy = LeastBusy | RoundRobin | LeastTime
 STRATEGIES: dict[str, Callable[[float], Strategy]] = {
     "least_busy": LeastBusy,
+    "least_time": LeastTime,
     "round_robin": RoundRobin,
 }
