@@ -202,12 +202,6 @@ async def test_all_instances_down_gives_503_fast_and_service_resumes() -> None:
         assert await served_by(client, stream=True) == "b"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy.py _forward: when every attempt fails to connect before health checks notice, "
-    "the last AttemptFailed becomes UpstreamError 502 without Retry-After; A7 #1 expects 503 + "
-    "Retry-After once no instance is left",
-)
 async def test_every_instance_refusing_before_health_notices_gives_503_with_retry_after() -> None:
     """Every instance refusing before probes notice still gives 503 with Retry-After."""
     async with proxied(FAST, FAST) as (gw, proxies), sdk(gw) as client:
@@ -240,18 +234,6 @@ async def test_hung_instance_times_out_per_attempt_and_a_stream_is_retried_elsew
         assert gw.sims[1].stats.requests == 1
 
 
-LONG_LANE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="upstream.py Upstream.start sets the session-wide ClientTimeout(sock_read="
-    "timeout.read), which fires first whether the instance is silent before its headers or "
-    "between headers and the first token, so the long lane's allowance (proxy.py "
-    "ttft_allowance[LONG] = read x long_ttft_factor) never applies; bound time to first "
-    "token with the per-attempt allowance only and give sock_read the long-lane value (or "
-    "None) until the first chunk arrived",
-)
-
-
-@LONG_LANE_XFAIL
 async def test_long_lane_stream_gets_long_ttft_factor_times_read() -> None:
     """A long-lane stream waits timeout.read x long_ttft_factor for a silent instance."""
     channel = {"timeout": {"connect": 2, "read": 0.3, "write": 5}}
@@ -276,7 +258,6 @@ async def test_long_lane_stream_gets_long_ttft_factor_times_read() -> None:
         assert 1.1 < closes[0] < 2.5, closes
 
 
-@LONG_LANE_XFAIL
 async def test_long_prefill_slower_than_read_streams_on_the_first_attempt() -> None:
     """A long prompt whose first token comes after timeout.read, within the allowance, streams."""
     channel = {"timeout": {"connect": 2, "read": 0.3, "write": 5}}
@@ -328,12 +309,6 @@ async def test_stream_whose_deadline_leaves_no_room_gets_504() -> None:
             await eventually(lambda p=proxy: bool(closed_after(p, started)), timeout=1.0)  # type: ignore[misc]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch/scheduler.py _candidates: once every instance was tried, 'any will do', so a "
-    "request whose attempt timed out on a hung instance is sent there again (A7 #2: no second "
-    "attempt on the same host); with max_attempts=3 and two hung instances a gets two attempts",
-)
 async def test_timed_out_request_is_not_sent_back_to_an_instance_that_hung() -> None:
     """A request is never sent again to an instance where it already timed out."""
     channel = {"timeout": {"connect": 2, "read": 0.3, "write": 5}}
@@ -350,13 +325,6 @@ async def test_timed_out_request_is_not_sent_back_to_an_instance_that_hung() -> 
         assert [sum(c.hung for c in p.connections) for p in proxies] == [1, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="upstream.py Upstream.start sets ClientTimeout(sock_read=timeout.read), which also "
-    "bounds the silence before a non-streamed answer's headers, so a whole answer slower than "
-    "timeout.read is cut (and retried) long before request_timeout; the 504's message then "
-    "quotes the wrong timer ('no response headers within 4.0s')",
-)
 async def test_whole_answer_slower_than_read_timeout_succeeds_within_request_timeout() -> None:
     """A whole answer slower than timeout.read but within request_timeout arrives."""
     channel = {"timeout": {"connect": 2, "read": 0.3, "write": 5}}
@@ -407,13 +375,6 @@ async def test_mid_stream_death_ends_with_error_event_then_done_on_the_wire() ->
     assert len(events) == 3 + 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy.py _relay copies raw chunks, so when the instance breaks mid-event the partial "
-    "event is followed directly by the error event; the SDK then fails to parse the glued line "
-    "(JSONDecodeError) instead of raising APIError; relay whole events (hold back bytes after "
-    "the last blank line) or drop the partial event before writing the error",
-)
 async def test_reset_in_the_middle_of_an_event_still_gives_an_in_band_api_error() -> None:
     """A reset inside an SSE event still ends in the SDK's APIError, not a parse error."""
     async with proxied(SLOW, SLOW) as (gw, (a, _)), sdk(gw) as client:
