@@ -295,12 +295,18 @@ class Proxy:
         deadline = ex.started + self.request_timeout
         self.budget.record_request(self.clock())
         tried: frozenset[str] = frozenset()
+        last_failure: _Retryable | None = None
         while True:
             ex.attempts += 1
             ticket = self.dispatcher.new_ticket(
                 lane, deadline, tried, ex.prompt_tokens, ex.max_tokens
             )
-            instance = await self.dispatcher.acquire(ticket)
+            try:
+                instance = await self.dispatcher.acquire(ticket)
+            except errors.GatewayError:
+                if last_failure is None:
+                    raise
+                return self._give_up(last_failure, ex, headers)  # nowhere left to retry
             ex.instance = instance
             structlog.contextvars.bind_contextvars(instance=instance)
             try:
@@ -323,11 +329,8 @@ class Proxy:
                     )
                 if isinstance(plan, GiveUp):
                     self.metrics.retries_refused.labels(plan.why).inc()
-                    if isinstance(failed.error, web.Response):
-                        ex.status = failed.error.status
-                        failed.error.headers.update(headers)
-                        return failed.error
-                    raise failed.error from None
+                    return self._give_up(failed, ex, headers)
+                last_failure = failed
                 self.metrics.retries.labels(failed.reason).inc()
                 _log.info("retrying", reason=failed.reason, delay_s=round(plan.delay, 3))
                 await asyncio.sleep(plan.delay)
@@ -398,6 +401,16 @@ class Proxy:
             if response is not None:
                 response.close()  # idempotent; closing (not pooling) aborts unfinished work
             self.dispatcher.release(ticket_id, outcome, error)
+
+    def _give_up(
+        self, failed: _Retryable, ex: Exchange, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """Answer with the failure of the last attempt: the instance's own answer, or ours."""
+        if isinstance(failed.error, web.Response):
+            ex.status = failed.error.status
+            failed.error.headers.update(headers)
+            return failed.error
+        raise failed.error from None
 
     def _attempt_error(self, failed: AttemptFailed) -> errors.GatewayError:
         if failed.kind == "timeout":

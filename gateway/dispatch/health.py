@@ -58,7 +58,8 @@ def apply_outcome(
     """Record a request's outcome on `state`; return True if the instance got ejected.
 
     Ejection never takes the fleet below the panic threshold: at most
-    `max_ejected_fraction` of instances may be out, and never the last available one.
+    `max_ejected_fraction` of instances may be out, and never the last available
+    instance of a lane.
     """
     if state.ejected_until is not None and now >= state.ejected_until:
         state.ejected_until = None
@@ -72,17 +73,24 @@ def apply_outcome(
         # (linkerd2-proxy#4537); it is alive, so this is a short penalty, not a failure.
         state.busy_until = now + policy.busy_penalty
         return False
-    state.consecutive_failures += 1
     state.failures_total += 1
     if error:
         state.recent_errors.append(error)
         del state.recent_errors[:-_RECENT_ERRORS]
-    if state.consecutive_failures < policy.eject_after_failures or state.ejected_until is not None:
+    if state.ejected_until is not None:
+        return False  # failures of requests sent before the ejection do not count again
+    state.consecutive_failures += 1
+    if state.consecutive_failures < policy.eject_after_failures:
         return False
     out = sum(1 for s in fleet if not s.available(now))
-    available_after = len(fleet) - out - 1
-    if available_after < 1 or (out + 1) / len(fleet) > policy.max_ejected_fraction:
+    if (out + 1) / len(fleet) > policy.max_ejected_fraction:
         return False
+    # Never the last available instance of a lane it serves.
+    for lane in ("short", "long"):
+        if state.spec.lane in (lane, "any"):
+            serving = [s for s in fleet if s.spec.lane in (lane, "any")]
+            if not any(s.available(now) for s in serving if s is not state):
+                return False
     state.ejections += 1
     state.ejections_total += 1
     state.ejected_until = now + ejection_time(state.ejections, policy)

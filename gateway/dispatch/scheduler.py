@@ -107,6 +107,14 @@ class Scheduler:
         if not self._lane_alive(ticket.lane, now):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         queue = self._queues[ticket.lane]
+        if ticket.exclude:
+            # A retry goes now to an untried instance with room, or not at all: queued, it
+            # could block its lane waiting for one particular instance. The shell then
+            # answers with the failure that caused the retry.
+            candidates = self._candidates(ticket, now)
+            if candidates:
+                return self._assign(ticket, candidates, now, rng)
+            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         if not queue:  # FIFO: nobody may overtake requests already waiting in this lane
             candidates = self._candidates(ticket, now)
             if candidates:
