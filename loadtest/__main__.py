@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="TTFT and TPOT against concurrency, through the gateway")
     p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))
     p.add_argument("--levels", type=_ints, default=(1, 2, 4, 8, 16))
-    p.add_argument("--requests-per-client", type=int, default=8)
+    p.add_argument("--requests-per-client", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--strategy", default="least_busy")
     _mix(p, 0.0, "64")

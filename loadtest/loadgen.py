@@ -232,6 +232,12 @@ class Run:
     started: float = 0.0
     ended: float = 0.0
     unfinished: int = 0  # specs not finished when the run's time ran out (never sent or cut)
+    last_sent: float = 0.0  # when the last spec went out: the end of the steady window
+
+    @property
+    def window(self) -> float:
+        """From the start until the last request was sent: the run without its drain."""
+        return max(1e-9, (self.last_sent or self.ended) - self.started)
 
     @property
     def duration(self) -> float:
@@ -296,6 +302,7 @@ async def run_open(
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 progress.sent += 1
+            run.last_sent = time.perf_counter()
             while pending:
                 await asyncio.wait(set(pending))
         finally:
@@ -326,6 +333,8 @@ async def run_closed(
     async def worker(worker_id: int) -> None:
         for spec in queue:
             progress.sent += 1
+            if progress.sent == len(specs):
+                run.last_sent = time.perf_counter()
             run.results.append(await client.send(route(spec, worker_id), spec))
 
     async def all_workers() -> None:

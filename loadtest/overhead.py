@@ -201,7 +201,13 @@ def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
     def share(counts: Counter[str]) -> list[tuple[str, float]]:
         return [(name, round(n / max(1, total), 4)) for name, n in counts.most_common(count)]
 
-    return {"samples": total, "self": share(own), "inclusive": share(inclusive)}
+    ours = Counter({name: n for name, n in inclusive.items() if "(gateway/" in name})
+    return {
+        "samples": total,
+        "self": share(own),
+        "inclusive": share(inclusive),
+        "gateway_inclusive": share(ours),
+    }
 
 
 def _frame_name(frame: str) -> str:
@@ -298,5 +304,6 @@ def _print(body: dict[str, Any]) -> None:
         f"{s['run']['ok']}/{s['run']['requests']} ok"
     )
     prof = body.get("profile") or {}
-    for name, share in prof.get("self", [])[:10]:
-        say(f"  self {share:6.1%}  {name}")
+    for kind in ("self", "gateway_inclusive"):
+        for name, share in prof.get(kind, [])[:12]:
+            say(f"  {kind:17} {share:6.1%}  {name}")

@@ -3,6 +3,8 @@
 A summary is a plain JSON-able dict, so scenarios can print it, write it, and tests can
 check that it adds up. Throughput and goodput divide by the run's span, from its start
 until its last answer (the drain of a backlog counts, as it does for the users waiting).
+`window_output_tokens_per_s` counts only the tokens of requests finished before the last
+request was sent, over that window: the steady state, without the drain.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def summarize(run: Run, *, ttft_slo: float, tpot_slo: float) -> Summary:
         errors["unfinished"] = run.unfinished
     served = Counter(r.instance for r in ok)
     good = sum(1 for r in results if meets(r, ttft_slo, tpot_slo))
+    window_end = run.started + run.window
+    in_window = [r for r in ok if r.latency is not None and r.sent + r.latency <= window_end]
     return {
         "label": run.label,
         "requests": len(results) + run.unfinished,
@@ -60,6 +64,8 @@ def summarize(run: Run, *, ttft_slo: float, tpot_slo: float) -> Summary:
         "requests_per_s": len(ok) / duration,
         "output_tokens_per_s": sum(r.tokens for r in ok) / duration,
         "goodput_rps": good / duration,
+        "window_s": run.window,
+        "window_output_tokens_per_s": sum(r.tokens for r in in_window) / run.window,
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
         "met_slo": good,
         "ttft_s": percentiles(r.ttft for r in ok if r.ttft is not None),
@@ -157,6 +163,7 @@ def seed_table(summaries: Sequence[Summary]) -> str:
         "avg latency s",
         "max latency s",
         "tok/s",
+        "steady tok/s",
         "p99 TTFT ms",
         "goodput req/s",
         "ok/req",
@@ -168,6 +175,7 @@ def seed_table(summaries: Sequence[Summary]) -> str:
             "-" if s["latency_s"]["mean"] is None else f"{s['latency_s']['mean']:.2f}",
             "-" if s["latency_s"]["max"] is None else f"{s['latency_s']['max']:.2f}",
             f"{s['output_tokens_per_s']:.0f}",
+            f"{s['window_output_tokens_per_s']:.0f}",
             ms(s["ttft_s"]["p99"]),
             f"{s['goodput_rps']:.2f}",
             f"{s['ok']}/{s['requests']}",

@@ -133,7 +133,7 @@ async def run_once(opts: RunOptions, common: Common) -> report.Summary:
 class SweepOptions:
     speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
     levels: tuple[int, ...] = (1, 2, 4, 8, 16)
-    requests_per_client: int = 8
+    requests_per_client: int = 16
     max_num_seqs: int = 16
     strategy: str = "least_busy"
     mix: Mix = field(default_factory=lambda: Mix(long_share=0.0, max_tokens=(64, 64)))
@@ -261,6 +261,9 @@ def ratios(summaries: dict[str, report.Summary], base: str, other: str) -> dict[
 
     return {
         "tokens_per_s": div(b["output_tokens_per_s"], a["output_tokens_per_s"]),
+        "steady_tokens_per_s": div(
+            b["window_output_tokens_per_s"], a["window_output_tokens_per_s"]
+        ),
         "p99_ttft": div(b["ttft_s"]["p99"], a["ttft_s"]["p99"]),
         "goodput": div(b["goodput_rps"], a["goodput_rps"]),
     }
@@ -296,12 +299,12 @@ async def compare(opts: CompareOptions, common: Common) -> dict[str, Any]:
         body["least_busy_over_round_robin"] = {
             phase: ratios(runs, "round_robin", "least_busy") for phase, runs in phases.items()
         }
+    say(f"wrote {write_json(common, 'compare', body)}")
     for phase, runs in phases.items():
         say(f"\n== {phase} loop ==")
         say(report.seed_table(list(runs.values())))
         say(report.run_table(list(runs.values())))
     say(json.dumps(body.get("least_busy_over_round_robin", {}), indent=2))
-    say(f"wrote {write_json(common, 'compare', body)}")
     if not plot_path(common, "compare.png"):
         return body
     groups = [

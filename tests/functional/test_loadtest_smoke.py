@@ -37,6 +37,7 @@ def assert_consistent(summary: dict[str, Any]) -> None:
             assert p["p50"] <= p["p90"] <= p["p99"] <= p["max"], key
     assert 0 <= summary["goodput_rps"] <= summary["requests_per_s"] + 1e-9
     assert summary["met_slo"] <= summary["ok"]
+    assert 0 < summary["window_s"] <= summary["duration_s"]
     if summary["ok"]:
         shares = [v["share"] for v in summary["instances"].values()]
         assert sum(shares) == pytest.approx(1.0)
