@@ -146,12 +146,12 @@ async def served_by(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> str:
         ) as resp:
             lines = [line async for line in resp.iter_lines()]
             assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]", lines
-            return resp.headers["X-Gateway-Instance"]
+            return str(resp.headers["X-Gateway-Instance"])
     raw = await client.chat.completions.with_raw_response.create(
         model="sim-model", messages=MESSAGES, max_tokens=3, **kw
     )
     assert raw.parse().choices[0].message.content
-    return raw.headers["X-Gateway-Instance"]
+    return str(raw.headers["X-Gateway-Instance"])
 
 
 # ---------------------------------------------------------------- before the answer starts

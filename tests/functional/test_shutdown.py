@@ -14,6 +14,8 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -268,3 +270,27 @@ def test_no_client_is_cut_silently(drain: Drain) -> None:
     """Every client got a whole stream, an in-band error, or an HTTP error status: none was cut."""
     cut = [o for o in drain.outcomes if o.error is not None or (o.status == 200 and not o.done)]
     assert not cut, [(o.kind, o.error) for o in cut][:5]
+
+
+def test_bad_config_exits_2_without_binding_its_port(tmp_path: Path) -> None:
+    """A process started on an invalid config exits 2 naming the field, and never binds its port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = write_config(
+        tmp_path,
+        ["http://127.0.0.1:9"],
+        sections={"gateway": {"port": port}, "dispatch": {"max_queue_per_instance": -1}},
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "dispatch.max_queue_per_instance" in proc.stderr
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
