@@ -219,6 +219,8 @@ class Proxy:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise errors.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise errors.InvalidJSON("the request body is nested too deeply") from None
         if not isinstance(payload, dict):
             raise errors.InvalidJSON(
                 f"the request body must be a JSON object, got {type(payload).__name__}"

@@ -29,16 +29,20 @@ def _content_tokens(content: Any) -> int:
     return 0
 
 
-def _prompt_tokens(prompt: Any) -> int:
+def _single_prompt_tokens(prompt: Any) -> int:
     if isinstance(prompt, str):
         return estimate_text(prompt)
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int):
-            return len(prompt)
-        # A batch of prompts: the lane is decided by the largest.
-        return max(_prompt_tokens(p) for p in prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)  # token ids
     return 0
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    """A prompt, token ids, or a batch of either (one level deep, as the API allows)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        # A batch: the lane is decided by the largest prompt in it.
+        return max(_single_prompt_tokens(p) for p in prompt)
+    return _single_prompt_tokens(prompt)
 
 
 def estimate_request(body: dict[str, Any]) -> int:

@@ -216,11 +216,6 @@ def test_estimate_request_never_raises(body: dict[str, Any]) -> None:
     assert tokens >= 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tokens.py _prompt_tokens recurses once per nesting level of `prompt`/`input`, so a "
-    "JSON-valid prompt nested deeper than the interpreter's recursion limit raises RecursionError",
-)
 def test_estimate_request_survives_deep_nesting() -> None:
     """estimate_request survives a prompt nested as deep as json.loads will parse."""
     depth = sys.getrecursionlimit() - 50

@@ -75,6 +75,9 @@ class Scheduler:
         }
         # Insertion-ordered dicts: FIFO with O(1) removal of a ticket whose client left.
         self._queues: dict[Lane, dict[int, Ticket]] = {lane: {} for lane in Lane}
+        # Retries wait apart: each may only go to instances it has not tried, so in the
+        # FIFO one of them could head its lane and block requests an idle instance could run.
+        self._retries: dict[int, Ticket] = {}
         self._holding: dict[int, _Held] = {}
 
     # ------------------------------------------------------------ queries
@@ -87,7 +90,7 @@ class Scheduler:
         return len(self._holding)
 
     def queue_length(self, lane: Lane) -> int:
-        return len(self._queues[lane])
+        return len(self._queues[lane]) + sum(1 for t in self._retries.values() if t.lane is lane)
 
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states)
@@ -95,6 +98,9 @@ class Scheduler:
     def untried_available(self, lane: Lane, tried: frozenset[str], now: float) -> bool:
         """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
         return any(s.available(now) and s.name not in tried for s in self._pool[lane])
+
+    def _untried_alive(self, ticket: Ticket, now: float) -> bool:
+        return self.untried_available(ticket.lane, ticket.exclude, now)
 
     # ------------------------------------------------------------ requests
 
@@ -108,13 +114,7 @@ class Scheduler:
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         queue = self._queues[ticket.lane]
         if ticket.exclude:
-            # A retry goes now to an untried instance with room, or not at all: queued, it
-            # could block its lane waiting for one particular instance. The shell then
-            # answers with the failure that caused the retry.
-            candidates = self._candidates(ticket, now)
-            if candidates:
-                return self._assign(ticket, candidates, now, rng)
-            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
+            return self._submit_retry(ticket, now, rng)
         if not queue:  # FIFO: nobody may overtake requests already waiting in this lane
             candidates = self._candidates(ticket, now)
             if candidates:
@@ -124,8 +124,22 @@ class Scheduler:
         queue[ticket.id] = ticket
         return Queued(ticket, len(queue))
 
+    def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
+        """A retry goes to an untried instance with room, or waits apart for one."""
+        if not self._untried_alive(ticket, now):
+            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
+        candidates = self._candidates(ticket, now)
+        if candidates:
+            return self._assign(ticket, candidates, now, rng)
+        if len(self._retries) >= self.limits.gateway_queue_size:
+            return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
+        self._retries[ticket.id] = ticket
+        return Queued(ticket, len(self._retries))
+
     def cancel(self, ticket_id: int) -> bool:
         """Drop a queued request whose client left or whose deadline passed."""
+        if self._retries.pop(ticket_id, None) is not None:
+            return True
         return any(q.pop(ticket_id, None) is not None for q in self._queues.values())
 
     def prefill_done(
@@ -199,7 +213,7 @@ class Scheduler:
         """Shutting down: refuse new requests and turn away every queued one."""
         self.closed = True
         out: list[Decision] = []
-        for queue in self._queues.values():
+        for queue in (*self._queues.values(), self._retries):
             out += [
                 Rejected(t, "shutting_down", self.limits.queue_retry_after) for t in queue.values()
             ]
@@ -209,7 +223,7 @@ class Scheduler:
     # ------------------------------------------------------------ internals
 
     def _any_queued(self) -> bool:
-        return any(self._queues.values())
+        return bool(self._retries) or any(self._queues.values())
 
     def _lane_alive(self, lane: Lane, now: float) -> bool:
         return any(s.available(now) for s in self._pool[lane])
@@ -259,13 +273,19 @@ class Scheduler:
                     for t in queue.values()
                 ]
                 queue.clear()
+        for ticket in list(self._retries.values()):
+            if not self._untried_alive(ticket, now):
+                del self._retries[ticket.id]
+                out.append(Rejected(ticket, "no_instance", self.limits.queue_retry_after))
         while True:
-            heads = sorted(
+            # Retries first (they waited longest, counting their failed attempt), each on
+            # its own: one that cannot be placed does not hold up the others.
+            heads = list(self._retries.values()) + sorted(
                 (next(iter(q.values())) for q in self._queues.values() if q), key=lambda t: t.id
             )
             placed = False
             for ticket in heads:
-                queue = self._queues[ticket.lane]
+                queue = self._retries if ticket.exclude else self._queues[ticket.lane]
                 if ticket.deadline <= now:
                     del queue[ticket.id]
                     out.append(Rejected(ticket, "deadline", self.limits.queue_retry_after))
@@ -281,9 +301,13 @@ class Scheduler:
                 return out
 
     def queued_tickets(self) -> Iterable[Ticket]:
+        yield from self._retries.values()
         for queue in self._queues.values():
             yield from queue.values()
 
     def __repr__(self) -> str:
         queues = " ".join(f"{lane.value}={len(q)}" for lane, q in self._queues.items())
-        return f"<Scheduler {self.strategy.name} inflight={self.inflight} queued {queues}>"
+        return (
+            f"<Scheduler {self.strategy.name} inflight={self.inflight} queued {queues} "
+            f"retries={len(self._retries)}>"
+        )

@@ -50,6 +50,7 @@ class Speed:
     prefill: Ewma
     tpot: Ewma
     slow: bool = False
+    verdicts: int = 0  # consecutive evaluations that disagreed with `slow`
 
     @classmethod
     def new(cls) -> Speed:
@@ -83,6 +84,7 @@ def relative_speed(speed: Speed, prefill_median: float | None, tpot_median: floa
 
 SLOW_BELOW = 0.6  # flag an instance under 60% of the fleet median...
 SLOW_CLEARS_ABOVE = 0.8  # ...and clear the flag only once it is back over 80%
+CONFIRM = 2  # ...in this many evaluations (health rounds) in a row
 MIN_SAMPLES = 5
 
 
@@ -90,7 +92,7 @@ def update_slow_flags(speeds: dict[str, Speed]) -> dict[str, bool]:
     """Re-evaluate every instance's slow flag; return the flags that changed.
 
     Needs at least two instances with history: "slow" is relative to the fleet.
-    Hysteresis keeps a card near the line from flapping.
+    Hysteresis and `CONFIRM` rounds in a row keep a card near the line from flapping.
     """
     prefill_median = median(s.prefill.value for s in speeds.values())
     tpot_median = median(s.tpot.value for s in speeds.values())
@@ -107,7 +109,11 @@ def update_slow_flags(speeds: dict[str, Speed]) -> dict[str, bool]:
             flag = ratio < SLOW_CLEARS_ABOVE
         else:
             flag = ratio < SLOW_BELOW
-        if flag != speed.slow:
-            speed.slow = flag
+        if flag == speed.slow:
+            speed.verdicts = 0
+            continue
+        speed.verdicts += 1
+        if speed.verdicts >= CONFIRM or not enough:
+            speed.slow, speed.verdicts = flag, 0
             changed[name] = flag
     return changed

@@ -169,6 +169,7 @@ class Harness:
     queued: dict[Lane, dict[int, Ticket]] = field(
         default_factory=lambda: {lane: {} for lane in Lane}
     )
+    retries: dict[int, Ticket] = field(default_factory=dict)  # retries waiting apart
     final: dict[int, Decision] = field(default_factory=dict)
     cancelled: set[int] = field(default_factory=set)
     ever_queued: set[int] = field(default_factory=set)
@@ -254,6 +255,9 @@ class Harness:
         """Check the decisions a call returned, in order; only a draining call may return any."""
         for d in decisions:
             assert drained, f"unexpected decision {d}"
+            if d.ticket.exclude:
+                self.settle_retry(d)
+                continue
             lane_queue = self.queued[d.ticket.lane]
             assert d.ticket.id in lane_queue, f"decision for a ticket not waiting: {d}"
             head = next(iter(lane_queue))
@@ -275,11 +279,37 @@ class Harness:
             del lane_queue[d.ticket.id]
             self.record_final(d)
         if drained:
-            # Work-conserving: after a drain no lane's oldest waiter fits anywhere.
+            # Work-conserving: after a drain no waiting retry and no lane's oldest waiter
+            # fits anywhere.
+            for retry in self.retries.values():
+                assert not self.fits_somewhere(retry), f"retry {retry} waits with room"
             for lane, queue in self.queued.items():
                 if queue:
                     head_ticket = next(iter(queue.values()))
                     assert not self.fits_somewhere(head_ticket), f"{lane} head waits with room"
+
+    def settle_retry(self, d: Decision) -> None:
+        """A waiting retry may be placed out of FIFO order, only on an untried instance."""
+        assert d.ticket.id in self.retries, f"decision for a retry not waiting: {d}"
+        if isinstance(d, Assigned):
+            self.check_assigned(d)
+            self.check_preference(d)
+        elif isinstance(d, Rejected):
+            if d.reason == "deadline":
+                assert d.ticket.deadline <= self.now
+            elif d.reason == "no_instance":
+                assert not self.untried_alive(d.ticket)
+            else:
+                raise AssertionError(f"unexpected rejection of a retry: {d}")
+        else:
+            raise AssertionError(f"a drain queued a retry: {d}")
+        del self.retries[d.ticket.id]
+        self.record_final(d)
+
+    def untried_alive(self, ticket: Ticket) -> bool:
+        return any(
+            s.available(self.now) and s.name not in ticket.exclude for s in self.pool(ticket.lane)
+        )
 
     # ---------------------------------------------------------------- operations
 
@@ -296,14 +326,19 @@ class Harness:
         d = self.sched.submit(ticket, self.now, self.rng)
         assert d.ticket == ticket
         if isinstance(d, Assigned):
-            # Only a retry may pass waiting tickets: it is placed now or not at all.
+            # Only a retry may pass waiting tickets: it waits apart from the FIFO.
             if not ticket.exclude:
                 assert waiting_before == 0, f"{d} overtook {waiting_before} waiting tickets"
             self.check_assigned(d)
             self.check_preference(d)
             self.record_final(d)
+        elif isinstance(d, Queued) and ticket.exclude:
+            assert self.untried_alive(ticket)
+            assert not room, f"retry {d} queued although an untried instance had room"
+            assert len(self.retries) < self.limits.gateway_queue_size
+            self.retries[tid] = ticket
+            self.ever_queued.add(tid)
         elif isinstance(d, Queued):
-            assert not ticket.exclude, f"a retry was queued: {d}"
             assert self.lane_alive(op.lane)
             assert ticket.deadline > self.now
             assert waiting_before > 0 or not room, f"{d} although an instance had room"
@@ -315,7 +350,12 @@ class Harness:
             if d.reason == "deadline":
                 assert ticket.deadline <= self.now
             elif d.reason == "no_instance":
-                assert not self.lane_alive(op.lane) or (ticket.exclude and not room), d
+                assert not self.lane_alive(op.lane) or (
+                    ticket.exclude and not self.untried_alive(ticket)
+                ), d
+            elif d.reason == "queue_full" and ticket.exclude:
+                assert len(self.retries) == self.limits.gateway_queue_size
+                assert not room
             elif d.reason == "queue_full":
                 assert waiting_before == self.limits.gateway_queue_size
                 assert waiting_before > 0 or not room
@@ -369,7 +409,7 @@ class Harness:
         self.settle(self.sched.probe(name, op.ok, self.now, self.rng), drained=True)
 
     def cancel(self, op: Cancel) -> None:
-        waiting = [tid for q in self.queued.values() for tid in q]
+        waiting = [tid for q in self.queued.values() for tid in q] + list(self.retries)
         choices = sorted(waiting) + sorted(self.held) + [self.next_id + 1000]
         tid = choices[op.pick % len(choices)]
         removed = self.sched.cancel(tid)
@@ -377,6 +417,7 @@ class Harness:
         if removed:
             for q in self.queued.values():
                 q.pop(tid, None)
+            self.retries.pop(tid, None)
             self.cancelled.add(tid)
 
     def report(self, op: Report) -> None:
@@ -420,9 +461,13 @@ class Harness:
             assert self.sched.inflight <= limits.global_limit
         for tid, (name, _, _) in self.held.items():
             assert self.sched.holder(tid) == name
+        assert len(self.retries) <= limits.gateway_queue_size
+        assert {t.id for t in self.sched.queued_tickets() if t.exclude} == set(self.retries)
         for lane, queue in self.queued.items():
-            assert self.sched.queue_length(lane) == len(queue) <= limits.gateway_queue_size
-            actual = [t.id for t in self.sched.queued_tickets() if t.lane is lane]
+            retries = sum(1 for t in self.retries.values() if t.lane is lane)
+            assert self.sched.queue_length(lane) == len(queue) + retries
+            assert len(queue) <= limits.gateway_queue_size
+            actual = [t.id for t in self.sched.queued_tickets() if t.lane is lane and not t.exclude]
             assert actual == list(queue), f"{lane} queue {actual} != model {list(queue)}"
             # Requests never wait for a lane with no instance that could serve them.
             assert not queue or self.lane_alive(lane), f"{lane} waiters with no instance"
@@ -430,7 +475,7 @@ class Harness:
     def finish(self) -> None:
         """Close: waiters and later submits are turned away; every ticket had exactly one fate."""
         out = self.sched.close()
-        waiting = {tid for q in self.queued.values() for tid in q}
+        waiting = {tid for q in self.queued.values() for tid in q} | set(self.retries)
         assert {d.ticket.id for d in out} == waiting
         for d in out:
             assert isinstance(d, Rejected)
@@ -438,6 +483,7 @@ class Harness:
             self.record_final(d)
         for q in self.queued.values():
             q.clear()
+        self.retries.clear()
         self.check()
         for lane in Lane:
             late = self.sched.submit(Ticket(self.next_id, lane, 1e9), self.now, self.rng)

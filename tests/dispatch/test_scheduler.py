@@ -605,9 +605,14 @@ def test_queued_retry_does_not_block_its_lane() -> None:
     )
     bring_up(sched, rng)
     assert assigned_to(sched.submit(tk(1, exclude={"a"}), 0.0, rng)) == "b"
-    # A retry of a request that failed on a: only b will do, and b is full, so it is
-    # turned away at once instead of heading the lane's queue.
-    assert isinstance(sched.submit(tk(2, exclude={"a"}), 0.0, rng), Rejected)
-    assert sched.queue_length(Lane.SHORT) == 0
+    # A retry of a request that failed on a: only b will do, and b is full, so it waits
+    # apart from the lane's FIFO...
+    assert isinstance(sched.submit(tk(2, exclude={"a"}), 0.0, rng), Queued)
+    assert sched.queue_length(Lane.SHORT) == 1
     assert sched.state("a").inflight == 0
+    # ...and a fresh request still goes to the idle instance.
     assert assigned_to(sched.submit(tk(3), 0.0, rng)) == "a"
+    # When b frees its slot, the waiting retry takes it.
+    decisions = sched.release(1, Outcome.SUCCESS, 0.0, rng)
+    assert [assigned_to(d) for d in decisions] == ["b"]
+    assert decisions[0].ticket.id == 2

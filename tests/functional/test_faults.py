@@ -180,15 +180,6 @@ async def test_reset_before_headers_is_served_by_another_instance(stream: bool) 
         assert value(await scrape(gw), "gateway_retries_total") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch/scheduler.py Scheduler.submit: a retry (ticket.exclude set) is assigned "
-    "only if an untried instance has room right now, else Rejected('no_instance'), and "
-    "proxy.py _forward then answers 503; so when the only other instance is briefly at its "
-    "long-lane limit the client gets 503 instead of waiting for it (the soak shows this after "
-    "kills); let a retry wait in its lane's queue until its deadline, with _drain skipping a "
-    "head whose only fitting instances are excluded",
-)
 async def test_refused_long_request_waits_for_room_on_another_instance() -> None:
     """A long request refused by one instance waits for room on the other, then succeeds."""
     slow_prefill = SimConfig(prefill_tokens_per_s=1000, decode_s_per_token=0.001)
