@@ -9,7 +9,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest import overhead, scenarios
+from loadtest import compare, overhead, scenarios
 from loadtest.loadgen import Mix
 
 
@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--closed-long-share", type=float, default=1.0)
     p.add_argument("--clients", type=int, default=16, help="pinned clients in the baseline")
     p.add_argument("--no-independent", action="store_true", help="skip the no-gateway baseline")
+    p.add_argument("--ladder", type=_floats, default=(), help="extra loads, e.g. 0.5,0.75,1")
+    p.add_argument("--ladder-duration", type=float, default=20.0, help="seconds per ladder load")
     _mix(p, 0.2, "32-128")
     _common(p)
 
@@ -148,8 +150,8 @@ def _job(args: argparse.Namespace) -> Coroutine[Any, Any, Any]:
             ),
             common,
         ),
-        "compare": lambda: scenarios.compare(
-            scenarios.CompareOptions(
+        "compare": lambda: compare.compare(
+            compare.CompareOptions(
                 strategies=args.strategies,
                 speeds=args.speeds,
                 max_num_seqs=args.max_num_seqs,
@@ -161,6 +163,8 @@ def _job(args: argparse.Namespace) -> Coroutine[Any, Any, Any]:
                 mix=_mix_of(args),
                 independent=not args.no_independent,
                 clients=args.clients,
+                ladder=args.ladder,
+                ladder_duration=args.ladder_duration,
             ),
             common,
         ),

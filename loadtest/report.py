@@ -246,3 +246,30 @@ def plot_compare(groups: Sequence[tuple[str, Sequence[Summary]]], path: Path, ti
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_ladder(
+    ladder: dict[str, dict[str, Summary]], setups: Sequence[str], path: Path, capacity: float
+) -> None:
+    """SLO attainment, p99 TTFT and tok/s against offered load, one line per setup."""
+    plt = _pyplot()
+    loads = sorted(ladder, key=float)
+    xs = [float(load) * capacity for load in loads]
+    panels: tuple[tuple[str, Callable[[Summary], float]], ...] = (
+        ("share of requests within both SLOs", lambda s: s["met_slo"] / max(1, s["requests"])),
+        ("p99 TTFT (s)", lambda s: s["ttft_s"]["p99"] or math.nan),
+        ("output tokens/s", lambda s: s["output_tokens_per_s"]),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.8))
+    for ax, (name, get) in zip(axes, panels, strict=True):
+        for setup in setups:
+            ax.plot(xs, [get(ladder[load][setup]) for load in loads], "o-", label=setup)
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_title(name, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0].axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"open loop, estimated capacity {capacity:.1f} req/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

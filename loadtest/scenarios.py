@@ -1,12 +1,10 @@
-"""The scenarios behind `python -m loadtest`: run, sweep and compare (overhead has its own module).
+"""Shared scenario plumbing, and the `run` and `sweep` scenarios of `python -m loadtest`.
 
 - `run`: one load against any OpenAI-compatible base URL with a key.
 - `sweep`: TTFT and TPOT against concurrency 1, 2, 4, 8, 16 through the gateway.
-- `compare`: one seeded workload through each strategy, and through no gateway at all,
-  on a fleet with one slow card; at a fixed offered load (open loop) and saturated
-  (closed loop), because tokens per second only measure a setup when it is saturated.
 
-Each writes a JSON report and a PNG under the output folder and prints tables.
+`compare` and `overhead` have modules of their own. Each scenario writes a JSON report
+(and a PNG where it draws one) under the output folder and prints tables.
 """
 
 from __future__ import annotations
@@ -14,9 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import sys
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +20,6 @@ from loadtest import harness, report
 from loadtest.loadgen import (
     Client,
     Mix,
-    RequestSpec,
     Route,
     Run,
     make_workload,
@@ -33,7 +27,6 @@ from loadtest.loadgen import (
     run_open,
     session,
 )
-from loadtest.sim_engine import SimConfig
 
 
 @dataclass(frozen=True)
@@ -172,152 +165,3 @@ async def sweep(opts: SweepOptions, common: Common) -> dict[str, Any]:
     if plot_path(common, "sweep.png"):
         report.plot_sweep(points, common.out / "sweep.png", title)
     return body
-
-
-# --- compare ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CompareOptions:
-    strategies: tuple[str, ...] = ("round_robin", "least_busy")
-    speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
-    max_num_seqs: int = 16
-    load: float = 0.75  # share of the fleet's estimated capacity (open loop)
-    duration: float = 40.0  # seconds of arrivals (open loop)
-    concurrency: int = 16  # closed loop; 0 skips the saturated phase
-    closed_requests: int = 160
-    closed_mix: Mix = field(default_factory=lambda: Mix(long_share=1.0))
-    mix: Mix = field(default_factory=Mix)
-    independent: bool = True  # also the baseline without a gateway
-    clients: int = 16  # clients pinned at random in the baseline (open loop)
-
-
-def capacity(speeds: Sequence[float], mix: Mix, sim: SimConfig) -> float:
-    """Requests/s the simulated fleet serves at full batches, from the simulator's model.
-
-    A step costs (prefill tokens in it) / prefill_tokens_per_s plus, when anything
-    decodes, decode_s_per_token * (1 + decode_slowdown_per_seq * (seqs - 1)), all divided
-    by the speed. With full batches of max_num_seqs, a request costs its prefill plus
-    max_tokens / max_num_seqs of the decode steps.
-    """
-    seqs = sim.max_num_seqs
-    step = sim.decode_s_per_token * (1 + sim.decode_slowdown_per_seq * (seqs - 1))
-    per_request = mix.mean_prompt_tokens() / sim.prefill_tokens_per_s
-    per_request += mix.mean_max_tokens() * step / seqs
-    return sum(speeds) / per_request
-
-
-@contextlib.asynccontextmanager
-async def _fleet(opts: CompareOptions, common: Common) -> AsyncIterator[harness.FleetProc]:
-    async with harness.fleet_process(
-        opts.speeds, max_num_seqs=opts.max_num_seqs, seed=common.seed, core=cores(common)[1]
-    ) as fleet:
-        yield fleet
-
-
-async def _one_setup(
-    name: str,
-    specs: Sequence[RequestSpec],
-    concurrency: int | None,
-    opts: CompareOptions,
-    common: Common,
-) -> Run:
-    """One fresh fleet, through a fresh gateway running strategy `name` or, for
-    `independent`, straight to the instances with clients pinned at random."""
-    label = f"{name} (c={concurrency})" if concurrency else name
-    async with contextlib.AsyncExitStack() as stack:
-        fleet = await stack.enter_async_context(_fleet(opts, common))
-        if name == "independent":
-            pins = random.Random(common.seed + 1)
-            clients = concurrency or opts.clients
-            urls = [to_v1(fleet.urls[pins.randrange(len(fleet.urls))]) for _ in range(clients)]
-            route: Route = lambda spec, worker: urls[worker % clients]  # noqa: E731
-        else:
-            gw = await stack.enter_async_context(
-                harness.gateway_process(
-                    fleet.urls,
-                    strategy=name,
-                    max_num_seqs=opts.max_num_seqs,
-                    core=cores(common)[0],
-                )
-            )
-            route = lambda spec, worker: gw.base_url  # noqa: E731
-        http = await stack.enter_async_context(session())
-        client = Client(http, harness.KEY)
-        if concurrency is None:
-            return await run_open(client, specs, route, label=label, limit=common.limit)
-        return await run_closed(
-            client, specs, route, concurrency=concurrency, label=label, limit=common.limit
-        )
-    raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
-
-
-def ratios(summaries: dict[str, report.Summary], base: str, other: str) -> dict[str, float]:
-    """other / base for tok/s, p99 TTFT and goodput (1.5 tok/s and 0.5 TTFT are the targets)."""
-    a, b = summaries[base], summaries[other]
-
-    def div(x: float | None, y: float | None) -> float:
-        return float("nan") if x is None or not y else x / y
-
-    return {
-        "tokens_per_s": div(b["output_tokens_per_s"], a["output_tokens_per_s"]),
-        "steady_tokens_per_s": div(
-            b["window_output_tokens_per_s"], a["window_output_tokens_per_s"]
-        ),
-        "p99_ttft": div(b["ttft_s"]["p99"], a["ttft_s"]["p99"]),
-        "goodput": div(b["goodput_rps"], a["goodput_rps"]),
-    }
-
-
-async def compare(opts: CompareOptions, common: Common) -> dict[str, Any]:
-    """Open loop at `load` of capacity, then closed loop at `concurrency`, every setup."""
-    pin_self(common)
-    setups = [*opts.strategies, *(["independent"] if opts.independent else [])]
-    cap = capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
-    rate = opts.load * cap
-    count = max(1, round(rate * opts.duration))
-    open_specs = make_workload(count, opts.mix, common.seed, rate=rate, clients=opts.clients)
-    say(f"capacity estimate {cap:.1f} req/s; open loop at {rate:.1f} req/s, {count} requests")
-    phases: dict[str, dict[str, report.Summary]] = {"open": {}}
-    for name in setups:
-        phases["open"][name] = summarize(
-            await _one_setup(name, open_specs, None, opts, common), common
-        )
-    if opts.concurrency:
-        closed_specs = make_workload(opts.closed_requests, opts.closed_mix, common.seed + 7)
-        phases["closed"] = {}
-        for name in setups:
-            run = await _one_setup(name, closed_specs, opts.concurrency, opts, common)
-            phases["closed"][name] = summarize(run, common)
-    body: dict[str, Any] = {
-        "options": asdict(opts),
-        "capacity_req_per_s": cap,
-        "open_rate_req_per_s": rate,
-        "phases": phases,
-    }
-    if {"round_robin", "least_busy"} <= set(setups):
-        body["least_busy_over_round_robin"] = {
-            phase: ratios(runs, "round_robin", "least_busy") for phase, runs in phases.items()
-        }
-    say(f"wrote {write_json(common, 'compare', body)}")
-    for phase, runs in phases.items():
-        say(f"\n== {phase} loop ==")
-        say(report.seed_table(list(runs.values())))
-        say(report.run_table(list(runs.values())))
-    say(json.dumps(body.get("least_busy_over_round_robin", {}), indent=2))
-    if not plot_path(common, "compare.png"):
-        return body
-    groups = [
-        (f"open loop {opts.load:.0%} of capacity", list(phases["open"].values())),
-        *(
-            [(f"closed loop c={opts.concurrency}", list(phases["closed"].values()))]
-            if "closed" in phases
-            else []
-        ),
-    ]
-    report.plot_compare(groups, common.out / "compare.png", f"one slow card: speeds {opts.speeds}")
-    return body
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)

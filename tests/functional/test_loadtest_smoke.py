@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fakes import fleet
 
-from loadtest import report, scenarios
+from loadtest import compare, report, scenarios
 from loadtest.loadgen import Client, Mix, make_workload, run_open, session
 from loadtest.overhead import OverheadOptions, overhead, top_frames
 from loadtest.sim_vllm import SimConfig
@@ -89,17 +89,28 @@ async def test_open_loop_run_against_instances_times_every_stream(tmp_path: Path
 
 
 async def test_compare_smoke(tmp_path: Path) -> None:
-    """compare runs each strategy and the no-gateway baseline, open and closed, and adds up."""
-    opts = scenarios.CompareOptions(
-        duration=1.5, load=0.3, concurrency=4, closed_requests=8, mix=TINY, closed_mix=TINY
+    """compare runs each strategy and the no-gateway baseline, open, closed and laddered."""
+    opts = compare.CompareOptions(
+        duration=1.0,
+        load=0.3,
+        concurrency=4,
+        closed_requests=8,
+        mix=TINY,
+        closed_mix=TINY,
+        ladder=(0.4,),
+        ladder_duration=0.8,
     )
-    body = await scenarios.compare(opts, common(tmp_path))
+    body = await compare.compare(opts, common(tmp_path))
     for phase in ("open", "closed"):
         runs = body["phases"][phase]
         assert set(runs) == {"round_robin", "least_busy", "independent"}
         for summary in runs.values():
             assert_consistent(summary)
             assert summary["ok"] == summary["requests"]
+    for runs in body["ladder"].values():
+        for summary in runs.values():
+            assert_consistent(summary)
+    assert set(body["served_load_at_90pct_slo"]) == {"round_robin", "least_busy", "independent"}
     open_counts = {s["requests"] for s in body["phases"]["open"].values()}
     assert len(open_counts) == 1  # the same workload for every setup
     assert set(body["least_busy_over_round_robin"]) == {"open", "closed"}
