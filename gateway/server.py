@@ -18,6 +18,7 @@ from aiohttp import web
 from . import log
 from .app import DISPATCHER, LIFECYCLE, PROXY, build_app
 from .config import Config
+from .runner import make_runner
 
 _log = log.get("gateway.server")
 
@@ -62,12 +63,7 @@ async def serve(
     for sim in sims:
         _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
     app = build_app(config)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,  # a client that leaves cancels its upstream request
-        access_log=None,  # we write our own access line per request
-        shutdown_timeout=config.gateway.drain_timeout,
-    )
+    runner = make_runner(app, config.gateway.drain_timeout)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.gateway.host, config.gateway.port)

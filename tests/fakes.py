@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway import config as gateway_config
 from gateway.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
+from gateway.runner import make_runner
 from loadtest.sim_vllm import SimConfig, SimInstance
 
 KEY = "sk-test-unified-key"
@@ -112,7 +113,7 @@ async def gateway_with(
         path = write_config(Path(folder), urls, sections=sections, channel=channel)
         config = gateway_config.load(path)
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
+    runner = make_runner(app, shutdown_timeout=2)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -247,13 +247,6 @@ async def test_malformed_http_gets_a_4xx_and_reaches_no_instance(gw: Gateway, ca
     assert forwarded(gw) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiohttp's HTTP parser answers protocol errors itself (web_protocol.RequestHandler."
-    "handle_error: text/plain, HTTP/1.0) before any middleware runs, so app.py's _openai_errors "
-    "never shapes them; serve through a RequestHandler subclass (or web.Server request_factory) "
-    "whose handle_error writes errors.BadRequest(...).body()",
-)
 @pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
 async def test_malformed_http_error_has_the_openai_shape(gw: Gateway, case: str) -> None:
     """Even an answer to malformed HTTP carries OpenAI's error shape."""
