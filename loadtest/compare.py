@@ -28,13 +28,23 @@ from loadtest.loadgen import (
     Mix,
     RequestSpec,
     Route,
-    instance_label,
     make_workload,
     run_closed,
     run_open,
     session,
 )
-from loadtest.scenarios import Common, cores, pin_self, plot_path, say, summarize, to_v1, write_json
+from loadtest.scenarios import (
+    Common,
+    cores,
+    fleet_names,
+    pin_self,
+    plot_path,
+    relabel,
+    say,
+    summarize,
+    to_v1,
+    write_json,
+)
 from loadtest.sim_engine import SimConfig
 
 ATTAINMENT = 0.9  # DistServe's bar: the share of requests that must meet both objectives
@@ -72,12 +82,6 @@ def capacity(speeds: Sequence[float], mix: Mix, sim: SimConfig) -> float:
     return sum(speeds) / per_request
 
 
-def _relabel(summary: report.Summary, names: dict[str, str]) -> report.Summary:
-    """Name instances by fleet position and speed ("#3 x0.4") instead of host:port."""
-    instances = {names.get(k, k): v for k, v in summary["instances"].items()}
-    return {**summary, "instances": dict(sorted(instances.items()))}
-
-
 async def _one_setup(
     name: str,
     specs: Sequence[RequestSpec],
@@ -95,10 +99,7 @@ async def _one_setup(
                 opts.speeds, max_num_seqs=opts.max_num_seqs, seed=common.seed, core=fleet_core
             )
         )
-        names = {
-            instance_label(url): f"#{i} x{speed}"
-            for i, (url, speed) in enumerate(zip(fleet.urls, opts.speeds, strict=True))
-        }
+        names = fleet_names(fleet.urls, opts.speeds)
         if name == "independent":
             pins = random.Random(common.seed + 1)
             clients = concurrency or opts.clients
@@ -118,7 +119,7 @@ async def _one_setup(
             run = await run_closed(
                 client, specs, route, concurrency=concurrency, label=label, limit=common.limit
             )
-        return _relabel(summarize(run, common), names)
+        return relabel(summarize(run, common), names)
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,25 @@ def pin_prefix(core: int | None) -> list[str]:
     if core >= (os.cpu_count() or 1):
         return []
     return ["taskset", "-c", str(core)]
+
+
+def source_state() -> dict[str, Any]:
+    """The commit the measured gateway runs from, and its files changed since (if any)."""
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return done.stdout
+
+    changed = git("status", "--porcelain", "--", "gateway")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip() or None,
+        "gateway_changes": [line[3:] for line in changed.splitlines() if line.strip()],
+    }
 
 
 def free_port() -> int:

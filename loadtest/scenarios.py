@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from loadtest.loadgen import (
     Mix,
     Route,
     Run,
+    instance_label,
     make_workload,
     run_closed,
     run_open,
@@ -50,9 +52,11 @@ def summarize(run: Run, common: Common) -> report.Summary:
 
 
 def write_json(common: Common, name: str, body: dict[str, Any]) -> Path:
+    """Write a report, stamped with the source it measured and how it was run."""
     common.out.mkdir(parents=True, exist_ok=True)
     path = common.out / f"{name}.json"
-    path.write_text(json.dumps(body, indent=2, default=str) + "\n")
+    stamp = {"source": harness.source_state(), "common": asdict(common)}
+    path.write_text(json.dumps(stamp | body, indent=2, default=str) + "\n")
     return path
 
 
@@ -79,6 +83,20 @@ def cores(common: Common) -> tuple[int | None, int | None]:
 
 def to_v1(url: str) -> str:
     return url.rstrip("/") + "/v1"
+
+
+def fleet_names(urls: Sequence[str], speeds: Sequence[float]) -> dict[str, str]:
+    """host:port -> "#3 x0.4": an instance's place in the fleet and its speed."""
+    return {
+        instance_label(url): f"#{i} x{speed}"
+        for i, (url, speed) in enumerate(zip(urls, speeds, strict=True))
+    }
+
+
+def relabel(summary: report.Summary, names: dict[str, str]) -> report.Summary:
+    """Name a summary's instances by fleet_names instead of host:port."""
+    instances = {names.get(k, k): v for k, v in summary["instances"].items()}
+    return {**summary, "instances": dict(sorted(instances.items()))}
 
 
 # --- run ----------------------------------------------------------------------------------
@@ -147,6 +165,7 @@ async def sweep(opts: SweepOptions, common: Common) -> dict[str, Any]:
         session() as http,
     ):
         client = Client(http, harness.KEY)
+        names = fleet_names(fleet.urls, opts.speeds)
         for level in opts.levels:
             specs = make_workload(level * opts.requests_per_client, opts.mix, common.seed)
             run = await run_closed(
@@ -157,7 +176,7 @@ async def sweep(opts: SweepOptions, common: Common) -> dict[str, Any]:
                 label=f"c={level}",
                 limit=common.limit,
             )
-            points.append((level, summarize(run, common)))
+            points.append((level, relabel(summarize(run, common), names)))
     say(report.run_table([s for _, s in points]))
     title = f"{opts.strategy} via gateway, fleet speeds {','.join(map(str, opts.speeds))}"
     body = {"options": asdict(opts), "points": [{"concurrency": c, **s} for c, s in points]}
