@@ -7,7 +7,7 @@ Nothing reaches the client until an attempt is committed (a non-retryable status
 the first streamed chunk), so a retry is always invisible to the client. After that a
 failure ends the stream with an in-band SSE error and `data: [DONE]`.
 
-The per-chunk loop copies bytes and counts `data:` markers; it parses no JSON.
+Relaying an answer once an attempt has one is `relay.py`'s job.
 """
 
 from __future__ import annotations
@@ -38,21 +38,15 @@ from .dispatch import (
 )
 from .dispatcher import Dispatcher
 from .metrics import Metrics
+from .recorder import Recorder
+from .relay import Exchange, Relay, Retryable
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
 
-_access = log.get("gateway.access")
 _log = log.get("gateway.proxy")
 
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_DATA = b"data:"
-_DONE = b"data: [DONE]"
-# Writes that may block (the client is behind, or the chunk is big) are timed; others are
-# free. 16 KiB is asyncio's low-water mark.
-_BACKLOG = 16 * 1024
-_MAX_PARTIAL = 64 * 1024  # a "partial event" longer than this is passed on anyway
 
 
 @dataclass(frozen=True)
@@ -76,45 +70,12 @@ class Target:
     headers: dict[str, str]
 
 
-@dataclass
-class Exchange:
-    """What one request did, for its access-log line and metrics."""
-
-    route: str
-    request_id: str
-    started: float
-    tag: str = ""
-    lane: str = ""
-    instance: str = ""
-    status: int = 0
-    attempts: int = 0
-    ttft: float | None = None
-    tpot: float | None = None
-    tokens: int | None = None
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-
-
 def _max_tokens(payload: dict[str, Any]) -> int:
     for key in ("max_tokens", "max_completion_tokens"):
         value = payload.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return 0
-
-
-def _event_boundary(data: bytes) -> int:
-    """The index just past the last complete SSE event in `data` (0 if none)."""
-    lf = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-class _Retryable(Exception):
-    def __init__(self, reason: str, error: errors.GatewayError | web.Response) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
 
 
 class Proxy:
@@ -141,11 +102,6 @@ class Proxy:
         self.threshold = config.prefill.long_input_threshold
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = {Lane.SHORT: "short", Lane.LONG: config.prefill.tag}
-        slo = config.file.slo
-        self.slo = {
-            self.lane_names[Lane.SHORT]: (slo.ttft, slo.tpot),
-            self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
-        }
         self.max_body = config.gateway.max_body_bytes
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry
@@ -153,14 +109,25 @@ class Proxy:
             Lane.SHORT: channel.timeout.read,
             Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
         }
-        self.write_timeout = channel.timeout.write
         self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
         self.clock = dispatcher.clock
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.aborting = False
+        self.relay = Relay(metrics, dispatcher, channel.timeout.write)
+        slo = config.file.slo
+        self.recorder = Recorder(
+            metrics,
+            {
+                self.lane_names[Lane.SHORT]: (slo.ttft, slo.tpot),
+                self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
+            },
+        )
+
+    @property
+    def aborting(self) -> bool:
+        return self.relay.aborting
 
     async def drain(self, timeout: float) -> int:
         """Let requests in progress finish for up to `timeout` s, then end the rest.
@@ -174,7 +141,7 @@ class Proxy:
                 await self._idle.wait()
         left = len(self._tasks)
         if left:
-            self.aborting = True
+            self.relay.aborting = True
             for task in list(self._tasks):
                 task.cancel()
             with contextlib.suppress(TimeoutError):
@@ -282,7 +249,7 @@ class Proxy:
                 self._tasks.discard(task)
                 if not self._tasks:
                     self._idle.set()
-            self._record(ex)
+            self.recorder.record(ex, self.clock() - ex.started)
 
     async def _forward(
         self,
@@ -297,7 +264,7 @@ class Proxy:
         deadline = ex.started + self.request_timeout
         self.budget.record_request(self.clock())
         tried: frozenset[str] = frozenset()
-        last_failure: _Retryable | None = None
+        last_failure: Retryable | None = None
         while True:
             ex.attempts += 1
             ticket = self.dispatcher.new_ticket(
@@ -315,7 +282,7 @@ class Proxy:
                 return await self._attempt(
                     request, route, body, lane, stream, ex, headers, ticket.id, deadline
                 )
-            except _Retryable as failed:
+            except Retryable as failed:
                 tried = tried | {instance}
                 plan: RetryAfter | GiveUp = GiveUp("instances")
                 if self.dispatcher.scheduler.untried_available(lane, tried, self.clock()):
@@ -376,7 +343,7 @@ class Proxy:
             except AttemptFailed as failed:
                 outcome, error = Outcome.FAILURE, failed.kind
                 self.metrics.instance_requests.labels(ex.instance, failed.kind).inc()
-                raise _Retryable(failed.kind, self._attempt_error(failed)) from None
+                raise Retryable(failed.kind, self._attempt_error(failed)) from None
             status = response.status
             self.metrics.instance_requests.labels(ex.instance, str(status)).inc()
             reason = reason_for_status(status)
@@ -384,18 +351,18 @@ class Proxy:
                 # 502/504: the instance is failing. 429/503: busy, it never ran the request.
                 outcome = Outcome.FAILURE if status in (502, 504) else Outcome.BUSY
                 error = f"status {status}"
-                passthrough = await self._read_answer(response, ex, headers, deadline)
-                raise _Retryable(reason, passthrough)
+                passthrough = await self.relay.whole(response, ex, headers, deadline)
+                raise Retryable(reason, passthrough)
             if status == 200 and stream:
-                first = await self._first_chunk(response, allowance - (self.clock() - opened))
-                out, outcome, error = await self._relay(
+                first = await self.relay.first_chunk(response, allowance - (self.clock() - opened))
+                out, outcome, error = await self.relay.stream(
                     request, response, first, ex, headers, ticket_id, opened
                 )
                 return out
-            answer = await self._read_answer(response, ex, headers, deadline)
+            answer = await self.relay.whole(response, ex, headers, deadline)
             outcome = Outcome.FAILURE if status >= 500 else Outcome.SUCCESS
             return answer
-        except _Retryable as failed:
+        except Retryable as failed:
             if error is None:  # failed before commit while reading the first chunk
                 outcome, error = Outcome.FAILURE, failed.reason
             raise
@@ -405,7 +372,7 @@ class Proxy:
             self.dispatcher.release(ticket_id, outcome, error)
 
     def _give_up(
-        self, failed: _Retryable, ex: Exchange, headers: dict[str, str]
+        self, failed: Retryable, ex: Exchange, headers: dict[str, str]
     ) -> web.StreamResponse:
         """Answer with the failure of the last attempt: the instance's own answer, or ours."""
         if isinstance(failed.error, web.Response):
@@ -423,199 +390,4 @@ class Proxy:
         return errors.NoInstanceAvailable(
             f"could not reach a vLLM instance ({failed.detail})",
             retry_after=self.config.dispatch.health_check_interval,
-        )
-
-    async def _read_answer(
-        self,
-        response: aiohttp.ClientResponse,
-        ex: Exchange,
-        headers: dict[str, str],
-        deadline: float,
-    ) -> web.Response:
-        """Read a whole (non-streamed or error) answer and pass it on unchanged."""
-        try:
-            async with asyncio.timeout(max(0.001, deadline - self.clock())):
-                data = await response.read()
-        except TimeoutError:
-            raise _Retryable(
-                "timeout", errors.UpstreamTimeout("the vLLM instance did not finish in time")
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Retryable(
-                "connect", errors.UpstreamError(f"the vLLM instance broke the connection: {exc}")
-            ) from None
-        ex.status = response.status
-        match = _COMPLETION_TOKENS.search(data, max(0, len(data) - 512))
-        ex.tokens = int(match.group(1)) if match else None
-        out_headers = dict(headers)
-        out_headers["X-Gateway-Instance"] = ex.instance
-        return web.Response(
-            status=response.status,
-            body=data,
-            headers=out_headers,
-            content_type=response.content_type or "application/json",
-        )
-
-    async def _first_chunk(self, response: aiohttp.ClientResponse, timeout: float) -> bytes:
-        try:
-            async with asyncio.timeout(max(0.001, timeout)):
-                first = await response.content.readany()
-        except TimeoutError:
-            raise _Retryable(
-                "timeout",
-                errors.UpstreamTimeout("the vLLM instance sent no token within the allowance"),
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Retryable(
-                "connect", errors.UpstreamError(f"the vLLM instance broke the stream: {exc}")
-            ) from None
-        if not first:
-            raise _Retryable(
-                "connect", errors.UpstreamError("the vLLM instance closed the stream empty")
-            )
-        return first
-
-    async def _relay(
-        self,
-        request: web.Request,
-        response: aiohttp.ClientResponse,
-        first: bytes,
-        ex: Exchange,
-        headers: dict[str, str],
-        ticket_id: int,
-        sent_at: float,
-    ) -> tuple[web.StreamResponse, Outcome, str | None]:
-        """Commit: send headers and the first chunk, then copy chunks as they arrive."""
-        out_headers = dict(headers)
-        out_headers["X-Gateway-Instance"] = ex.instance
-        out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
-        out_headers["Cache-Control"] = "no-cache"
-        out = web.StreamResponse(status=200, headers=out_headers)
-        ex.status = 200
-        try:
-            await out.prepare(request)
-        except ConnectionResetError:
-            return out, self._client_left(ex), None
-        first_at = self.clock()
-        ex.ttft = first_at - ex.started
-        self.dispatcher.prefill_done(ticket_id, first_at - sent_at)
-        reader = response.content
-        transport = request.transport
-        outcome: Outcome = Outcome.SUCCESS
-        error: str | None = None
-        events, last, pending, chunk = 0, b"", b"", first
-        while True:
-            # Pass on whole SSE events only, so an error event can never be glued to a
-            # half-sent one. vLLM sends whole events per chunk, so this rarely holds back.
-            if pending:
-                chunk, pending = pending + chunk, b""
-            cut = _event_boundary(chunk)
-            if cut < len(chunk) and len(chunk) - cut < _MAX_PARTIAL:
-                chunk, pending = chunk[:cut], chunk[cut:]
-            if chunk:
-                try:
-                    await self._write(out, transport, chunk)
-                except (ConnectionResetError, TimeoutError):
-                    return out, self._client_left(ex), None
-                events += chunk.count(_DATA)
-                last = chunk
-            try:
-                chunk = await reader.readany()
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if not self.aborting or task is None:
-                    raise
-                task.uncancel()  # the drain deadline passed: end the stream in-band
-                outcome, error = Outcome.NEUTRAL, "drain_deadline"
-                self.metrics.stream_aborts.labels("shutdown").inc()
-                message = "the gateway is shutting down and its drain time is over"
-                await out.write(errors.sse_error_event(f"{message}; the answer is incomplete", 503))
-                break
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                outcome, error = Outcome.FAILURE, "stream_broken"
-                self.metrics.stream_aborts.labels("upstream").inc()
-                _log.warning("stream_aborted", side="upstream", error=type(exc).__name__)
-                await out.write(
-                    errors.sse_error_event(
-                        f"the vLLM instance {ex.instance} broke the stream after it started "
-                        f"({type(exc).__name__}); the answer is incomplete"
-                    )
-                )
-                break
-            if not chunk:
-                if pending:  # the instance ended without a final blank line: pass it on
-                    await out.write(pending)
-                break
-        try:
-            await out.write_eof()
-        except ConnectionResetError:
-            return out, self._client_left(ex), None
-        ex.tokens = self._stream_tokens(events, last, ex.route)
-        if outcome is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
-            ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
-            self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
-            self.dispatcher.observe_tpot(ex.instance, ex.tpot)
-        return out, outcome, error
-
-    async def _write(
-        self, out: web.StreamResponse, transport: asyncio.BaseTransport | None, chunk: bytes
-    ) -> None:
-        if transport is not None and transport.get_write_buffer_size() + len(chunk) > _BACKLOG:  # type: ignore[attr-defined]
-            # The client is behind. Give it `timeout.write` seconds, then let it go
-            # rather than keep a GPU generating into a full buffer.
-            async with asyncio.timeout(self.write_timeout):
-                await out.write(chunk)
-        else:
-            await out.write(chunk)
-
-    def _client_left(self, ex: Exchange) -> Outcome:
-        ex.status = 499
-        self.metrics.stream_aborts.labels("client").inc()
-        return Outcome.NEUTRAL
-
-    @staticmethod
-    def _stream_tokens(events: int, last: bytes, route: str) -> int:
-        """Output tokens: the usage chunk's count if sent, else one per content event."""
-        match = _COMPLETION_TOKENS.search(last)
-        if match:
-            return int(match.group(1))
-        overhead = (1 if _DONE in last else 0) + (1 if route == CHAT.name else 0)
-        return max(0, events - overhead)
-
-    # ------------------------------------------------------------ records
-
-    def _account_slo(self, ex: Exchange, lane: str) -> None:
-        """Count a finished stream against its lane's TTFT and TPOT objectives."""
-        assert ex.ttft is not None
-        assert ex.tpot is not None
-        ttft_goal, tpot_goal = self.slo[lane]
-        ttft_ok, tpot_ok = ex.ttft <= ttft_goal, ex.tpot <= tpot_goal
-        slo = self.metrics.slo
-        slo.labels(lane, ex.instance, "ttft", "met" if ttft_ok else "missed").inc()
-        slo.labels(lane, ex.instance, "tpot", "met" if tpot_ok else "missed").inc()
-        if ttft_ok and tpot_ok:
-            self.metrics.goodput.labels(lane, ex.instance).inc()
-
-    def _record(self, ex: Exchange) -> None:
-        duration = self.clock() - ex.started
-        lane = ex.lane or "none"
-        self.metrics.requests.labels(
-            ex.route, str(ex.status), lane, self.metrics.tag_label(ex.tag or "none")
-        ).inc()
-        if ex.instance:
-            self.metrics.duration.labels(lane).observe(duration)
-        if ex.ttft is not None:
-            self.metrics.ttft.labels(lane).observe(ex.ttft)
-            if ex.tpot is not None:
-                self._account_slo(ex, lane)
-        _access.info(
-            "request",
-            route=ex.route,
-            status=ex.status,
-            instance=ex.instance or None,
-            lane=ex.lane or None,
-            attempts=ex.attempts,
-            duration_ms=round(duration * 1000, 2),
-            ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 2),
-            tokens=ex.tokens,
         )
