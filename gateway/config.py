@@ -14,22 +14,21 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretStr,
-    ValidationError,
-    field_validator,
-    model_validator,
+from pydantic import BaseModel, SecretStr, ValidationError
+
+from .schema import (
+    Channel,
+    ConfigFile,
+    DispatchSection,
+    Frozen,
+    GatewaySection,
+    InstanceSpec,
+    PrefillSection,
+    Settings,
 )
-
-from .dispatch.select import STRATEGIES
-
-Lane = Literal["short", "long", "any"]
 
 _M = TypeVar("_M", bound=BaseModel)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -39,208 +38,10 @@ class ConfigError(Exception):
     """A configuration file is missing, unreadable or invalid; the message says where."""
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-# ---------------------------------------------------------------- config.toml
-
-
-class GatewaySection(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    base_url: str | None = None
-    api_key_env: str | None = "GATEWAY_API_KEY"
-    request_timeout: float = Field(120.0, gt=0)
-    max_connections: int = Field(64, ge=1)
-    # Long-lane prompts are tens of KiB; base64 images are MiBs. 16 MiB covers both.
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    drain_timeout: float = Field(30.0, ge=0)
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            _check_http_url(value)
-        return value
-
-    @field_validator("port", mode="before")
-    @classmethod
-    def _not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # pydantic's lax int would take true as port 1
-            raise ValueError("expected a port number, got a boolean")
-        return value
-
-
-class HealthSection(_Frozen):
-    rise: int = Field(2, ge=1)
-    fall: int = Field(3, ge=1)
-    probe_timeout: float = Field(2.0, gt=0)
-    eject_after_failures: int = Field(5, ge=1)
-    ejection_base: float = Field(10.0, gt=0)
-    ejection_max: float = Field(300.0, gt=0)
-    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
-    metrics_stale_after: float | None = Field(None, gt=0)
-
-
-class DispatchSection(_Frozen):
-    strategy: str = "least_busy"
-    health_check_interval: float = Field(10.0, gt=0)
-    max_queue_per_instance: int = Field(32, ge=0)
-    # vLLM's own default; set it to the --max-num-seqs your instances run with.
-    max_num_seqs: int = Field(256, ge=1)
-    gateway_queue_size: int = Field(1024, ge=0)
-    health: HealthSection = HealthSection()
-
-    @field_validator("strategy")
-    @classmethod
-    def _known_strategy(cls, value: str) -> str:
-        if value not in STRATEGIES:
-            names = ", ".join(sorted(STRATEGIES))
-            raise ValueError(f"unknown strategy {value!r}; expected one of {names}")
-        return value
-
-
-class PrefillSection(_Frozen):
-    tag: str = Field("prefill", min_length=1, max_length=64)
-    long_input_threshold: int = Field(4096, ge=1)
-    max_long_per_instance: int = Field(2, ge=1)
-    long_ttft_factor: float = Field(4.0, ge=1)
-    # None: estimate; "instance": ask an instance's /tokenize near the threshold;
-    # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).
-    tokenizer: str | None = None
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer_source(cls, value: str | None) -> str | None:
-        if value is None or value == "instance":
-            return value
-        if not Path(value).is_file():
-            raise ValueError(f"expected 'instance' or the path of a tokenizer.json, got {value!r}")
-        try:
-            import tokenizers  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                "a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
-            ) from None
-        return value
-
-
-class SloSection(_Frozen):
-    """Objectives per lane, in seconds; goodput counts streamed requests that meet both."""
-
-    ttft: float = Field(2.0, gt=0)
-    tpot: float = Field(0.1, gt=0)
-    long_ttft: float = Field(15.0, gt=0)
-    long_tpot: float = Field(0.1, gt=0)
-
-
-class ConfigFile(_Frozen):
-    gateway: GatewaySection = GatewaySection()
-    dispatch: DispatchSection = DispatchSection()
-    prefill: PrefillSection = PrefillSection()
-    slo: SloSection = SloSection()
-
-
-# -------------------------------------------------------------- settings.json
-
-
-class Timeouts(_Frozen):
-    connect: float = Field(10.0, gt=0)
-    read: float = Field(120.0, gt=0)
-    write: float = Field(30.0, gt=0)
-
-
-class RetrySettings(_Frozen):
-    max_attempts: int = Field(3, ge=1, le=10)
-    backoff_base: float = Field(0.5, ge=0)
-    backoff_max: float = Field(8.0, ge=0)
-    budget_ratio: float = Field(0.2, ge=0, le=1)
-
-
-class Channel(_Frozen):
-    base_url: str | None = None
-    api_key: SecretStr | list[SecretStr] | None = None
-    api_key_env: str | None = None
-    default_model: str | None = None
-    timeout: Timeouts = Timeouts()
-    retry: RetrySettings = RetrySettings()
-    headers: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            _check_http_url(value)
-        return value
-
-
-class InstanceSpec(_Frozen):
-    url: str
-    name: str | None = None
-    lane: Lane = "any"
-    api_key_env: str | None = None
-    weight: float = Field(1.0, gt=0)
-    max_num_seqs: int | None = Field(None, ge=1)
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        _check_http_url(value)
-        return value.rstrip("/")
-
-    @property
-    def label(self) -> str:
-        """The name used in metrics and logs: the configured name, else host:port."""
-        if self.name:
-            return self.name
-        parts = urlsplit(self.url)
-        # Never user:password@ from the URL: the label goes into metrics and logs.
-        return parts.netloc.rpartition("@")[2] + parts.path
-
-
-class VllmSection(_Frozen):
-    instances: list[InstanceSpec] = Field(min_length=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-
-    @field_validator("instances", mode="before")
-    @classmethod
-    def _strings_are_urls(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            return [{"url": item} if isinstance(item, str) else item for item in value]
-        return value
-
-    @model_validator(mode="after")
-    def _unique(self) -> VllmSection:
-        seen: set[str] = set()
-        for spec in self.instances:
-            if spec.url in seen:
-                raise ValueError(f"instance {spec.url!r} is listed twice")
-            if spec.label in seen:
-                raise ValueError(f"instance name {spec.label!r} is used twice")
-            seen.update((spec.url, spec.label))
-        return self
-
-
-class Settings(_Frozen):
-    channel: Channel = Channel()
-    vllm: VllmSection
-
-    @model_validator(mode="before")
-    @classmethod
-    def _seed_block_name(cls, data: Any) -> Any:
-        # The seed post calls the channel block after its hosted service.
-        if isinstance(data, dict) and "taotoken" in data:
-            if "channel" in data:
-                raise ValueError("give either 'channel' or 'taotoken', not both")
-            data = {("channel" if k == "taotoken" else k): v for k, v in data.items()}
-        return data
-
-
 # ---------------------------------------------------------------- the result
 
 
-class Config(_Frozen):
+class Config(Frozen):
     """Both files, validated, plus what is derived from them once."""
 
     file: ConfigFile
@@ -355,18 +156,6 @@ def _api_keys(
         if name and env.get(name):
             keys.extend(k.strip() for k in env[name].split(",") if k.strip())
     return tuple(SecretStr(k) for k in dict.fromkeys(keys))
-
-
-def _check_http_url(value: str) -> None:
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"the URL {value!r} must not carry a query or fragment")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError as exc:
-        raise ValueError(f"bad port in URL {value!r}") from exc
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

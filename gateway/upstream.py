@@ -12,7 +12,7 @@ import asyncio
 
 import aiohttp
 
-from .config import Timeouts
+from .schema import Timeouts
 
 
 class AttemptFailed(Exception):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gateway.config import Timeouts
+from gateway.schema import Timeouts
 from gateway.tokenizer import LocalTokenizer, TokenCounter
 from gateway.upstream import Upstream
 
