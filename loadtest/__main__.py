@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest import compare, overhead, scenarios
+from loadtest import compare, harness, overhead, scenarios
 from loadtest.loadgen import Mix
 
 
@@ -44,6 +45,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, default=Path("loadtest/results"), help="report folder")
     g.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
     g.add_argument("--limit", type=float, default=300.0, help="seconds any one run may take")
+    g.add_argument(
+        "--gateway-ref",
+        help="run the gateway as committed at this git ref (e.g. HEAD), not the working tree",
+    )
 
 
 def _mix(p: argparse.ArgumentParser, long_share: float, max_tokens: str) -> None:
@@ -112,6 +117,7 @@ def _common_of(args: argparse.Namespace) -> scenarios.Common:
         out=args.out,
         pin=not args.no_pin,
         limit=args.limit,
+        gateway_ref=getattr(args, "gateway_ref", None),
     )
 
 
@@ -124,8 +130,7 @@ def _mix_of(args: argparse.Namespace, long_share: float | None = None) -> Mix:
     )
 
 
-def _job(args: argparse.Namespace) -> Coroutine[Any, Any, Any]:
-    common = _common_of(args)
+def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, Any, Any]:
     jobs: dict[str, Callable[[], Coroutine[Any, Any, Any]]] = {
         "run": lambda: scenarios.run_once(
             scenarios.RunOptions(
@@ -184,8 +189,10 @@ def _job(args: argparse.Namespace) -> Coroutine[Any, Any, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    common = _common_of(args)
     try:
-        asyncio.run(_job(args))
+        with harness.exported_gateway(common.gateway_ref) as folder:
+            asyncio.run(_job(args, replace(common, gateway_dir=folder)))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

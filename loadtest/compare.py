@@ -108,7 +108,11 @@ async def _one_setup(
         else:
             gw = await stack.enter_async_context(
                 harness.gateway_process(
-                    fleet.urls, strategy=name, max_num_seqs=opts.max_num_seqs, core=gw_core
+                    fleet.urls,
+                    strategy=name,
+                    max_num_seqs=opts.max_num_seqs,
+                    core=gw_core,
+                    source=common.gateway_dir,
                 )
             )
             route = lambda spec, worker: gw.base_url  # noqa: E731

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,23 +40,46 @@ def pin_prefix(core: int | None) -> list[str]:
     return ["taskset", "-c", str(core)]
 
 
-def source_state() -> dict[str, Any]:
-    """The commit the measured gateway runs from, and its files changed since (if any)."""
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout
 
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(
-                ["git", *args], capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return done.stdout
 
-    changed = git("status", "--porcelain", "--", "gateway")
+def source_state(ref: str | None = None) -> dict[str, Any]:
+    """The commit the measured gateway runs from and, for the working tree, its edits."""
+    if ref is not None:
+        return {"ref": ref, "commit": _git("rev-parse", "--short", ref).strip() or None}
+    changed = _git("status", "--porcelain", "--", "gateway")
     return {
-        "commit": git("rev-parse", "--short", "HEAD").strip() or None,
+        "ref": "working tree",
+        "commit": _git("rev-parse", "--short", "HEAD").strip() or None,
         "gateway_changes": [line[3:] for line in changed.splitlines() if line.strip()],
     }
+
+
+@contextlib.contextmanager
+def exported_gateway(ref: str | None) -> Iterator[Path | None]:
+    """The gateway package as committed at `ref`, in a temp folder; None: the working tree.
+
+    Running from a snapshot keeps a benchmark off files someone is editing meanwhile.
+    """
+    if ref is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="loadtest-src-") as tmp:
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", ref, "gateway"], capture_output=True, check=False
+        )
+        if archive.returncode != 0:
+            raise RuntimeError(f"git archive {ref!r} failed: {archive.stderr.decode()[-300:]}")
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        yield Path(tmp)
 
 
 def free_port() -> int:
@@ -218,8 +243,13 @@ async def gateway_process(
     core: int | None = None,
     dispatch: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
+    source: Path | None = None,
 ) -> AsyncIterator[GatewayProc]:
-    """`python -m gateway` before `instances`, ready when every instance is up."""
+    """`python -m gateway` before `instances`, ready when every instance is up.
+
+    `source`: a folder holding the `gateway` package to run (see exported_gateway);
+    by default the one this interpreter imports.
+    """
     with tempfile.TemporaryDirectory(prefix="loadtest-gw-") as tmp:
         folder = Path(tmp)
         port = free_port()
@@ -245,8 +275,9 @@ async def gateway_process(
             str(settings),
         ]
         with log.open("wb") as sink:
+            # `python -m` puts the working folder first on sys.path: the snapshot wins.
             proc = await asyncio.create_subprocess_exec(
-                *args, env=env, stdout=sink, stderr=asyncio.subprocess.STDOUT
+                *args, env=env, stdout=sink, stderr=asyncio.subprocess.STDOUT, cwd=source
             )
         try:
             url = f"http://127.0.0.1:{port}"

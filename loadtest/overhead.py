@@ -75,6 +75,7 @@ async def _system(
             max_num_seqs=max_num_seqs,
             core=gw_core,
             gateway={"max_connections": max_connections},
+            source=common.gateway_dir,
         ) as gw,
         session() as http,
     ):

@@ -41,6 +41,8 @@ class Common:
     out: Path = Path("loadtest/results")
     pin: bool = True  # gateway on core 0; fleet and load generator on core 1
     limit: float = 300.0  # seconds any one run may take
+    gateway_ref: str | None = None  # run the gateway as committed at this ref
+    gateway_dir: Path | None = None  # where that snapshot lies (set by the CLI)
 
 
 def say(text: str = "") -> None:
@@ -55,7 +57,7 @@ def write_json(common: Common, name: str, body: dict[str, Any]) -> Path:
     """Write a report, stamped with the source it measured and how it was run."""
     common.out.mkdir(parents=True, exist_ok=True)
     path = common.out / f"{name}.json"
-    stamp = {"source": harness.source_state(), "common": asdict(common)}
+    stamp = {"source": harness.source_state(common.gateway_ref), "common": asdict(common)}
     path.write_text(json.dumps(stamp | body, indent=2, default=str) + "\n")
     return path
 
@@ -160,7 +162,11 @@ async def sweep(opts: SweepOptions, common: Common) -> dict[str, Any]:
             opts.speeds, max_num_seqs=opts.max_num_seqs, seed=common.seed, core=fleet_core
         ) as fleet,
         harness.gateway_process(
-            fleet.urls, strategy=opts.strategy, max_num_seqs=opts.max_num_seqs, core=gw_core
+            fleet.urls,
+            strategy=opts.strategy,
+            max_num_seqs=opts.max_num_seqs,
+            core=gw_core,
+            source=common.gateway_dir,
         ) as gw,
         session() as http,
     ):
