@@ -8,7 +8,7 @@ load generator share core 1. Four measurements, side by side in one run:
 2. CPU per streamed request (16 tokens): utime + stime of the gateway process from
    /proc/<pid>/stat around a closed-loop run, once with an instant instance (the chunks
    arrive in bursts) and once with tokens paced 2 ms apart (one chunk per token);
-3. hot spots: py-spy sampling the gateway during a repeat of the instant run;
+3. hot spots: py-spy sampling the gateway during a longer run of the paced streams;
 4. memory: VmHWM from /proc/<pid>/status with `streams` streams open at once against
    slow-decoding instances.
 """
@@ -45,6 +45,7 @@ class OverheadOptions:
     concurrency: int = 32
     streams: int = 2000
     profile: bool = True
+    profile_requests: int = 6000  # paced streams sampled by py-spy (its own run)
     rounds: int = 4  # idle blocks per arm
 
 
@@ -158,19 +159,24 @@ async def _profile(system: System, opts: OverheadOptions, common: Common, out: P
         "-p",
         str(system.gw.pid),
         "-r",
-        "250",
+        "500",
         "-f",
         "raw",
         "-o",
         str(raw),
-        "--nonblocking",
-    ]
+    ]  # blocking mode: each sample pauses the gateway, so stacks are whole
     proc = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
     await asyncio.sleep(1.0)  # let it attach
     await _closed(
-        system, system.gw.base_url, opts.requests, opts.concurrency, "py-spy", IDLE_MIX, common
+        system,
+        system.gw.base_url,
+        opts.profile_requests,
+        opts.concurrency,
+        "py-spy",
+        IDLE_MIX,
+        common,
     )
     proc.send_signal(signal.SIGINT)
     try:
@@ -183,18 +189,30 @@ async def _profile(system: System, opts: OverheadOptions, common: Common, out: P
     return top_frames(raw.read_text())
 
 
+# A sample whose innermost Python frame is the event loop's run() is the loop itself:
+# waiting in epoll, or uvloop's C code doing I/O, which py-spy cannot see into.
+LOOP_LEAVES = ("Runner.run (asyncio/runners.py)", "run (uvloop/__init__.py)")
+
+
 def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
-    """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
+    """Self and inclusive shares per function from py-spy's collapsed stacks.
+
+    Shares are of the samples in Python code: those that end in the loop's run() are
+    counted apart (`loop_samples`), since idle waiting and C-level I/O both land there.
+    """
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
-    total = 0
+    total = loop = 0
     for line in collapsed.splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
         samples = int(n)
-        total += samples
         frames = [_frame_name(f) for f in stack.split(";")]
+        if frames[-1] in LOOP_LEAVES:
+            loop += samples
+            continue
+        total += samples
         own[frames[-1]] += samples
         for name in set(frames):
             inclusive[name] += samples
@@ -205,6 +223,7 @@ def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
     ours = Counter({name: n for name, n in inclusive.items() if "(gateway/" in name})
     return {
         "samples": total,
+        "loop_samples": loop,
         "self": share(own),
         "inclusive": share(inclusive),
         "gateway_inclusive": share(ours),
@@ -274,10 +293,11 @@ async def overhead(opts: OverheadOptions, common: Common) -> dict[str, Any]:
     async with _system(common, (1.0,), instant=True, max_num_seqs=256) as system:
         body["idle"] = await _idle(system, opts, common)
         body["cpu_instant"] = await _cpu(system, opts, common, "instant")
-        body["profile"] = await _profile(system, opts, common, common.out) if opts.profile else {}
         body["memory_kib_loaded"] = harness.memory_kib(system.gw.pid)
     async with _system(common, (5.0,), instant=False, max_num_seqs=256) as system:
         body["cpu_paced"] = await _cpu(system, opts, common, "paced 2 ms/token")
+        # After the CPU measurements: py-spy's pauses must not be in them.
+        body["profile"] = await _profile(system, opts, common, common.out) if opts.profile else {}
     body["streams"] = await _memory(opts, common)
     _print(body)
     say(f"wrote {write_json(common, 'overhead', body)}")

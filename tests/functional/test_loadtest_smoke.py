@@ -63,10 +63,13 @@ def test_percentiles_are_nearest_rank_and_ordered() -> None:
 
 
 def test_top_frames_sums_py_spy_stacks() -> None:
-    """Collapsed py-spy stacks become self and inclusive shares per function."""
-    raw = "main (a.py:1);f (gateway/proxy.py:10) 3\nmain (a.py:1);g (b.py:2) 1\n"
+    """Collapsed py-spy stacks become shares per function, the event loop's own apart."""
+    raw = (
+        "main (a.py:1);f (gateway/proxy.py:10) 3\nmain (a.py:1);g (b.py:2) 1\n"
+        "main (a.py:1);Runner.run (asyncio/runners.py:118) 5\n"
+    )
     top = top_frames(raw)
-    assert top["samples"] == 4
+    assert (top["samples"], top["loop_samples"]) == (4, 5)
     assert top["self"][0] == ("f (gateway/proxy.py)", 0.75)
     assert ("main (a.py)", 1.0) in top["inclusive"]
 
