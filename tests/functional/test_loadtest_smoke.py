@@ -15,6 +15,7 @@ import pytest
 from fakes import fleet
 
 from loadtest import compare, report, scenarios
+from loadtest.__main__ import main
 from loadtest.loadgen import Client, Mix, make_workload, run_open, session
 from loadtest.overhead import OverheadOptions, overhead, top_frames
 from loadtest.sim_vllm import SimConfig
@@ -89,6 +90,32 @@ async def test_open_loop_run_against_instances_times_every_stream(tmp_path: Path
         for r, s in zip(sorted(run.results, key=lambda r: r.index), specs, strict=True)
     )
     assert summary["tpot_s"]["p50"] is not None
+
+
+async def test_run_scenario_reports_a_closed_loop_run(tmp_path: Path) -> None:
+    """`run` drives any base URL in a closed loop and writes a consistent report."""
+    async with fleet(SimConfig(seed=4)) as sims:
+        opts = scenarios.RunOptions(
+            base_url=sims[0].url + "/v1", key="unused", requests=10, concurrency=3, mix=TINY
+        )
+        summary = await scenarios.run_once(opts, common(tmp_path))
+    assert_consistent(summary)
+    assert summary["ok"] == 10
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["options"]["key"] == "***"
+
+
+def test_cli_counts_refused_connections_as_errors(tmp_path: Path) -> None:
+    """The CLI runs to the end against a closed port and reports every request as failed."""
+    status = main(
+        ["run", "--base-url", "http://127.0.0.1:9/v1", "--key", "k", "--requests", "4",
+         "--concurrency", "2", "--no-pin", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert status == 0
+    summary = json.loads((tmp_path / "run.json").read_text())["run"]
+    assert_consistent(summary)
+    assert summary["ok"] == 0
+    assert sum(summary["errors"].values()) == 4
 
 
 async def test_compare_smoke(tmp_path: Path) -> None:
