@@ -116,7 +116,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         ejection_max=h.ejection_max,
         max_ejected_fraction=h.max_ejected_fraction,
     )
-    scheduler = Scheduler(specs, STRATEGIES[dispatch.strategy](stale_after), limits, policy)
+    slo = config.file.slo
+    strategy = STRATEGIES[dispatch.strategy](
+        stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
+    )
+    scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
     metrics.watch(scheduler, dispatcher.clock)
     upstream = Upstream(config.gateway.max_connections, config.channel.timeout)

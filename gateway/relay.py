@@ -161,6 +161,8 @@ class Relay:
         self.dispatcher.prefill_done(ticket_id, first_at - sent_at)
         reader = response.content
         transport = request.transport
+        if transport is None:  # the client left before we could answer
+            return out, self._client_left(ex), None
         outcome: Outcome = Outcome.SUCCESS
         error: str | None = None
         events, last, pending, chunk = 0, b"", b"", first
@@ -169,12 +171,19 @@ class Relay:
             # half-sent one. vLLM sends whole events per chunk, so this rarely holds back.
             if pending:
                 chunk, pending = pending + chunk, b""
-            cut = _event_boundary(chunk)
-            if cut < len(chunk) and len(chunk) - cut < _MAX_PARTIAL:
-                chunk, pending = chunk[:cut], chunk[cut:]
+            if not chunk.endswith(b"\n\n"):  # rare: split mid-event, or CRLF framing
+                cut = _event_boundary(chunk)
+                if cut < len(chunk) and len(chunk) - cut < _MAX_PARTIAL:
+                    chunk, pending = chunk[:cut], chunk[cut:]
             if chunk:
                 try:
-                    await self._write(out, transport, chunk)
+                    if transport.get_write_buffer_size() + len(chunk) > _BACKLOG:
+                        # The client is behind. Give it `timeout.write` seconds, then let
+                        # it go rather than keep a GPU generating into a full buffer.
+                        async with asyncio.timeout(self.write_timeout):
+                            await out.write(chunk)
+                    else:
+                        await out.write(chunk)
                 except (ConnectionResetError, TimeoutError):
                     return out, self._client_left(ex), None
                 events += chunk.count(_DATA)
@@ -216,17 +225,6 @@ class Relay:
             self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
             self.dispatcher.observe_tpot(ex.instance, ex.tpot)
         return out, outcome, error
-
-    async def _write(
-        self, out: web.StreamResponse, transport: asyncio.BaseTransport | None, chunk: bytes
-    ) -> None:
-        if transport is not None and transport.get_write_buffer_size() + len(chunk) > _BACKLOG:  # type: ignore[attr-defined]
-            # The client is behind. Give it `timeout.write` seconds, then let it go
-            # rather than keep a GPU generating into a full buffer.
-            async with asyncio.timeout(self.write_timeout):
-                await out.write(chunk)
-        else:
-            await out.write(chunk)
 
     def _client_left(self, ex: Exchange) -> Outcome:
         ex.status = 499

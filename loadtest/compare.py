@@ -113,6 +113,12 @@ async def _one_setup(
                     max_num_seqs=opts.max_num_seqs,
                     core=gw_core,
                     source=common.gateway_dir,
+                    slo={
+                        "ttft": common.ttft_slo,
+                        "tpot": common.tpot_slo,
+                        "long_ttft": common.ttft_slo,
+                        "long_tpot": common.tpot_slo,
+                    },
                 )
             )
             route = lambda spec, worker: gw.base_url  # noqa: E731

@@ -171,6 +171,7 @@ def gateway_files(
     max_num_seqs: int,
     dispatch: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
+    slo: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     """Write the config.toml and settings.json a scenario's gateway runs with."""
     sections: dict[str, dict[str, Any]] = {
@@ -182,6 +183,8 @@ def gateway_files(
             **(dispatch or {}),
         },
     }
+    if slo:  # the operator's objectives, as the load generator judges them
+        sections["slo"] = slo
     lines = []
     for name, values in sections.items():
         lines.append(f"[{name}]")
@@ -244,6 +247,7 @@ async def gateway_process(
     dispatch: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
     source: Path | None = None,
+    slo: dict[str, Any] | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
@@ -261,6 +265,7 @@ async def gateway_process(
             max_num_seqs=max_num_seqs,
             dispatch=dispatch,
             gateway=gateway,
+            slo=slo,
         )
         log = folder / "gateway.log"
         env = {**os.environ, "GATEWAY_API_KEY": KEY}

@@ -21,11 +21,11 @@ by looking idle. Ties break at random.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import speed
-from .model import InstanceState, Ticket
+from .model import InstanceState, Lane, Ticket
 
 _TIE = 1e-9
 
@@ -76,7 +76,9 @@ def score_all(states: Sequence[InstanceState], now: float, stale_after: float) -
 class LeastBusy:
     name = "least_busy"
 
-    def __init__(self, stale_after: float) -> None:
+    def __init__(
+        self, stale_after: float, tpot_objectives: Mapping[Lane, float] | None = None
+    ) -> None:
         self.stale_after = stale_after
 
     def choose(
@@ -97,7 +99,9 @@ class LeastBusy:
 class RoundRobin:
     name = "round_robin"
 
-    def __init__(self, stale_after: float) -> None:
+    def __init__(
+        self, stale_after: float, tpot_objectives: Mapping[Lane, float] | None = None
+    ) -> None:
         self._next = 0
 
     def choose(
@@ -130,20 +134,28 @@ class LeastTime:
                     + others' requests (from /metrics) x this request's prompt size
         slot_wait = when all its slots are taken: (queued + 1) x max_tokens x tpot / slots
         ttft      = (ahead + prompt tokens) / prefill rate + slot_wait
-        cost      = (ttft + max_tokens x (tpot - fastest tpot in the fleet)) x (1 + failures)
+        cost      = (ttft + max_tokens x max(0, tpot - the lane's TPOT objective))
+                    x (1 + failures)
 
-    The last term lets decode speed weigh in for long outputs: it is the extra decode
-    time this instance would cost over the fastest one. An instance without history is
-    assumed to run at the fleet's median speed; with no history anywhere, at a nominal
-    prior, which makes the choice "least prefill work queued". Ties break at random.
+    The last term lets decode speed weigh in for long outputs, and only where it matters
+    to the user: an instance that decodes slower than the TPOT objective pays for each
+    token it would be late; one within the objective is judged on time to first token
+    alone, so a slow card that still meets the objective keeps the share its speed earns.
+    An instance without history is assumed to run at the fleet's median speed; with no
+    history anywhere, at a nominal prior, which makes the choice "least prefill work
+    queued". Ties break at random.
     """
 
     name = "least_time"
     PRIOR_PREFILL = 5000.0  # tokens/s
     PRIOR_TPOT = 0.03  # s
+    DEFAULT_TPOT_OBJECTIVE = 0.1  # s, the [slo] default
 
-    def __init__(self, stale_after: float) -> None:
+    def __init__(
+        self, stale_after: float, tpot_objectives: Mapping[Lane, float] | None = None
+    ) -> None:
         self.stale_after = stale_after
+        self.tpot_objectives = dict(tpot_objectives or {})
 
     def predict(
         self, state: InstanceState, fleet: Sequence[InstanceState], ticket: Ticket, now: float
@@ -159,7 +171,7 @@ class LeastTime:
     ) -> dict[str, float]:
         prefill_median = speed.median(s.speed.prefill.value for s in fleet) or self.PRIOR_PREFILL
         tpot_median = speed.median(s.speed.tpot.value for s in fleet) or self.PRIOR_TPOT
-        tpot_best = min((s.speed.tpot.value for s in fleet if s.speed.tpot.value), default=None)
+        objective = self.tpot_objectives.get(ticket.lane, self.DEFAULT_TPOT_OBJECTIVE)
         loads = score_all(fleet, now, self.stale_after)
         out: dict[str, float] = {}
         for state in candidates:
@@ -170,7 +182,7 @@ class LeastTime:
             queued = state.inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
-            decode_extra = ticket.max_tokens * (tpot - (tpot_best or tpot))
+            decode_extra = ticket.max_tokens * max(0.0, tpot - objective)
             out[state.name] = (ttft + decode_extra) * (1 + state.consecutive_failures)
         return out
 
@@ -189,7 +201,8 @@ class LeastTime:
 
 
 Strategy = LeastBusy | RoundRobin | LeastTime
-STRATEGIES: dict[str, Callable[[float], Strategy]] = {
+# Every strategy is built as Strategy(metrics_stale_after, tpot_objectives_by_lane).
+STRATEGIES: dict[str, Callable[[float, Mapping[Lane, float] | None], Strategy]] = {
     "least_busy": LeastBusy,
     "least_time": LeastTime,
     "round_robin": RoundRobin,

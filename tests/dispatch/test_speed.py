@@ -167,12 +167,21 @@ def test_least_time_sends_work_away_from_a_slow_card_that_least_busy_would_pick(
 
 
 def test_decode_speed_weighs_in_for_long_outputs() -> None:
-    """For a long output, an instance that decodes slowly loses even with an idle prefill."""
-    fleet = _fleet(1000.0, 1000.0, tpots=(0.02, 0.08))
+    """For a long output, an instance decoding slower than the TPOT objective loses even
+    with an idle prefill; for a one-token output its idle prefill wins."""
+    fleet = _fleet(1000.0, 1000.0, tpots=(0.02, 0.15))
     fleet[0].pending_prefill_tokens = 200
-    strategy = LeastTime(30)
+    strategy = LeastTime(30, {Lane.SHORT: 0.1})
     assert strategy.choose(fleet, fleet, _ticket(100, 1), 0.0, random.Random(0)).name == "i1"
     assert strategy.choose(fleet, fleet, _ticket(100, 500), 0.0, random.Random(0)).name == "i0"
+
+
+def test_a_slow_decoder_within_the_objective_is_judged_on_ttft_alone() -> None:
+    """A card decoding 2.5x slower but inside the TPOT objective pays no decode penalty."""
+    fleet = _fleet(1000.0, 1000.0, tpots=(0.02, 0.05))
+    fleet[0].pending_prefill_tokens = 200
+    costs = LeastTime(30, {Lane.SHORT: 0.1}).costs(fleet, fleet, _ticket(100, 500), 0.0)
+    assert costs == {"i0": pytest.approx(0.3), "i1": pytest.approx(0.1)}
 
 
 def test_instances_without_history_are_assumed_median_speed() -> None:
