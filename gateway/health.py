@@ -101,7 +101,9 @@ class HealthChecker:
     async def _check(self, target: Target) -> None:
         ok = await self._probe(target)
         if self.dispatcher.probe(target.name, ok):
-            _log.warning("instance_up" if ok else "instance_down", instance=target.name)
+            # Coming up is good news (and every start-up's first verdict): info, not warning.
+            log_at = _log.info if ok else _log.warning
+            log_at("instance_up" if ok else "instance_down", instance=target.name)
         if ok:
             await asyncio.gather(self._scrape(target), self._models(target))
 
