@@ -73,6 +73,15 @@ def score_all(states: Sequence[InstanceState], now: float, stale_after: float) -
     return scores
 
 
+def _lowest(
+    candidates: Sequence[InstanceState], costs: dict[str, float], rng: random.Random
+) -> InstanceState:
+    """The candidate with the lowest cost; ties (within rounding) broken at random."""
+    best = min(costs[c.name] for c in candidates)
+    ties = [c for c in candidates if costs[c.name] <= best * (1 + _TIE) + _TIE]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
 class LeastBusy:
     name = "least_busy"
 
@@ -91,9 +100,7 @@ class LeastBusy:
     ) -> InstanceState:
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
         scores = score_all(fleet, now, self.stale_after)
-        best = min(scores[c.name].total for c in candidates)
-        ties = [c for c in candidates if scores[c.name].total <= best + _TIE]
-        return ties[0] if len(ties) == 1 else rng.choice(ties)
+        return _lowest(candidates, {c.name: scores[c.name].total for c in candidates}, rng)
 
 
 class RoundRobin:
@@ -195,9 +202,7 @@ class LeastTime:
         rng: random.Random,
     ) -> InstanceState:
         costs = self.costs(candidates, fleet, ticket, now)
-        best = min(costs.values())
-        ties = [c for c in candidates if costs[c.name] <= best * (1 + _TIE) + _TIE]
-        return ties[0] if len(ties) == 1 else rng.choice(ties)
+        return _lowest(candidates, costs, rng)
 
 
 Strategy = LeastBusy | RoundRobin | LeastTime
