@@ -229,7 +229,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
         instances.append(
             {
                 "name": state.name,
-                "state": {None: "unknown", True: "up", False: "down"}[state.up],
+                "state": state.verdict,
                 "available": state.available(now),
                 "ejected_for_s": round(state.ejected_until - now, 1)
                 if state.ejected_until and state.ejected_until > now
@@ -239,7 +239,9 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "slots": state.spec.slots,
                 "inflight": state.inflight,
                 "long_prefilling": state.long_prefilling,
-                "queue_depth": state.queue_depth(),
+                "queue_depth": state.queue_depth(
+                    state.fresh_report(now, scheduler.limits.metrics_stale_after)
+                ),
                 "score": round(score.total, 4),
                 "load_fresh": score.fresh,
                 "vllm": None

@@ -197,21 +197,16 @@ class StateCollector(Collector):
         )
         for state in sched.states:
             name = [state.name]
-            report = state.report
-            fresh = report is not None and now - report.at <= stale
-            waiting = report.waiting if fresh and report else float("nan")
-            own_queue = state.queue_depth()
-            queue = max(own_queue, waiting) if fresh else own_queue
-            families["queue_depth"].add_metric(name, queue)
+            report = state.fresh_report(now, stale)
+            nan = float("nan")
+            families["queue_depth"].add_metric(name, state.queue_depth(report))
             families["inflight"].add_metric(name, state.inflight)
             families["up"].add_metric(name, 1.0 if state.available(now) else 0.0)
             families["score"].add_metric(name, scores[state.name].total)
-            families["running"].add_metric(
-                name, report.running if fresh and report else float("nan")
-            )
-            families["waiting"].add_metric(name, waiting)
-            kv = report.kv_usage if fresh and report and report.kv_usage is not None else None
-            families["kv"].add_metric(name, float("nan") if kv is None else kv)
+            families["running"].add_metric(name, report.running if report else nan)
+            families["waiting"].add_metric(name, report.waiting if report else nan)
+            kv = report.kv_usage if report else None
+            families["kv"].add_metric(name, nan if kv is None else kv)
             ejections.add_metric(name, state.ejections_total)
             rate, tpot = state.speed.prefill.value, state.speed.tpot.value
             families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)

@@ -145,14 +145,24 @@ class InstanceState:
     def serves(self, lane: Lane) -> bool:
         return self.spec.lane == "any" or self.spec.lane == lane.value
 
-    def queue_depth(self) -> int:
-        """Requests of ours waiting at the instance beyond its running slots."""
-        return max(0, self.inflight - self.spec.slots)
+    def fresh_report(self, now: float, stale_after: float) -> LoadReport | None:
+        """The last scrape, if it is recent enough to trust; else None (unknown)."""
+        report = self.report
+        return report if report is not None and now - report.at <= stale_after else None
+
+    def queue_depth(self, report: LoadReport | None = None) -> float:
+        """Requests waiting at the instance beyond its running slots: ours, or what a
+        fresh scrape (`fresh_report`) says is waiting there, whichever is larger."""
+        own = max(0, self.inflight - self.spec.slots)
+        return own if report is None else max(own, report.waiting)
+
+    @property
+    def verdict(self) -> str:
+        return {None: "unknown", True: "up", False: "down"}[self.up]
 
     def __repr__(self) -> str:
-        state = {None: "unknown", True: "up", False: "down"}[self.up]
         return (
-            f"<Instance {self.name} {state} lane={self.spec.lane} inflight={self.inflight} "
+            f"<Instance {self.name} {self.verdict} lane={self.spec.lane} inflight={self.inflight} "
             f"long={self.long_prefilling} failures={self.consecutive_failures} "
             f"ejected_until={self.ejected_until}>"
         )

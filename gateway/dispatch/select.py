@@ -45,8 +45,8 @@ class Score:
 
 
 def _fresh_load(state: InstanceState, now: float, stale_after: float) -> tuple[float, float] | None:
-    report = state.report
-    if report is None or now - report.at > stale_after:
+    report = state.fresh_report(now, stale_after)
+    if report is None:
         return None
     others = max(0.0, report.running + report.waiting - state.inflight_at_report)
     return others, report.kv_usage or 0.0
