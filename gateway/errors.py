@@ -43,8 +43,7 @@ class GatewayError(Exception):
         self.retry_after = retry_after
 
     def body(self) -> bytes:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return json.dumps({"error": error}).encode()
+        return error_body(self.message, self.type, self.code, self.param)
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         out = dict(headers or {})
@@ -127,7 +126,12 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> bytes:
+    """OpenAI's error object: the one shape of every error the gateway writes."""
+    error = {"message": message, "type": type, "param": param, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
 def sse_error_event(message: str, code: int = 502) -> bytes:
     """An in-band SSE error the OpenAI SDK raises as `APIError`, then the end of the stream."""
-    error = {"message": message, "type": "upstream_error", "param": None, "code": code}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(message, "upstream_error", code) + b"\n\ndata: [DONE]\n\n"

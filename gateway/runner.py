@@ -8,12 +8,13 @@ expects `{"error": {...}}` even then, so the connection handler is swapped for o
 
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+
+from . import errors
 
 
 class _OpenAIErrorsHandler(RequestHandler):
@@ -27,15 +28,13 @@ class _OpenAIErrorsHandler(RequestHandler):
         # The parent logs the error and refuses if a response already started.
         super().handle_error(request, status, exc, message)
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
-        error = {
-            "message": f"{phrase}: {message}" if status < 500 and message else phrase,
-            "type": "invalid_request_error" if status < 500 else "internal_error",
-            "param": None,
-            "code": phrase.lower().replace(" ", "_"),
-        }
         response = web.Response(
             status=status,
-            body=json.dumps({"error": error}).encode(),
+            body=errors.error_body(
+                f"{phrase}: {message}" if status < 500 and message else phrase,
+                "invalid_request_error" if status < 500 else "internal_error",
+                phrase.lower().replace(" ", "_"),
+            ),
             content_type="application/json",
         )
         response.force_close()
