@@ -32,6 +32,7 @@ class Metrics:
         lane_names: dict[Lane, str] | None = None,
     ) -> None:
         self.registry = registry
+        # How lanes are named in labels and logs (the app names the long one [prefill].tag).
         self.lane_names = lane_names or {lane: lane.value for lane in Lane}
         self.max_tags = max_tags
         self._tags: set[str] = set()

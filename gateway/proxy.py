@@ -101,7 +101,7 @@ class Proxy:
         self.default_tag = channel.headers.get("X-Request-Tag", "")
         self.threshold = config.prefill.long_input_threshold
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
-        self.lane_names = {Lane.SHORT: "short", Lane.LONG: config.prefill.tag}
+        self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.max_body = config.gateway.max_body_bytes
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry

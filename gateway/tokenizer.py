@@ -13,10 +13,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .tokens import estimate_request
+from .tokens import PER_MESSAGE, estimate_request
 from .upstream import AttemptFailed, Upstream
 
-_PER_MESSAGE = 4
 _TOKENIZE_TIMEOUT = 1.0
 
 
@@ -41,7 +40,7 @@ class LocalTokenizer:
                     content = " ".join(
                         p["text"] for p in content if isinstance(p, dict) and "text" in p
                     )
-                total += _PER_MESSAGE + (self._text(content) if isinstance(content, str) else 0)
+                total += PER_MESSAGE + (self._text(content) if isinstance(content, str) else 0)
             return total
         prompt = body.get("prompt", body.get("input"))
         if isinstance(prompt, str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_PER_MESSAGE = 4  # role markers and separators a chat template adds per message
+PER_MESSAGE = 4  # role markers and separators a chat template adds per message
 
 
 def estimate_text(text: str) -> int:
@@ -50,9 +50,7 @@ def estimate_request(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     if isinstance(messages, list):
         return sum(
-            _PER_MESSAGE + _content_tokens(m.get("content"))
-            for m in messages
-            if isinstance(m, dict)
+            PER_MESSAGE + _content_tokens(m.get("content")) for m in messages if isinstance(m, dict)
         )
     if "prompt" in body:
         return _prompt_tokens(body["prompt"])

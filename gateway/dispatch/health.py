@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .model import HealthPolicy, InstanceState, Outcome
+from .model import HealthPolicy, InstanceState, Lane, Outcome
 
 _RECENT_ERRORS = 5
 
@@ -86,10 +86,10 @@ def apply_outcome(
     if (out + 1) / len(fleet) > policy.max_ejected_fraction:
         return False
     # Never the last available instance of a lane it serves.
-    for lane in ("short", "long"):
-        if state.spec.lane in (lane, "any"):
-            serving = [s for s in fleet if s.spec.lane in (lane, "any")]
-            if not any(s.available(now) for s in serving if s is not state):
+    for lane in Lane:
+        if state.serves(lane):
+            others = (s for s in fleet if s is not state and s.serves(lane))
+            if not any(s.available(now) for s in others):
                 return False
     state.ejections += 1
     state.ejections_total += 1
