@@ -93,7 +93,8 @@ class Dispatcher:
             raise
         finally:
             self._waiters.pop(ticket.id, None)
-        self.metrics.queue_wait.labels(ticket.lane.value).observe(self.clock() - started)
+        lane = self.metrics.lane_names[ticket.lane]
+        self.metrics.queue_wait.labels(lane).observe(self.clock() - started)
         return instance
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
