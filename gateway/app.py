@@ -105,7 +105,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,
         metrics_stale_after=stale_after,
-        queue_retry_after=max(1.0, min(dispatch.health_check_interval, 10.0)),
+        queue_retry_after=retry_after_503(config),
+        max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
+        max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
     )
     h = dispatch.health
     policy = HealthPolicy(
@@ -154,6 +156,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await upstream.close()
 
 
+def retry_after_503(config: Config) -> float:
+    """The one Retry-After of the gateway's own 503s: about one health round, 1-10 s."""
+    return max(1.0, min(config.dispatch.health_check_interval, 10.0))
+
+
 def _token_counter(
     config: Config, upstream: Upstream, dispatcher: Dispatcher, targets: dict[str, Target]
 ) -> TokenCounter:
@@ -193,7 +200,9 @@ async def _models(request: web.Request) -> web.StreamResponse:
     now = dispatcher.clock()
     up = {s.name for s in dispatcher.scheduler.states if s.available(now)}
     if not up:
-        raise errors.NoInstanceAvailable("no vLLM instance is up", retry_after=1)
+        raise errors.NoInstanceAvailable(
+            "no vLLM instance is up", retry_after=dispatcher.scheduler.limits.queue_retry_after
+        )
     data = request.app[HEALTH].model_union(up)
     return web.json_response({"object": "list", "data": data})
 

@@ -72,30 +72,45 @@ class Dispatcher:
         return await self._wait(decision)
 
     async def _wait(self, queued: Queued) -> str:
+        """Wait until the scheduler places or rejects the ticket, or the caller is cancelled.
+
+        Every outcome comes through the future, set by `_settle` from a scheduler decision:
+        a place freed (`release`, `prefill_done`, `probe`) or the wait ran out (`_expire`,
+        on a timer). So there is one way in and one way out: the timer never races the
+        assignment, and whatever ends the wait, a place given and not used is handed back.
+        """
         ticket = queued.ticket
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
         self._waiters[ticket.id] = future
         started = self.clock()
+        timer = loop.call_later(max(0.0, queued.wait_until - started), self._expire, ticket.id)
         try:
-            async with asyncio.timeout(max(0.0, ticket.deadline - started)):
-                instance = await future
-        except TimeoutError:
-            self.scheduler.cancel(ticket.id)
-            self.metrics.rejections.labels("deadline").inc()
-            raise errors.UpstreamTimeout(
-                "the request waited in the gateway queue until its deadline; every instance "
-                "was at its limit",
-            ) from None
-        except asyncio.CancelledError:
-            if not self.scheduler.cancel(ticket.id) and future.done() and not future.exception():
-                # It was given a place in the same tick the client left: hand it back.
+            instance = await future
+        except BaseException:
+            # Cancelled (the client left, or shutdown), or rejected. If it was given a
+            # place in the same loop pass, nobody will use it: hand it back.
+            if (
+                not self.scheduler.cancel(ticket.id)
+                and future.done()
+                and not future.cancelled()
+                and future.exception() is None
+            ):
                 self.release(ticket.id, Outcome.NEUTRAL)
             raise
         finally:
+            timer.cancel()
             self._waiters.pop(ticket.id, None)
         lane = self.metrics.lane_names[ticket.lane]
         self.metrics.queue_wait.labels(lane).observe(self.clock() - started)
         return instance
+
+    def _expire(self, ticket_id: int) -> None:
+        self._settle(self.scheduler.expire(ticket_id, self.clock()))
+        wait_until = self.scheduler.wait_until(ticket_id)
+        if wait_until is not None:  # the loop's clock ran ahead of ours: look again soon
+            delay = max(0.001, wait_until - self.clock())
+            asyncio.get_running_loop().call_later(delay, self._expire, ticket_id)
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
@@ -146,9 +161,21 @@ class Dispatcher:
                 "right now",
                 retry_after=after,
             )
+        if decision.reason == "predicted_wait":
+            return errors.Overloaded(
+                f"every {decision.ticket.lane.value}-lane instance is at its limit and this "
+                "request would wait in the gateway queue past its time; retry after the "
+                "delay in Retry-After",
+                retry_after=after,
+            )
         if decision.reason == "shutting_down":
             return errors.ShuttingDown("the gateway is shutting down", retry_after=after)
-        return errors.UpstreamTimeout("the request's deadline passed before an instance took it")
+        # It never reached an instance (nothing ran on a GPU): the client may retry.
+        return errors.QueueTimeout(
+            "the request waited in the gateway queue until its time ran out; every "
+            f"{decision.ticket.lane.value}-lane instance stayed at its limit",
+            retry_after=after,
+        )
 
     def __repr__(self) -> str:
         return f"<Dispatcher waiting={len(self._waiters)} {self.scheduler!r}>"

@@ -13,6 +13,7 @@
     ├── UpstreamError                 502 upstream_error
     ├── NoInstanceAvailable           503 no_instance_available (+ Retry-After)
     ├── ShuttingDown                  503 shutting_down         (+ Retry-After)
+    ├── QueueTimeout                  503 queue_timeout         (+ Retry-After)
     └── UpstreamTimeout               504 upstream_timeout
 
 The body is always OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
@@ -118,6 +119,14 @@ class ShuttingDown(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "shutting_down"
+
+
+class QueueTimeout(GatewayError):
+    """Queued until its time ran out without reaching an instance (504 is for instances)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "queue_timeout"
 
 
 class UpstreamTimeout(GatewayError):

@@ -237,7 +237,10 @@ class Proxy:
         except asyncio.CancelledError:
             if self.aborting and ex.status == 0 and task is not None:
                 task.uncancel()  # our own drain deadline, not the client: answer it
-                error = errors.ShuttingDown("the gateway is shutting down", retry_after=1)
+                error = errors.ShuttingDown(
+                    "the gateway is shutting down",
+                    retry_after=self.dispatcher.scheduler.limits.queue_retry_after,
+                )
                 ex.status = error.status
                 return error.response(headers)
             if ex.status == 200:
@@ -389,5 +392,5 @@ class Proxy:
         # Nothing reached a GPU: the client may retry as soon as an instance is back.
         return errors.NoInstanceAvailable(
             f"could not reach a vLLM instance ({failed.detail})",
-            retry_after=self.config.dispatch.health_check_interval,
+            retry_after=self.dispatcher.scheduler.limits.queue_retry_after,
         )

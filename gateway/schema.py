@@ -70,6 +70,9 @@ class DispatchSection(Frozen):
     # vLLM's own default; set it to the --max-num-seqs your instances run with.
     max_num_seqs: int = Field(256, ge=1)
     gateway_queue_size: int = Field(1024, ge=0)
+    # Longest wait in the gateway queue; None: each lane's [slo] TTFT objective, since a
+    # request that waited longer has missed it already and its client is better told now.
+    max_queue_wait: float | None = Field(None, gt=0)
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")

@@ -7,6 +7,7 @@ Everything the core hands back to the shell is a small frozen value.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,7 +57,16 @@ class Limits:
     gateway_queue_size: int = 1024
     global_limit: int | None = None  # the upstream connection pool: beyond it, queue here
     metrics_stale_after: float = 30.0
+    # The one Retry-After of every 503 the gateway makes itself (no instance, queue
+    # timeout, shutting down): about when a health round could bring an instance back.
     queue_retry_after: float = 1.0
+    # The longest a request may wait in the gateway queue, per lane (HAProxy's `timeout
+    # queue`); the app sets each lane's TTFT objective unless configured otherwise.
+    max_queue_wait_short: float = math.inf
+    max_queue_wait_long: float = math.inf
+
+    def max_queue_wait(self, lane: Lane) -> float:
+        return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long
 
 
 @dataclass(frozen=True)
@@ -92,12 +102,15 @@ class Assigned:
 class Queued:
     ticket: Ticket
     position: int
+    wait_until: float  # when it leaves the queue unplaced: its deadline or max_queue_wait
 
 
 @dataclass(frozen=True)
 class Rejected:
     ticket: Ticket
-    reason: Literal["queue_full", "no_instance", "deadline", "shutting_down"]
+    # predicted_wait: refused at arrival, its predicted queue wait is over its budget;
+    # deadline: it waited in the queue until its time (or max_queue_wait) ran out.
+    reason: Literal["queue_full", "predicted_wait", "no_instance", "deadline", "shutting_down"]
     retry_after: float
 
 

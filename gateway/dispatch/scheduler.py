@@ -12,7 +12,9 @@ Limits an instance holds:
   a request that would exceed it goes to another instance (overflow);
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
   still in prefill, so short requests never wait behind a wall of long ones.
-When no instance has room, the request waits in a bounded FIFO queue of its lane.
+When no instance has room, the request waits in a bounded FIFO queue of its lane, for
+at most its lane's `max_queue_wait` and never past its deadline; one whose predicted
+wait is already longer is refused at arrival (see `admission.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from . import health, speed
+from . import admission, health, speed
 from .model import (
     Assigned,
     Decision,
@@ -79,6 +81,9 @@ class Scheduler:
         # FIFO one of them could head its lane and block requests an idle instance could run.
         self._retries: dict[int, Ticket] = {}
         self._holding: dict[int, _Held] = {}
+        # When each queued ticket leaves the queue unplaced, if nothing places it first.
+        self._wait_until: dict[int, float] = {}
+        self._throughput = {lane: admission.Throughput() for lane in Lane}
 
     # ------------------------------------------------------------ queries
 
@@ -94,6 +99,16 @@ class Scheduler:
 
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states)
+
+    def ahead(self, lane: Lane) -> int:
+        """Requests that start before a new `lane` request would: queued, and waiting at
+        the lane's instances beyond their running slots."""
+        at_instances = sum(max(0, s.inflight - s.spec.slots) for s in self._pool[lane])
+        return self.queue_length(lane) + at_instances
+
+    def predicted_wait(self, lane: Lane, now: float) -> float | None:
+        """How long a new `lane` request would wait to start (None: rate not known yet)."""
+        return admission.predicted_wait(self.ahead(lane), self._throughput[lane].rate(now))
 
     def untried_available(self, lane: Lane, tried: frozenset[str], now: float) -> bool:
         """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
@@ -120,9 +135,14 @@ class Scheduler:
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         if len(queue) >= self.limits.gateway_queue_size:
-            return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
-        queue[ticket.id] = ticket
-        return Queued(ticket, len(queue))
+            wait = self.predicted_wait(ticket.lane, now)
+            return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
+        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
+        rate = self._throughput[ticket.lane].rate(now)
+        refused = admission.refusal(self.ahead(ticket.lane), rate, wait_until - now)
+        if refused is not None:
+            return Rejected(ticket, "predicted_wait", refused)
+        return self._enqueue(queue, ticket, wait_until)
 
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
@@ -133,14 +153,39 @@ class Scheduler:
             return self._assign(ticket, candidates, now, rng)
         if len(self._retries) >= self.limits.gateway_queue_size:
             return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
-        self._retries[ticket.id] = ticket
-        return Queued(ticket, len(self._retries))
+        # A retry was admitted once already; it waits apart, bounded like any other.
+        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
+        return self._enqueue(self._retries, ticket, wait_until)
+
+    def _enqueue(self, queue: dict[int, Ticket], ticket: Ticket, wait_until: float) -> Queued:
+        queue[ticket.id] = ticket
+        self._wait_until[ticket.id] = wait_until
+        return Queued(ticket, len(queue), wait_until)
 
     def cancel(self, ticket_id: int) -> bool:
-        """Drop a queued request whose client left or whose deadline passed."""
+        """Drop a queued request whose client left; False if it is not queued (any more)."""
+        self._wait_until.pop(ticket_id, None)
         if self._retries.pop(ticket_id, None) is not None:
             return True
         return any(q.pop(ticket_id, None) is not None for q in self._queues.values())
+
+    def expire(self, ticket_id: int, now: float) -> list[Decision]:
+        """A queued request's wait ran out: reject it (503, it never reached an instance).
+
+        Returns nothing if it is no longer queued, or if its time has not come yet (the
+        shell's timer may run a little early; it asks again).
+        """
+        wait_until = self._wait_until.get(ticket_id)
+        if wait_until is None or wait_until > now:
+            return []
+        ticket = next(
+            q[ticket_id] for q in (self._retries, *self._queues.values()) if ticket_id in q
+        )
+        self.cancel(ticket_id)
+        return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
+
+    def wait_until(self, ticket_id: int) -> float | None:
+        return self._wait_until.get(ticket_id)
 
     def prefill_done(
         self, ticket_id: int, now: float, rng: random.Random, ttft: float | None = None
@@ -153,7 +198,7 @@ class Scheduler:
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
             return []
-        self._end_prefill(held)
+        self._end_prefill(held, now)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.ticket.tokens, ttft)
         return self._drain(now, rng) if held.ticket.lane is Lane.LONG else []
@@ -180,16 +225,26 @@ class Scheduler:
         except KeyError:
             raise UnknownTicket(ticket_id) from None
         if held.prefilling:
-            self._end_prefill(held)
+            self._end_prefill(held, now)
+        if not self._departs_at_prefill(held):
+            self._throughput[held.ticket.lane].record(now)
         held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
 
-    def _end_prefill(self, held: _Held) -> None:
+    def _end_prefill(self, held: _Held, now: float) -> None:
         held.prefilling = False
         held.state.pending_prefill_tokens -= held.ticket.tokens
         if held.ticket.lane is Lane.LONG:
             held.state.long_prefilling -= 1
+            if self._departs_at_prefill(held):
+                self._throughput[Lane.LONG].record(now)
+
+    @staticmethod
+    def _departs_at_prefill(held: _Held) -> bool:
+        """A long request on a shared instance lets the next one in when its prefill ends
+        (`max_long_per_instance`); every other request when it leaves its slot."""
+        return held.ticket.lane is Lane.LONG and held.state.spec.lane == "any"
 
     def holder(self, ticket_id: int) -> str | None:
         held = self._holding.get(ticket_id)
@@ -218,6 +273,7 @@ class Scheduler:
                 Rejected(t, "shutting_down", self.limits.queue_retry_after) for t in queue.values()
             ]
             queue.clear()
+        self._wait_until.clear()
         return out
 
     # ------------------------------------------------------------ internals
@@ -272,10 +328,12 @@ class Scheduler:
                     Rejected(t, "no_instance", self.limits.queue_retry_after)
                     for t in queue.values()
                 ]
+                for ticket_id in queue:
+                    self._wait_until.pop(ticket_id, None)
                 queue.clear()
         for ticket in list(self._retries.values()):
             if not self._untried_alive(ticket, now):
-                del self._retries[ticket.id]
+                self.cancel(ticket.id)
                 out.append(Rejected(ticket, "no_instance", self.limits.queue_retry_after))
         while True:
             # Retries first (they waited longest, counting their failed attempt), each on
@@ -285,15 +343,14 @@ class Scheduler:
             )
             placed = False
             for ticket in heads:
-                queue = self._retries if ticket.exclude else self._queues[ticket.lane]
-                if ticket.deadline <= now:
-                    del queue[ticket.id]
+                if self._wait_until[ticket.id] <= now:
+                    self.cancel(ticket.id)
                     out.append(Rejected(ticket, "deadline", self.limits.queue_retry_after))
                     placed = True
                     break
                 candidates = self._candidates(ticket, now)
                 if candidates:
-                    del queue[ticket.id]
+                    self.cancel(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
                     placed = True
                     break

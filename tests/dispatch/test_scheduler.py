@@ -137,7 +137,7 @@ def test_single_instance_holds_slots_plus_queue_then_gateway_queues() -> None:
     for i in (1, 2, 3):
         assert assigned_to(sched.submit(tk(i), 0.0, rng)) == "a"
     assert sched.state("a").queue_depth() == 1
-    assert sched.submit(tk(4), 0.0, rng) == Queued(tk(4), 1)
+    assert sched.submit(tk(4), 0.0, rng) == Queued(tk(4), 1, FAR)
 
 
 def test_overflow_goes_to_the_other_instance() -> None:
@@ -164,8 +164,8 @@ def test_gateway_queue_is_bounded() -> None:
     )
     bring_up(sched, rng)
     assert isinstance(sched.submit(tk(1), 0.0, rng), Assigned)
-    assert sched.submit(tk(2), 0.0, rng) == Queued(tk(2), 1)
-    assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 2)
+    assert sched.submit(tk(2), 0.0, rng) == Queued(tk(2), 1, FAR)
+    assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 2, FAR)
     rejected = sched.submit(tk(4), 0.0, rng)
     assert isinstance(rejected, Rejected)
     assert rejected.reason == "queue_full"
@@ -180,7 +180,7 @@ def test_global_limit_queues_although_instances_have_room() -> None:
     bring_up(sched, rng)
     assert isinstance(sched.submit(tk(1), 0.0, rng), Assigned)
     assert isinstance(sched.submit(tk(2), 0.0, rng), Assigned)
-    assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 1)
+    assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 1, FAR)
     out = sched.release(1, Outcome.SUCCESS, 0.0, rng)
     assert [type(d) for d in out] == [Assigned]
     assert out[0].ticket == tk(3)
@@ -246,7 +246,7 @@ def test_a_new_request_does_not_overtake_its_lane_queue() -> None:
     bring_up(sched, rng)
     sched.submit(tk(1), 0.0, rng)
     sched.submit(tk(2), 0.0, rng)
-    assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 2)
+    assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 2, FAR)
 
 
 # ------------------------------------------------------------------ lanes
@@ -284,7 +284,7 @@ def test_shared_instance_limits_long_prefills_but_not_short() -> None:
     sched = make("a", limits=Limits(max_long_per_instance=1))
     bring_up(sched, rng)
     assert assigned_to(sched.submit(tk(1, Lane.LONG), 0.0, rng)) == "a"
-    assert sched.submit(tk(2, Lane.LONG), 0.0, rng) == Queued(tk(2, Lane.LONG), 1)
+    assert sched.submit(tk(2, Lane.LONG), 0.0, rng) == Queued(tk(2, Lane.LONG), 1, FAR)
     assert assigned_to(sched.submit(tk(3), 0.0, rng)) == "a"
     assert sched.state("a").long_prefilling == 1
     assert sched.prefill_done(3, 0.0, rng) == []  # a short request holds no prefill place
