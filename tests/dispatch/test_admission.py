@@ -1,0 +1,166 @@
+"""Admission control: the departure rate, the predicted wait, and the scheduler's use of them."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.dispatch import (
+    STRATEGIES,
+    Assigned,
+    InstanceSpec,
+    Lane,
+    Limits,
+    Outcome,
+    Queued,
+    Rejected,
+    Scheduler,
+    Ticket,
+)
+from gateway.dispatch.admission import Throughput, predicted_wait, refusal
+
+FAR = 1e9
+
+
+def make(*specs: InstanceSpec, **limits: float) -> Scheduler:
+    """A scheduler with no per-instance queue (so requests queue here), instances up."""
+    sched = Scheduler(
+        list(specs),
+        STRATEGIES["least_busy"](30.0),
+        Limits(max_queue_per_instance=0, **limits),  # type: ignore[arg-type]
+    )
+    for state in sched.states:
+        sched.probe(state.name, True, 0.0, random.Random(0))
+    return sched
+
+
+def test_rate_is_unknown_until_three_departures() -> None:
+    """Fewer than three departures tell nothing; then the rate is count / time observed."""
+    t = Throughput(window=5.0)
+    assert t.rate(0.0) is None
+    t.record(0.0)
+    t.record(0.5)
+    assert t.rate(1.0) is None
+    t.record(1.0)
+    assert t.rate(1.0) == 3 / 1.0
+
+
+def test_rate_forgets_departures_older_than_its_window() -> None:
+    """Departures leave the window after `window` seconds, and the rate falls with them."""
+    t = Throughput(window=5.0)
+    for i in range(10):
+        t.record(i * 0.1)
+    assert t.rate(1.0) == 10 / 1.0
+    assert t.rate(5.05) == 9 / 5.0
+    assert t.rate(10.0) is None
+
+
+def test_refusal_admits_within_budget_and_says_when_to_come_back() -> None:
+    """Wait = (ahead + 1) / rate; over the budget the Retry-After is the excess, at least 1 s."""
+    assert predicted_wait(9, 2.0) == 5.0
+    assert predicted_wait(9, None) is None
+    assert refusal(9, 2.0, budget=5.0) is None
+    assert refusal(39, 2.0, budget=10.0) == 10.0
+    assert refusal(10, 2.0, budget=5.0) == 1.0  # 0.5 s over: never less than 1 s
+    assert refusal(10_000, None, budget=1.0) is None  # unknown rate: the timer bounds it
+
+
+def test_queued_ticket_carries_when_its_wait_runs_out() -> None:
+    """A queued ticket leaves at the earlier of its deadline and now + max_queue_wait."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=2.0, max_queue_wait_long=9.0)
+    assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 10.0, rng), Assigned)
+    assert sched.submit(Ticket(2, Lane.SHORT, FAR), 10.0, rng) == Queued(
+        Ticket(2, Lane.SHORT, FAR), 1, 12.0
+    )
+    assert sched.submit(Ticket(3, Lane.SHORT, 11.0), 10.0, rng) == Queued(
+        Ticket(3, Lane.SHORT, 11.0), 2, 11.0
+    )
+
+
+def test_expire_rejects_only_a_ticket_still_queued_and_due() -> None:
+    """expire() is a no-op early or after placement, and a deadline rejection when due."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=2.0)
+    sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng)
+    sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng)
+    assert sched.expire(2, 1.999) == []  # the shell's timer ran early
+    assert sched.expire(2, 2.0) == [
+        Rejected(Ticket(2, Lane.SHORT, FAR), "deadline", sched.limits.queue_retry_after)
+    ]
+    assert sched.queue_length(Lane.SHORT) == 0
+    assert sched.expire(2, 3.0) == []  # gone already
+    assert sched.expire(1, 3.0) == []  # placed, not queued
+
+
+def saturate(sched: Scheduler, rng: random.Random, departures: int, every: float) -> float:
+    """Keep instance "a" (one slot) full and let `departures` requests finish, `every` s apart."""
+    now = 0.0
+    ids = iter(range(1000, 100_000))
+    held = next(ids)
+    sched.submit(Ticket(held, Lane.SHORT, FAR), now, rng)
+    for _ in range(departures):
+        now += every
+        sched.release(held, Outcome.SUCCESS, now, rng)
+        held = next(ids)
+        assert isinstance(sched.submit(Ticket(held, Lane.SHORT, FAR), now, rng), Assigned)
+    return now
+
+
+def test_request_predicted_to_wait_past_its_budget_is_refused_at_arrival() -> None:
+    """At 2 departures/s and a 2 s budget, 4 may queue; the 5th is refused with Retry-After."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=2.0)
+    now = saturate(sched, rng, departures=6, every=0.5)
+    for i in range(1, 4):  # waits of 0.5, 1.0 and 1.5 s
+        assert isinstance(sched.submit(Ticket(i, Lane.SHORT, FAR), now, rng), Queued)
+    assert isinstance(sched.submit(Ticket(4, Lane.SHORT, FAR), now, rng), Queued)  # 2.0 s
+    refused = sched.submit(Ticket(5, Lane.SHORT, FAR), now, rng)
+    assert refused == Rejected(Ticket(5, Lane.SHORT, FAR), "predicted_wait", 1.0)
+    assert sched.queue_length(Lane.SHORT) == 4
+
+
+def test_short_deadline_is_a_smaller_budget() -> None:
+    """What is left of the request's deadline caps its budget below max_queue_wait."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=60.0)
+    now = saturate(sched, rng, departures=6, every=0.5)
+    sched.submit(Ticket(1, Lane.SHORT, FAR), now, rng)  # wait 0.5 s
+    refused = sched.submit(Ticket(2, Lane.SHORT, now + 0.8), now, rng)  # would wait 1.0 s
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "predicted_wait"
+
+
+def test_long_request_on_a_shared_instance_departs_when_its_prefill_ends() -> None:
+    """On a shared instance the long lane drains at first tokens (max_long_per_instance)."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=100), max_long_per_instance=1)  # type: ignore[arg-type]
+    now = 0.0
+    for i in range(1, 5):
+        assert isinstance(sched.submit(Ticket(i, Lane.LONG, FAR, tokens=8000), now, rng), Assigned)
+        now += 0.5
+        sched.prefill_done(i, now, rng)
+    assert sched.predicted_wait(Lane.LONG, now) is not None
+    assert sched.predicted_wait(Lane.SHORT, now) is None  # nothing left a slot yet
+
+
+@given(
+    departures=st.integers(3, 40),
+    every=st.floats(0.05, 1.0),
+    budget=st.floats(0.5, 30.0),
+    arrivals=st.integers(1, 200),
+)
+def test_admitted_queue_never_exceeds_rate_times_budget(
+    departures: int, every: float, budget: float, arrivals: int
+) -> None:
+    """Whatever the pace and budget, the queue admitted is at most rate x budget (+1)."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=budget)
+    now = saturate(sched, rng, departures=departures, every=every)
+    rate = sched._throughput[Lane.SHORT].rate(now)
+    for i in range(arrivals):
+        sched.submit(Ticket(i, Lane.SHORT, FAR), now, rng)
+    if rate is not None:
+        assert sched.queue_length(Lane.SHORT) <= rate * budget + 1
