@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from . import errors
+from . import errors, request_id
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import (
@@ -56,7 +56,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def build_app(config: Config) -> web.Application:
     app = web.Application(
-        client_max_size=config.gateway.max_body_bytes, middlewares=[_openai_errors]
+        client_max_size=config.gateway.max_body_bytes,
+        middlewares=[request_id.middleware, _openai_errors],
     )
     app[CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
