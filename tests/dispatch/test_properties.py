@@ -7,6 +7,7 @@ every step the scheduler's state is checked against the invariants and against t
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,8 @@ def setups(draw: st.DrawFn) -> Setup:
         gateway_queue_size=draw(st.integers(0, 5)),
         global_limit=draw(st.none() | st.integers(1, 8)),
         metrics_stale_after=5.0,
+        max_queue_wait_short=draw(st.sampled_from([math.inf, 1.0, 4.0])),
+        max_queue_wait_long=draw(st.sampled_from([math.inf, 3.0])),
     )
     policy = HealthPolicy(
         rise=draw(st.integers(1, 2)),
@@ -173,6 +176,7 @@ class Harness:
     final: dict[int, Decision] = field(default_factory=dict)
     cancelled: set[int] = field(default_factory=set)
     ever_queued: set[int] = field(default_factory=set)
+    wait_until: dict[int, float] = field(default_factory=dict)  # when a queued one expires
 
     def __post_init__(self) -> None:
         s = self.setup
@@ -269,7 +273,7 @@ class Harness:
             elif isinstance(d, Rejected):
                 if d.reason == "deadline":
                     assert d.ticket.id == head
-                    assert d.ticket.deadline <= self.now
+                    assert self.wait_until[d.ticket.id] <= self.now
                 elif d.reason == "no_instance":
                     assert not self.lane_alive(d.ticket.lane)
                 else:
@@ -296,7 +300,7 @@ class Harness:
             self.check_preference(d)
         elif isinstance(d, Rejected):
             if d.reason == "deadline":
-                assert d.ticket.deadline <= self.now
+                assert self.wait_until[d.ticket.id] <= self.now
             elif d.reason == "no_instance":
                 assert not self.untried_alive(d.ticket)
             else:
@@ -305,6 +309,12 @@ class Harness:
             raise AssertionError(f"a drain queued a retry: {d}")
         del self.retries[d.ticket.id]
         self.record_final(d)
+
+    def expect_wait_until(self, d: Queued) -> None:
+        """A queued ticket waits until its deadline, or max_queue_wait if that comes first."""
+        budget = self.limits.max_queue_wait(d.ticket.lane)
+        assert d.wait_until == min(d.ticket.deadline, self.now + budget)
+        self.wait_until[d.ticket.id] = d.wait_until
 
     def untried_alive(self, ticket: Ticket) -> bool:
         return any(
@@ -337,6 +347,7 @@ class Harness:
             assert not room, f"retry {d} queued although an untried instance had room"
             assert len(self.retries) < self.limits.gateway_queue_size
             self.retries[tid] = ticket
+            self.expect_wait_until(d)
             self.ever_queued.add(tid)
         elif isinstance(d, Queued):
             assert self.lane_alive(op.lane)
@@ -344,6 +355,7 @@ class Harness:
             assert waiting_before > 0 or not room, f"{d} although an instance had room"
             assert waiting_before < self.limits.gateway_queue_size
             lane_queue[tid] = ticket
+            self.expect_wait_until(d)
             self.ever_queued.add(tid)
             assert d.position == len(lane_queue)
         else:
@@ -359,6 +371,14 @@ class Harness:
             elif d.reason == "queue_full":
                 assert waiting_before == self.limits.gateway_queue_size
                 assert waiting_before > 0 or not room
+            elif d.reason == "predicted_wait":
+                # Admission: it would have queued, and its predicted wait is over budget.
+                assert not ticket.exclude
+                assert waiting_before > 0 or not room
+                budget = min(ticket.deadline, self.now + self.limits.max_queue_wait(op.lane))
+                wait = self.sched.predicted_wait(op.lane, self.now)
+                assert wait is not None
+                assert wait > budget - self.now, (wait, budget)
             else:
                 raise AssertionError(f"unexpected rejection {d}")
             assert d.retry_after > 0
