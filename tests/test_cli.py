@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 import gateway
-from gateway import __version__, preflight
+from gateway import __version__, log, preflight, server
 from gateway.cli import main
+from gateway.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "sk-cli-test-key"
@@ -327,3 +329,25 @@ def test_serving_on_an_unbindable_host_exits_2_with_one_line(
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert "[gateway] host: cannot listen on" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.usefixtures("keyed")
+def test_start_logs_each_warning_as_config_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Serving (not only `--check`) logs a `config_warning` event for each preflight warning."""
+    monkeypatch.setattr(preflight, "_getaddrinfo", lambda name: ["10.9.8.7"])
+    monkeypatch.setattr(log, "configure", lambda level: None)  # keep structlog as the test has it
+    served: list[Config] = []
+
+    async def serve(config: Config, *, simulate: bool) -> None:
+        served.append(config)
+
+    monkeypatch.setattr(server, "serve", serve)
+    config = write(tmp_path, settings=with_instances("http://gpu-a:8000", "http://gpu-b:8000"))
+    with structlog.testing.capture_logs() as events:
+        assert main(["--config", str(config)]) == 0
+    assert len(served) == 1
+    (warning,) = [e for e in events if e["event"] == "config_warning"]
+    assert warning["log_level"] == "warning"
+    assert "both reach 10.9.8.7" in warning["problem"]
