@@ -159,8 +159,8 @@ class Channel(Frozen):
     @field_validator("headers")
     @classmethod
     def _sendable(cls, value: dict[str, str]) -> dict[str, str]:
-        # aiohttp refuses CR/LF in a value on every request (a 500 for each), and a name
-        # that is not a token makes every instance answer 400: both fail here, at --check.
+        # Either would fail every request sent to an instance (aiohttp raises on CR/LF,
+        # an HTTP server answers 400 to a bad name): fail here, at --check, instead.
         for name, text in value.items():
             if not _TOKEN.fullmatch(name):
                 raise ValueError(
