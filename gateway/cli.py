@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from . import __version__, log
+from . import __version__, log, preflight
 from .config import Config, ConfigError, load
 
 
@@ -51,14 +51,28 @@ def load_config(args: argparse.Namespace) -> Config:
     return config.with_listen(args.host, args.port)
 
 
+def run_preflight(config: Config, args: argparse.Namespace) -> list[str]:
+    """The checks that need this machine; a taken port only warns, and only with --check."""
+    in_file = f"{config.config_path}: [gateway]"
+    port_from = "--port" if args.port is not None else f"{in_file} port"
+    return preflight.check(
+        config,
+        host_from="--host" if args.host is not None else f"{in_file} host",
+        port_from=port_from if args.check else None,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = load_config(args)
+        warnings = run_preflight(config, args)
     except ConfigError as exc:
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return 2
     if args.check:
+        for warning in warnings:
+            print(f"gateway: warning: {warning}", file=sys.stderr)
         print(
             f"ok: {config.config_path} and {config.settings_path} are valid; "
             f"{len(config.instances)} instance(s), strategy {config.dispatch.strategy}, "
@@ -67,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     log.configure(args.log_level)
+    for warning in warnings:
+        log.get("gateway.cli").warning("config_warning", problem=warning)
     from .server import serve
 
     try:

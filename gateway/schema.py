@@ -6,9 +6,11 @@ Unknown keys are errors (`extra="forbid"`), so a typo never passes silently. Loa
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -157,6 +159,25 @@ class Channel(Frozen):
             check_http_url(value)
         return value
 
+    @field_validator("headers")
+    @classmethod
+    def _sendable(cls, value: dict[str, str]) -> dict[str, str]:
+        # Either would fail every request sent to an instance (aiohttp raises on CR/LF,
+        # an HTTP server answers 400 to a bad name): fail here, at --check, instead.
+        for name, text in value.items():
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(
+                    f"header name {name!r} is not a valid HTTP header name "
+                    "(letters, digits and !#$%&'*+-.^_`|~ only; no spaces or colons)"
+                )
+            if _CONTROL.search(text):
+                # The value itself is not shown: a header may carry a credential.
+                raise ValueError(
+                    f"the value of header {name!r} contains a control character "
+                    "(CR, LF or another below 0x20 except tab); it cannot be sent"
+                )
+        return value
+
 
 class InstanceSpec(Frozen):
     url: str
@@ -170,7 +191,21 @@ class InstanceSpec(Frozen):
     @classmethod
     def _http_url(cls, value: str) -> str:
         check_http_url(value)
+        parts = urlsplit(value)
+        if parts.path.rstrip("/"):
+            # The gateway appends /health, /metrics and /v1/... itself; `host:8000/v1`
+            # would probe /v1/health, find nothing, and mark the instance down.
+            root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+            raise ValueError(
+                f"an instance URL must not have a path: write {root!r} "
+                "(the gateway adds /v1/... and /health itself)"
+            )
         return value.rstrip("/")
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """The host and port this URL reaches; every loopback name is one host, `loopback`."""
+        return endpoint(self.url)
 
     @property
     def label(self) -> str:
@@ -193,16 +228,28 @@ class VllmSection(Frozen):
             return [{"url": item} if isinstance(item, str) else item for item in value]
         return value
 
-    @model_validator(mode="after")
-    def _unique(self) -> VllmSection:
-        seen: set[str] = set()
-        for spec in self.instances:
-            if spec.url in seen:
-                raise ValueError(f"instance {spec.url!r} is listed twice")
-            if spec.label in seen:
-                raise ValueError(f"instance name {spec.label!r} is used twice")
-            seen.update((spec.url, spec.label))
-        return self
+    @field_validator("instances")
+    @classmethod
+    def _unique(cls, value: list[InstanceSpec]) -> list[InstanceSpec]:
+        # One instance listed twice gets twice its share of traffic and twice its slots
+        # counted: it overloads while the gateway believes there is room.
+        endpoints: dict[tuple[str, int], int] = {}
+        labels: dict[str, int] = {}
+        for index, spec in enumerate(value):
+            first = endpoints.setdefault(spec.endpoint, index)
+            if first != index:
+                alias = spec.endpoint[0] == LOOPBACK and spec.url != value[first].url
+                why = " (localhost, 127.x.x.x and ::1 are all this machine)" if alias else ""
+                raise ValueError(
+                    f"[{index}] {spec.url!r} is listed twice: it is the same instance as "
+                    f"[{first}] {value[first].url!r}{why}"
+                )
+            first = labels.setdefault(spec.label, index)
+            if first != index:
+                raise ValueError(
+                    f"instance name {spec.label!r} is used twice ([{first}] and [{index}])"
+                )
+        return value
 
 
 class Settings(Frozen):
@@ -218,6 +265,48 @@ class Settings(Frozen):
                 raise ValueError("give either 'channel' or 'taotoken', not both")
             data = {("channel" if k == "taotoken" else k): v for k, v in data.items()}
         return data
+
+
+LOOPBACK = "loopback"
+# RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def endpoint(url: str) -> tuple[str, int]:
+    """Where an http(s) URL connects: its host (as `host_key` gives it) and port.
+
+    The port is the scheme's default when the URL names none.
+    """
+    parts = urlsplit(url)
+    return host_key(parts.hostname or ""), parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def host_key(host: str) -> str:
+    """A host name or address, normalised: one spelling for one machine.
+
+    Lower case, no trailing dot, an IP address in its compressed form (an IPv4-mapped
+    IPv6 address as IPv4); localhost, 127.0.0.0/8 and ::1 all become `LOOPBACK`.
+    """
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
+        return LOOPBACK
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return LOOPBACK if address.is_loopback else address.compressed
+
+
+def is_address(host: str) -> bool:
+    """Whether `host` is an IP address rather than a name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def check_http_url(value: str) -> None:

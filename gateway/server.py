@@ -1,4 +1,4 @@
-"""Runs the gateway: bind, serve, and drain on SIGINT/SIGTERM.
+"""Runs the gateway: bind, serve, and drain on SIGINT/SIGTERM; SIGHUP is logged and ignored.
 
 Shutdown order: readiness turns 503 and the listening socket closes; requests still
 queued in the gateway get 503 with Retry-After; streams already started get up to
@@ -47,6 +47,10 @@ async def start_simulated(config: Config) -> list[object]:
     return list(await start_fleet(configs, ports=ports))
 
 
+def _sighup_ignored() -> None:
+    _log.warning("sighup_ignored", reason="reload is not supported yet; SIGTERM stops")
+
+
 async def serve(
     config: Config,
     *,
@@ -59,6 +63,12 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    # SIGHUP's default action kills the process mid-stream. Until it reloads the
+    # configuration, a terminal closing or a stray `kill -HUP` must change nothing.
+    hup = getattr(signal, "SIGHUP", None)  # absent on Windows
+    if hup is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(hup, _sighup_ignored)
     sims = await start_simulated(config) if simulate else []
     for sim in sims:
         _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))

@@ -620,6 +620,102 @@ def test_label_never_contains_url_credentials(tmp_path: Path) -> None:
     assert config.instances[0].label == "10.0.0.5:8000"
 
 
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://127.0.0.1:8000/v1", "'http://127.0.0.1:8000'"),
+        ("http://127.0.0.1:8000/v1/", "'http://127.0.0.1:8000'"),
+        ("https://gpu-1.internal/vllm/v1", "'https://gpu-1.internal'"),
+        ("http://10.0.0.5:8000/health", "'http://10.0.0.5:8000'"),
+    ],
+)
+def test_instance_url_with_a_path_is_rejected_with_the_fix(
+    tmp_path: Path, url: str, root: str
+) -> None:
+    """An instance URL with a path (probes would miss /health) fails naming the root to write."""
+    message = load_error(tmp_path, settings={"vllm": {"instances": [URLS[0], url]}})
+    assert str(tmp_path / "settings.json") in message
+    assert "vllm.instances[1].url" in message
+    assert "must not have a path" in message
+    assert f"write {root}" in message
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("http://localhost:8000", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000", "http://[::1]:8000"),
+        ("http://127.0.0.2:8000", "http://LOCALHOST:8000/"),
+        ("http://[::ffff:127.0.0.1]:8000", "http://127.0.0.1:8000"),
+        ("http://Gpu-1.Internal:80", "http://gpu-1.internal/"),
+        ("https://gpu-1.internal", "https://gpu-1.internal:443"),
+        ("http://[2001:db8::1]:8000", "http://[2001:db8:0:0:0:0:0:1]:8000"),
+    ],
+)
+def test_one_instance_under_two_spellings_is_rejected(
+    tmp_path: Path, first: str, second: str
+) -> None:
+    """Two URLs for the same host and port (case, default port, loopback alias) are an error."""
+    message = load_error(tmp_path, settings={"vllm": {"instances": [first, URLS[1], second]}})
+    assert "vllm.instances" in message
+    assert "[2]" in message
+    assert "listed twice" in message
+    assert "same instance as [0]" in message
+
+
+def test_loopback_alias_error_says_why(tmp_path: Path) -> None:
+    """The error for localhost beside 127.0.0.1 says that loopback names are one machine."""
+    settings = {"vllm": {"instances": ["http://localhost:8000", "http://127.0.0.1:8000"]}}
+    assert "are all this machine" in load_error(tmp_path, settings=settings)
+
+
+def test_loopback_names_on_different_ports_are_different_instances(tmp_path: Path) -> None:
+    """localhost, 127.0.0.1 and ::1 on different ports load as three instances."""
+    urls = ["http://localhost:8000", "http://127.0.0.1:8001", "http://[::1]:8002"]
+    config = load_ok(tmp_path, settings={"vllm": {"instances": urls}})
+    assert [s.url for s in config.instances] == urls
+
+
+# ------------------------------------------------------------ channel headers
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["tag\r\nX-Injected: 1", "line\nbreak", "carriage\rreturn", "nul\x00byte", "del\x7f"],
+)
+def test_header_value_with_a_control_character_is_rejected(tmp_path: Path, value: str) -> None:
+    """A channel header value with CR, LF or another control character fails naming the header."""
+    secret = "Bearer sk-secret-in-header"
+    message = load_error(
+        tmp_path, settings=channel(headers={"X-Team": "ok", "X-Auth": f"{secret} {value}"})
+    )
+    assert str(tmp_path / "settings.json") in message
+    assert "channel.headers" in message
+    assert "'X-Auth'" in message
+    assert "control character" in message
+    assert secret not in message
+
+
+@pytest.mark.parametrize("name", ["X Team", "X-Team:", "", "X-Téam", "X-Team\n"])
+def test_header_name_that_is_not_a_token_is_rejected(tmp_path: Path, name: str) -> None:
+    """A channel header name that is not an HTTP token (a space, a colon, empty) fails naming it."""
+    message = load_error(tmp_path, settings=channel(headers={name: "v"}))
+    assert "channel.headers" in message
+    assert f"header name {name!r}" in message
+
+
+def test_header_error_under_taotoken_names_the_taotoken_block(tmp_path: Path) -> None:
+    """A bad header in the seed's `taotoken` block is reported as taotoken.headers."""
+    settings = {"taotoken": {"headers": {"X A": "v"}}, "vllm": {"instances": URLS}}
+    assert "taotoken.headers" in load_error(tmp_path, settings=settings)
+
+
+def test_sendable_headers_load(tmp_path: Path) -> None:
+    """Token names and values with spaces, tabs and non-ASCII text load unchanged."""
+    headers = {"X-Request-Tag": "prefill-bench", "X_Odd.Name~1": "a b\tc", "X-Name": "Zoë"}
+    assert load_ok(tmp_path, settings=channel(headers=headers)).channel.headers == headers
+
+
 # ------------------------------------------------------------- route prefixes
 
 

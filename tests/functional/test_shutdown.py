@@ -294,3 +294,101 @@ def test_bad_config_exits_2_without_binding_its_port(tmp_path: Path) -> None:
     assert "dispatch.max_queue_per_instance" in proc.stderr
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+# ------------------------------------------------------------------------ SIGHUP
+
+HUP_STREAMS = 10
+HUP_TOKENS = 60  # about 2 s at 30 ms a token: SIGHUP lands in the middle of every stream
+
+
+@dataclass
+class Hangup:
+    outcomes: list[Outcome]
+    alive_after: bool  # the process had not exited once every stream ended
+    healthz_after: int  # /healthz status after SIGHUP
+    completion_after: int  # status of a new request after SIGHUP
+    exit_code: int | None  # after the SIGTERM that ends the scenario
+    log: str
+
+
+async def _hangup_scenario(folder: Path) -> Hangup:
+    sim = SimInstance(SIM)
+    await sim.start()
+    log = folder / "gateway.log"
+    try:
+        config = write_config(
+            folder,
+            [{"url": sim.url, "max_num_seqs": HUP_STREAMS + 1}],
+            sections={
+                "gateway": {"drain_timeout": DRAIN},
+                "dispatch": {"health_check_interval": 60},
+            },
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        with log.open("wb") as sink:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gateway", "--config", str(config),
+                cwd=ROOT, env=env, stdout=sink, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            url = await _listening_url(log, proc)
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+            async with client:
+                outcomes = [Outcome("hup") for _ in range(HUP_STREAMS)]
+                tasks = [asyncio.create_task(_stream(client, o, HUP_TOKENS)) for o in outcomes]
+                await eventually(lambda: all(o.first_token_at for o in outcomes), timeout=20)
+                proc.send_signal(signal.SIGHUP)
+                async with asyncio.timeout(30):
+                    await asyncio.gather(*tasks)
+                await asyncio.sleep(0.2)  # a killed process is reaped within this
+                alive = proc.returncode is None
+                healthz = completion = 0
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with aiohttp.ClientSession() as s, s.get(url + "/healthz") as resp:
+                        healthz = resp.status
+                with contextlib.suppress(openai.APIError):
+                    after = await client.chat.completions.with_raw_response.create(
+                        model="sim-model", messages=[{"role": "user", "content": "still?"}]
+                    )
+                    completion = after.status_code
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(DRAIN + 10):
+                exit_code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        await sim.stop()
+    return Hangup(outcomes, alive, healthz, completion, exit_code, await _read(log))
+
+
+@pytest.fixture(scope="module")
+def hangup(tmp_path_factory: pytest.TempPathFactory) -> Hangup:
+    return asyncio.run(_hangup_scenario(tmp_path_factory.mktemp("sighup")))
+
+
+def test_sighup_leaves_every_stream_intact(hangup: Hangup) -> None:
+    """Streams running when SIGHUP arrives all finish with every token and `[DONE]`."""
+    broken = [(o.error, o.lines[-2:]) for o in hangup.outcomes if not o.done or o.in_band_error]
+    assert not broken, (broken[:3], hangup.log[-2000:])
+    tokens = [len([ln for ln in o.lines if ln.startswith('data: {"id"')]) for o in hangup.outcomes]
+    assert min(tokens) >= HUP_TOKENS, tokens
+
+
+def test_sighup_leaves_the_gateway_serving(hangup: Hangup) -> None:
+    """After SIGHUP the process is still alive and answers /healthz and new requests."""
+    assert hangup.alive_after, hangup.log[-2000:]
+    assert hangup.healthz_after == 200
+    assert hangup.completion_after == 200
+    assert hangup.exit_code == 0
+
+
+def test_sighup_is_logged_once(hangup: Hangup) -> None:
+    """SIGHUP leaves one `sighup_ignored` event in the log."""
+    events = [json.loads(ln) for ln in hangup.log.splitlines() if ln.startswith("{")]
+    ignored = [e for e in events if e.get("event") == "sighup_ignored"]
+    assert len(ignored) == 1, hangup.log[-2000:]
+    assert ignored[0]["level"] in ("info", "warning")
