@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .affinity import BLOCK_TOKENS, DEFAULT_INDEX_BLOCKS, PrefixIndex
 from .speed import Speed
 
 InstanceLane = Literal["short", "long", "any"]
@@ -38,6 +39,8 @@ class InstanceSpec:
     lane: InstanceLane = "any"
     weight: float = 1.0
     slots: int = 256
+    # Models pinned in the settings; None: learned from the instance's /v1/models.
+    models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,9 @@ class LoadReport:
     waiting: float
     kv_usage: float | None
     at: float
+    # vLLM's own prefix-cache counters (tokens), where the instance exports them.
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,10 @@ class Limits:
     # queue`); the app sets each lane's TTFT objective unless configured otherwise.
     max_queue_wait_short: float = math.inf
     max_queue_wait_long: float = math.inf
+    # A long request whose uncached part on an instance is at most this is cheap to
+    # prefill there and takes no `max_long_per_instance` place.
+    long_input_threshold: int = 4096
+    prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
 
     def max_queue_wait(self, lane: Lane) -> float:
         return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long
@@ -90,6 +100,8 @@ class Ticket:
     exclude: frozenset[str] = frozenset()
     tokens: int = 0  # prompt tokens
     max_tokens: int = 0  # output tokens asked for (0: unknown)
+    model: str | None = None  # None: any instance may serve it
+    prefix: tuple[int, ...] = ()  # the prompt's block hashes (affinity.prompt_blocks)
 
 
 @dataclass(frozen=True)
@@ -133,7 +145,12 @@ class InstanceState:
     # The gateway's own traffic: exact and instant.
     inflight: int = 0
     long_prefilling: int = 0
-    pending_prefill_tokens: int = 0  # prompt tokens of ours sent there, first token not yet back
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of ours there, no first token yet
+    # The models it serves, from its /v1/models (None until known; pinned ones win).
+    observed_models: frozenset[str] | None = None
+    cache: PrefixIndex = field(default_factory=PrefixIndex)
+    prefix_query_tokens: int = 0  # prompt tokens sent, and of those the estimated cached
+    prefix_hit_tokens: int = 0
     speed: Speed = field(default_factory=Speed.new)
     # What the instance itself reported; `inflight_at_report` lets us subtract our share.
     report: LoadReport | None = None
@@ -157,6 +174,22 @@ class InstanceState:
 
     def serves(self, lane: Lane) -> bool:
         return self.spec.lane == "any" or self.spec.lane == lane.value
+
+    @property
+    def models(self) -> frozenset[str] | None:
+        """The models it serves, pinned or learned; None while unknown."""
+        return self.spec.models if self.spec.models is not None else self.observed_models
+
+    def serves_model(self, model: str | None) -> bool:
+        """Whether it may take a request for `model` (an unknown list does not exclude)."""
+        models = self.models
+        return model is None or models is None or model in models
+
+    def cached_tokens(self, ticket: Ticket) -> int:
+        """The estimated prompt tokens of `ticket` already in its prefix cache."""
+        if not ticket.prefix:
+            return 0
+        return min(ticket.tokens, self.cache.match(ticket.prefix) * BLOCK_TOKENS)
 
     def fresh_report(self, now: float, stale_after: float) -> LoadReport | None:
         """The last scrape, if it is recent enough to trust; else None (unknown)."""

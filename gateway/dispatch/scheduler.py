@@ -12,9 +12,13 @@ Limits an instance holds:
   a request that would exceed it goes to another instance (overflow);
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
   still in prefill, so short requests never wait behind a wall of long ones.
-When no instance has room, the request waits in a bounded FIFO queue of its lane, for
-at most its lane's `max_queue_wait` and never past its deadline; one whose predicted
-wait is already longer is refused at arrival (see `admission.py`).
+When no instance has room, the request waits in a bounded FIFO queue of its lane (and
+model), for at most its lane's `max_queue_wait` and never past its deadline; one whose
+predicted wait is already longer is refused at arrival (see `admission.py`).
+
+A request for a model goes only to instances that serve it (`InstanceState.models`);
+its prompt's cached share on each instance (`affinity.py`) is estimated here, counts in
+the strategies' costs, and only its uncached part counts as prefill work.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from . import admission, health, speed
+from .affinity import PrefixIndex
 from .model import (
     Assigned,
     Decision,
@@ -38,6 +43,7 @@ from .model import (
     Rejected,
     Ticket,
 )
+from .queues import WaitQueues
 from .select import Strategy
 
 
@@ -52,7 +58,9 @@ class _Held:
     state: InstanceState
     ticket: Ticket
     prefilling: bool = True
-    ahead: int = 0  # our prompt tokens in prefill there when it was sent
+    ahead: int = 0  # our uncached prompt tokens in prefill there when it was sent
+    uncached: int = 0  # its own prompt tokens not in the instance's prefix cache
+    long_place: bool = False  # holds one of the instance's max_long_per_instance places
 
 
 class Scheduler:
@@ -66,6 +74,8 @@ class Scheduler:
         if not specs:
             raise ValueError("a scheduler needs at least one instance")
         self.states = [InstanceState(spec) for spec in specs]
+        for state in self.states:
+            state.cache = PrefixIndex(limits.prefix_index_blocks)
         self.strategy = strategy
         self.limits = limits
         self.health_policy = health_policy
@@ -75,14 +85,8 @@ class Scheduler:
         self._pool = {
             lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
         }
-        # Insertion-ordered dicts: FIFO with O(1) removal of a ticket whose client left.
-        self._queues: dict[Lane, dict[int, Ticket]] = {lane: {} for lane in Lane}
-        # Retries wait apart: each may only go to instances it has not tried, so in the
-        # FIFO one of them could head its lane and block requests an idle instance could run.
-        self._retries: dict[int, Ticket] = {}
+        self._queues = WaitQueues()
         self._holding: dict[int, _Held] = {}
-        # When each queued ticket leaves the queue unplaced, if nothing places it first.
-        self._wait_until: dict[int, float] = {}
         self._throughput = {lane: admission.Throughput() for lane in Lane}
 
     # ------------------------------------------------------------ queries
@@ -95,7 +99,7 @@ class Scheduler:
         return len(self._holding)
 
     def queue_length(self, lane: Lane) -> int:
-        return len(self._queues[lane]) + sum(1 for t in self._retries.values() if t.lane is lane)
+        return self._queues.length(lane)
 
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states)
@@ -110,12 +114,25 @@ class Scheduler:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
         return admission.predicted_wait(self.ahead(lane), self._throughput[lane].rate(now))
 
-    def untried_available(self, lane: Lane, tried: frozenset[str], now: float) -> bool:
+    def untried_available(
+        self, lane: Lane, tried: frozenset[str], now: float, model: str | None = None
+    ) -> bool:
         """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
-        return any(s.available(now) and s.name not in tried for s in self._pool[lane])
+        return any(
+            s.available(now) and s.name not in tried and s.serves_model(model)
+            for s in self._pool[lane]
+        )
 
     def _untried_alive(self, ticket: Ticket, now: float) -> bool:
-        return self.untried_available(ticket.lane, ticket.exclude, now)
+        return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model)
+
+    def model_served(self, model: str) -> bool:
+        """Whether any instance, up or down, may serve `model` (unknown lists count as yes)."""
+        return any(s.serves_model(model) for s in self.states)
+
+    def served_models(self) -> list[str]:
+        """Every model some instance is known to serve, sorted."""
+        return sorted({m for s in self.states for m in s.models or ()})
 
     # ------------------------------------------------------------ requests
 
@@ -125,16 +142,16 @@ class Scheduler:
             return Rejected(ticket, "shutting_down", self.limits.queue_retry_after)
         if ticket.deadline <= now:
             return Rejected(ticket, "deadline", self.limits.queue_retry_after)
-        if not self._lane_alive(ticket.lane, now):
+        if not self._alive(ticket.lane, ticket.model, now):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
-        queue = self._queues[ticket.lane]
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
-        if not queue:  # FIFO: nobody may overtake requests already waiting in this lane
+        # FIFO: nobody may overtake requests already waiting for the same lane and model.
+        if not self._queues.waiting_before(ticket):
             candidates = self._candidates(ticket, now)
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
-        if len(queue) >= self.limits.gateway_queue_size:
+        if self._queues.fifo_length(ticket.lane) >= self.limits.gateway_queue_size:
             wait = self.predicted_wait(ticket.lane, now)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
@@ -142,7 +159,7 @@ class Scheduler:
         refused = admission.refusal(self.ahead(ticket.lane), rate, wait_until - now)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
-        return self._enqueue(queue, ticket, wait_until)
+        return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
@@ -151,23 +168,15 @@ class Scheduler:
         candidates = self._candidates(ticket, now)
         if candidates:
             return self._assign(ticket, candidates, now, rng)
-        if len(self._retries) >= self.limits.gateway_queue_size:
+        if self._queues.retry_count() >= self.limits.gateway_queue_size:
             return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
         # A retry was admitted once already; it waits apart, bounded like any other.
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        return self._enqueue(self._retries, ticket, wait_until)
-
-    def _enqueue(self, queue: dict[int, Ticket], ticket: Ticket, wait_until: float) -> Queued:
-        queue[ticket.id] = ticket
-        self._wait_until[ticket.id] = wait_until
-        return Queued(ticket, len(queue), wait_until)
+        return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def cancel(self, ticket_id: int) -> bool:
         """Drop a queued request whose client left; False if it is not queued (any more)."""
-        self._wait_until.pop(ticket_id, None)
-        if self._retries.pop(ticket_id, None) is not None:
-            return True
-        return any(q.pop(ticket_id, None) is not None for q in self._queues.values())
+        return self._queues.remove(ticket_id) is not None
 
     def expire(self, ticket_id: int, now: float) -> list[Decision]:
         """A queued request's wait ran out: reject it (503, it never reached an instance).
@@ -175,17 +184,15 @@ class Scheduler:
         Returns nothing if it is no longer queued, or if its time has not come yet (the
         shell's timer may run a little early; it asks again).
         """
-        wait_until = self._wait_until.get(ticket_id)
+        wait_until = self._queues.wait_until(ticket_id)
         if wait_until is None or wait_until > now:
             return []
-        ticket = next(
-            q[ticket_id] for q in (self._retries, *self._queues.values()) if ticket_id in q
-        )
-        self.cancel(ticket_id)
+        ticket = self._queues.remove(ticket_id)
+        assert ticket is not None
         return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
 
     def wait_until(self, ticket_id: int) -> float | None:
-        return self._wait_until.get(ticket_id)
+        return self._queues.wait_until(ticket_id)
 
     def prefill_done(
         self, ticket_id: int, now: float, rng: random.Random, ttft: float | None = None
@@ -193,15 +200,16 @@ class Scheduler:
         """The first token arrived `ttft` s after the request was sent to its instance.
 
         The request's prompt leaves the instance's prefill work; the time teaches the
-        instance's prefill rate; a long request gives up its long-prefill place.
+        instance's prefill rate (on the tokens it had to compute: a cache hit is not a
+        fast card); a long request gives up its long-prefill place.
         """
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
         if ttft is not None:
-            held.state.speed.observe_prefill(held.ahead + held.ticket.tokens, ttft)
-        return self._drain(now, rng) if held.ticket.lane is Lane.LONG else []
+            held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
+        return self._drain(now, rng) if held.long_place else []
 
     def observe_tpot(self, name: str, seconds: float) -> None:
         """A streamed answer's time per output token on `name`."""
@@ -234,11 +242,11 @@ class Scheduler:
 
     def _end_prefill(self, held: _Held, now: float) -> None:
         held.prefilling = False
-        held.state.pending_prefill_tokens -= held.ticket.tokens
-        if held.ticket.lane is Lane.LONG:
+        held.state.pending_prefill_tokens -= held.uncached
+        if held.long_place:
             held.state.long_prefilling -= 1
-            if self._departs_at_prefill(held):
-                self._throughput[Lane.LONG].record(now)
+        if self._departs_at_prefill(held):
+            self._throughput[Lane.LONG].record(now)
 
     @staticmethod
     def _departs_at_prefill(held: _Held) -> bool:
@@ -255,9 +263,24 @@ class Scheduler:
     def probe(self, name: str, ok: bool, now: float, rng: random.Random) -> list[Decision]:
         """An active health probe answered (or failed)."""
         state = self._by_name[name]
+        was_up = state.up
         changed = health.apply_probe(state, ok, self.health_policy)
+        if changed and state.up and was_up is False:
+            state.cache.clear()  # it came back: most likely restarted, with a cold cache
         # Also drain when nothing changed: an ejection may have run out since.
-        return self._drain(now, rng) if changed or self._any_queued() else []
+        return self._drain(now, rng) if changed or self._queues else []
+
+    def set_models(
+        self, name: str, models: frozenset[str], now: float, rng: random.Random
+    ) -> list[Decision]:
+        """The models `name` lists now (its /v1/models); requests waiting for them may go."""
+        state = self._by_name[name]
+        if state.observed_models == models:
+            return []
+        if state.observed_models is not None:
+            state.cache.clear()  # another model now: nothing it cached still applies
+        state.observed_models = models
+        return self._drain(now, rng)
 
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name[name]
@@ -267,29 +290,29 @@ class Scheduler:
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
         self.closed = True
-        out: list[Decision] = []
-        for queue in (*self._queues.values(), self._retries):
-            out += [
-                Rejected(t, "shutting_down", self.limits.queue_retry_after) for t in queue.values()
-            ]
-            queue.clear()
-        self._wait_until.clear()
-        return out
+        after = self.limits.queue_retry_after
+        return [Rejected(t, "shutting_down", after) for t in self._queues.clear()]
 
     # ------------------------------------------------------------ internals
 
-    def _any_queued(self) -> bool:
-        return bool(self._retries) or any(self._queues.values())
+    def _alive(self, lane: Lane, model: str | None, now: float) -> bool:
+        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
 
-    def _lane_alive(self, lane: Lane, now: float) -> bool:
-        return any(s.available(now) for s in self._pool[lane])
-
-    def _has_room(self, state: InstanceState, lane: Lane) -> bool:
+    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if lane is Lane.LONG and state.spec.lane == "any":
+        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             return state.long_prefilling < self.limits.max_long_per_instance
         return True
+
+    def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
+        """A long request counts as a long prefill there, unless it is cached there enough
+        that what is left to compute is short (`max_long_per_instance` binds on shared
+        instances only)."""
+        if ticket.lane is not Lane.LONG:
+            return False
+        cached = state.cached_tokens(ticket)
+        return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
 
     def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:
         limit = self.limits.global_limit
@@ -298,7 +321,7 @@ class Scheduler:
         pool = [
             s
             for s in self._pool[ticket.lane]
-            if s.available(now) and self._has_room(s, ticket.lane)
+            if s.available(now) and s.serves_model(ticket.model) and self._has_room(s, ticket)
         ]
         # A retry goes only to instances it has not tried; the shell checks that one
         # exists (`untried_available`) before it retries. Prefer one that did not just
@@ -311,46 +334,53 @@ class Scheduler:
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
     ) -> Assigned:
         state = self.strategy.choose(candidates, self.states, ticket, now, rng)
-        self._holding[ticket.id] = _Held(state, ticket, ahead=state.pending_prefill_tokens)
+        cached = state.cached_tokens(ticket)
+        held = _Held(
+            state,
+            ticket,
+            ahead=state.pending_prefill_tokens,
+            uncached=ticket.tokens - cached,
+            long_place=self._takes_long_place(state, ticket),
+        )
+        self._holding[ticket.id] = held
         state.inflight += 1
         state.assigned_total += 1
-        state.pending_prefill_tokens += ticket.tokens
-        if ticket.lane is Lane.LONG:
+        state.pending_prefill_tokens += held.uncached
+        if held.long_place:
             state.long_prefilling += 1
+        if ticket.prefix:
+            state.cache.insert(ticket.prefix)
+            state.prefix_query_tokens += ticket.tokens
+            state.prefix_hit_tokens += cached
         return Assigned(ticket, state.name)
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
-        """Place queued requests while any lane's head fits somewhere, oldest head first."""
+        """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
         out: list[Decision] = []
-        for lane, queue in self._queues.items():
-            if queue and not self._lane_alive(lane, now):
-                out += [
-                    Rejected(t, "no_instance", self.limits.queue_retry_after)
-                    for t in queue.values()
-                ]
-                for ticket_id in queue:
-                    self._wait_until.pop(ticket_id, None)
-                queue.clear()
-        for ticket in list(self._retries.values()):
+        after = self.limits.queue_retry_after
+        for (lane, model), tickets in self._queues.fifos():
+            if not self._alive(lane, model, now):
+                for ticket in tickets:
+                    self._queues.remove(ticket.id)
+                    out.append(Rejected(ticket, "no_instance", after))
+        for ticket in self._queues.retries():
             if not self._untried_alive(ticket, now):
-                self.cancel(ticket.id)
-                out.append(Rejected(ticket, "no_instance", self.limits.queue_retry_after))
+                self._queues.remove(ticket.id)
+                out.append(Rejected(ticket, "no_instance", after))
         while True:
             # Retries first (they waited longest, counting their failed attempt), each on
             # its own: one that cannot be placed does not hold up the others.
-            heads = list(self._retries.values()) + sorted(
-                (next(iter(q.values())) for q in self._queues.values() if q), key=lambda t: t.id
-            )
             placed = False
-            for ticket in heads:
-                if self._wait_until[ticket.id] <= now:
-                    self.cancel(ticket.id)
-                    out.append(Rejected(ticket, "deadline", self.limits.queue_retry_after))
+            for ticket in self._queues.heads():
+                wait_until = self._queues.wait_until(ticket.id)
+                if wait_until is not None and wait_until <= now:
+                    self._queues.remove(ticket.id)
+                    out.append(Rejected(ticket, "deadline", after))
                     placed = True
                     break
                 candidates = self._candidates(ticket, now)
                 if candidates:
-                    self.cancel(ticket.id)
+                    self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
                     placed = True
                     break
@@ -358,13 +388,7 @@ class Scheduler:
                 return out
 
     def queued_tickets(self) -> Iterable[Ticket]:
-        yield from self._retries.values()
-        for queue in self._queues.values():
-            yield from queue.values()
+        return iter(self._queues)
 
     def __repr__(self) -> str:
-        queues = " ".join(f"{lane.value}={len(q)}" for lane, q in self._queues.items())
-        return (
-            f"<Scheduler {self.strategy.name} inflight={self.inflight} queued {queues} "
-            f"retries={len(self._retries)}>"
-        )
+        return f"<Scheduler {self.strategy.name} inflight={self.inflight} {self._queues!r}>"

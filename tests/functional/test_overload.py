@@ -14,6 +14,7 @@ import time
 import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
 
+from gateway.dispatch import Lane
 from loadtest.sim_vllm import SimConfig
 
 SIM = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
@@ -69,4 +70,4 @@ async def test_flood_is_refused_fast_with_retry_after_and_never_504() -> None:
         assert rejections.labels("deadline")._value.get() == statuses.count(503)
         scheduler = gw.dispatcher.scheduler
         assert scheduler.inflight == 0
-        assert sum(scheduler.queue_length(lane) for lane in gw.dispatcher.scheduler._queues) == 0
+        assert sum(scheduler.queue_length(lane) for lane in Lane) == 0

@@ -1,0 +1,113 @@
+"""The gateway's own queues: what waits, in which order, and until when.
+
+A request waits in the FIFO of its lane and model: requests for one model never hold up
+those for another, which other instances serve. Retries wait apart, each for an untried
+instance (in one FIFO, one could head its lane and block requests an idle instance could
+run). Each waiting ticket has the time its wait runs out. Only the scheduler uses this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .model import Lane, Ticket
+
+QueueKey = tuple[Lane, str | None]
+_RETRIES = None  # where a retry waits, in `_where`
+
+
+class WaitQueues:
+    def __init__(self) -> None:
+        # Insertion-ordered dicts: FIFO with O(1) removal of a ticket whose client left.
+        self._fifos: dict[QueueKey, dict[int, Ticket]] = {}
+        self._retries: dict[int, Ticket] = {}
+        self._where: dict[int, QueueKey | None] = {}
+        self._wait_until: dict[int, float] = {}
+        self._fifo_count = {lane: 0 for lane in Lane}
+        self._retry_count = {lane: 0 for lane in Lane}
+
+    def __bool__(self) -> bool:
+        return bool(self._where)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        yield from self._retries.values()
+        for fifo in self._fifos.values():
+            yield from fifo.values()
+
+    def waiting_before(self, ticket: Ticket) -> int:
+        """How many wait in the FIFO a new `ticket` would join (FIFO: none may be overtaken)."""
+        fifo = self._fifos.get((ticket.lane, ticket.model))
+        return len(fifo) if fifo else 0
+
+    def fifo_length(self, lane: Lane) -> int:
+        """New requests of `lane` waiting, over all models (the gateway queue bound's count)."""
+        return self._fifo_count[lane]
+
+    def retry_count(self) -> int:
+        return len(self._retries)
+
+    def length(self, lane: Lane) -> int:
+        """Everything of `lane` that waits: new requests and retries."""
+        return self._fifo_count[lane] + self._retry_count[lane]
+
+    def add(self, ticket: Ticket, wait_until: float) -> int:
+        """Queue `ticket` until `wait_until` at the latest; return its position (1-based)."""
+        if ticket.exclude:
+            queue, where = self._retries, _RETRIES
+            self._retry_count[ticket.lane] += 1
+        else:
+            where = (ticket.lane, ticket.model)
+            queue = self._fifos.setdefault(where, {})
+            self._fifo_count[ticket.lane] += 1
+        queue[ticket.id] = ticket
+        self._where[ticket.id] = where
+        self._wait_until[ticket.id] = wait_until
+        return len(queue)
+
+    def remove(self, ticket_id: int) -> Ticket | None:
+        """Take a ticket out (placed, rejected or its client left); None if it is not here."""
+        if ticket_id not in self._where:
+            return None
+        where = self._where.pop(ticket_id)
+        del self._wait_until[ticket_id]
+        if where is _RETRIES:
+            ticket = self._retries.pop(ticket_id)
+            self._retry_count[ticket.lane] -= 1
+            return ticket
+        fifo = self._fifos[where]
+        ticket = fifo.pop(ticket_id)
+        if not fifo:
+            del self._fifos[where]  # models come and go; keep no empty FIFOs
+        self._fifo_count[ticket.lane] -= 1
+        return ticket
+
+    def wait_until(self, ticket_id: int) -> float | None:
+        return self._wait_until.get(ticket_id)
+
+    def retries(self) -> list[Ticket]:
+        return list(self._retries.values())
+
+    def fifos(self) -> list[tuple[QueueKey, list[Ticket]]]:
+        return [(key, list(fifo.values())) for key, fifo in self._fifos.items()]
+
+    def heads(self) -> list[Ticket]:
+        """Who may be placed next: every retry, then each FIFO's oldest, oldest first."""
+        firsts = sorted((next(iter(f.values())) for f in self._fifos.values()), key=_ticket_id)
+        return [*self._retries.values(), *firsts]
+
+    def clear(self) -> list[Ticket]:
+        """Empty every queue; return what waited."""
+        out = list(self)
+        for mapping in (self._fifos, self._retries, self._where, self._wait_until):
+            mapping.clear()
+        for counts in (self._fifo_count, self._retry_count):
+            counts.update(dict.fromkeys(counts, 0))
+        return out
+
+    def __repr__(self) -> str:
+        fifos = " ".join(f"{lane.value}={n}" for lane, n in self._fifo_count.items())
+        return f"<WaitQueues {fifos} retries={len(self._retries)}>"
+
+
+def _ticket_id(ticket: Ticket) -> int:
+    return ticket.id
