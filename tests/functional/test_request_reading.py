@@ -1,0 +1,81 @@
+"""Request fields read as vLLM reads them: lax `stream`, and the lane of images and tools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from fakes import KEY, Gateway, fleet, gateway_with
+
+from loadtest.sim_vllm import SimConfig
+
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Slow enough decode that a relayed stream shows its first token long before its last.
+DECODING = SimConfig(decode_s_per_token=0.05, prefill_tokens_per_s=1e6)
+TOKENS = 10
+
+
+@pytest.fixture
+async def gw() -> AsyncIterator[Gateway]:
+    async with (
+        fleet(DECODING) as sims,
+        gateway_with(sims, sections={"dispatch": {"health_check_interval": 60}}) as gw,
+    ):
+        yield gw
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": TOKENS, **fields}
+
+
+@pytest.mark.parametrize("flag", ["true", 1, "yes", 1.0])
+async def test_lax_true_stream_is_relayed_chunk_by_chunk(gw: Gateway, flag: object) -> None:
+    """`"stream": "true"` or 1 streams, as vLLM does: SSE events arrive while it generates."""
+    sim = gw.sims[0]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + CHAT, json=chat_body(stream=flag), headers=AUTH) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["X-Gateway-Instance"] in gw.names()
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first.startswith(b"data: {")
+        # A buffered answer would come only after the instance finished generating.
+        assert sim.stats.completed == 0, "the first event waited for the whole answer"
+        rest = await resp.read()
+    events = [e for e in (first + rest).split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert len(events) >= TOKENS + 1
+    assert sim.stats.completed == 1
+
+
+@pytest.mark.parametrize("flag", ["false", 0, "off", None])
+async def test_lax_false_stream_is_a_whole_answer(gw: Gateway, flag: object) -> None:
+    """`"stream": "false"`, 0 or null get one JSON answer, as vLLM gives."""
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + CHAT, json=chat_body(stream=flag), headers=AUTH)
+        data = await resp.json()
+    assert resp.status == 200, data
+    assert data["object"] == "chat.completion"
+    assert data["usage"]["completion_tokens"] == TOKENS
+
+
+@pytest.mark.parametrize("flag", ["nope", 2, [], {"on": True}])
+async def test_invalid_stream_is_400_naming_the_field(gw: Gateway, flag: object) -> None:
+    """A `stream` vLLM would refuse gets 400 in OpenAI's shape, param "stream", from the gateway."""
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + CHAT, json=chat_body(stream=flag), headers=AUTH)
+        data = await resp.json()
+    assert resp.status == 400, data
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == "stream"
+    assert error["type"] == "invalid_request_error"
+    assert json.dumps(flag)[:10] in error["message"] or repr(flag)[:10] in error["message"]
+    assert gw.sims[0].stats.requests == 0  # refused without touching an instance
