@@ -229,7 +229,7 @@ class Proxy:
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
-            ex.prompt_tokens = await self.counter.count(payload)
+            ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
             ex.max_tokens = _max_tokens(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
 import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from loadtest.sim_vllm import SimConfig, SimInstance
 
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Slow enough decode that a relayed stream shows its first token long before its last.
 DECODING = SimConfig(decode_s_per_token=0.05, prefill_tokens_per_s=1e6)
 TOKENS = 10
+FAST = SimConfig(instant=True)
 
 
 @pytest.fixture
@@ -26,6 +29,18 @@ async def gw() -> AsyncIterator[Gateway]:
         fleet(DECODING) as sims,
         gateway_with(sims, sections={"dispatch": {"health_check_interval": 60}}) as gw,
     ):
+        yield gw
+
+
+@contextlib.asynccontextmanager
+async def lanes(sims: Sequence[SimInstance], prefill: dict[str, Any]) -> AsyncIterator[Gateway]:
+    """A gateway with one short-lane and one long-lane instance."""
+    instances = [
+        {"url": sims[0].url, "lane": "short", "name": "short0"},
+        {"url": sims[1].url, "lane": "long", "name": "long0"},
+    ]
+    sections = {"prefill": prefill, "dispatch": {"health_check_interval": 60}}
+    async with gateway_with(sims, instances=instances, sections=sections) as gw:
         yield gw
 
 
@@ -79,3 +94,51 @@ async def test_invalid_stream_is_400_naming_the_field(gw: Gateway, flag: object)
     assert error["type"] == "invalid_request_error"
     assert json.dumps(flag)[:10] in error["message"] or repr(flag)[:10] in error["message"]
     assert gw.sims[0].stats.requests == 0  # refused without touching an instance
+
+
+IMAGE = "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8\xff" + b"\1" * 600_000).decode()
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    f"f{i}": {"type": "string", "description": "d" * 60} for i in range(500)
+                },
+            },
+        },
+    }
+]
+
+
+async def lane_of(gw: Gateway, body: dict[str, Any]) -> str:
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + CHAT, json={"max_tokens": 1, **body}, headers=AUTH)
+        assert resp.status == 200, await resp.text()
+        return resp.headers["X-Gateway-Instance"]
+
+
+@pytest.mark.parametrize(("image_tokens", "lane"), [(None, "long0"), (10, "short0")])
+async def test_image_request_takes_the_long_lane(image_tokens: int | None, lane: str) -> None:
+    """An 800 KB image counts [prefill] image_tokens (default 1,500), not 0: long lane here."""
+    prefill: dict[str, Any] = {"long_input_threshold": 1000}
+    if image_tokens is not None:
+        prefill["image_tokens"] = image_tokens
+    async with fleet(FAST, FAST) as sims, lanes(sims, prefill) as gw:
+        content = [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": IMAGE}},
+        ]
+        assert len(IMAGE) > 800_000
+        assert await lane_of(gw, {"messages": [{"role": "user", "content": content}]}) == lane
+        assert await lane_of(gw, chat_body()) == "short0"
+
+
+async def test_large_tools_request_takes_the_long_lane() -> None:
+    """A 40 KB tool schema counts as its JSON text (about 10,000 tokens): long lane."""
+    assert len(json.dumps(TOOLS)) > 40_000
+    async with fleet(FAST, FAST) as sims, lanes(sims, {}) as gw:
+        assert await lane_of(gw, chat_body(tools=TOOLS)) == "long0"
+        assert await lane_of(gw, chat_body()) == "short0"
