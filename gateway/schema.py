@@ -91,6 +91,7 @@ class PrefillSection(Frozen):
     tokenizer: str | None = None
     # What one image, audio clip or video counts in the estimate (see README, Dispatch).
     image_tokens: int = Field(1500, ge=0)
+    image_pixels_per_token: int = Field(784, ge=0)  # 0: every image counts image_tokens
     audio_tokens: int = Field(750, ge=0)
     video_tokens: int = Field(8192, ge=0)
 

@@ -8,8 +8,10 @@ Chat requests carry more than their text. vLLM renders `tools` (and `documents`)
 the prompt through the chat template as JSON, so they count as the text of their JSON;
 `response_format` schemas and the legacy `functions` do not reach the prompt (the first
 steers decoding, the second vLLM ignores) and are not counted. An image, audio clip or
-video part costs what the model's encoder makes of it, which its bytes do not tell:
-each counts a configured figure (`[prefill] image_tokens`, ...; see `MediaCosts`).
+video part costs what the model's encoder makes of it, which its bytes do not tell. An
+inline image whose header gives its size counts its pixels, as dynamic-resolution models
+(Qwen2-VL: one token per 28x28 pixels) do; any other media part counts a configured
+figure (`[prefill] image_tokens`, ...; see `MediaCosts`).
 
 It only has to put a request in the right lane; it is not billing.
 """
@@ -20,6 +22,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from .imagesize import data_url_size
 
 PER_MESSAGE = 4  # role markers and separators a chat template adds per message
 
@@ -36,6 +40,9 @@ _MEDIA = {
     "video_url": "video",
     "video_embeds": "video",
 }
+# Qwen2-VL's default pixel bounds (min_pixels 3,136, max_pixels 12,845,056) in tokens.
+IMAGE_MIN_TOKENS = 4
+IMAGE_MAX_TOKENS = 16384
 # Request fields a chat template renders into the prompt as JSON.
 _TEMPLATE_JSON = ("tools", "documents")
 
@@ -45,6 +52,8 @@ class MediaCosts(Protocol):
 
     @property
     def image_tokens(self) -> int: ...
+    @property
+    def image_pixels_per_token(self) -> int: ...
     @property
     def audio_tokens(self) -> int: ...
     @property
@@ -56,6 +65,7 @@ class DefaultMediaCosts:
     """The defaults of `[prefill]`: see README's Dispatch section for where they come from."""
 
     image_tokens: int = 1500
+    image_pixels_per_token: int = 784  # 28 x 28: Qwen2-VL and Qwen2.5-VL
     audio_tokens: int = 750
     video_tokens: int = 8192
 
@@ -81,12 +91,23 @@ def _media_tokens(part: Mapping[str, Any], media: MediaCosts) -> int:
         kind = next((key for key in part if key in _MEDIA), "")
     modality = _MEDIA.get(kind)
     if modality == "image":
-        return media.image_tokens
+        return _image_tokens(part.get(kind) or part.get("image_url"), media)
     if modality == "audio":
         return media.audio_tokens
     if modality == "video":
         return media.video_tokens
     return 0
+
+
+def _image_tokens(image: Any, media: MediaCosts) -> int:
+    """An inline image whose header gives its size costs its pixels; any other the figure."""
+    url = image.get("url") if isinstance(image, dict) else image
+    if media.image_pixels_per_token > 0 and isinstance(url, str):
+        size = data_url_size(url)
+        if size is not None:
+            tokens = -(-size[0] * size[1] // media.image_pixels_per_token)
+            return max(IMAGE_MIN_TOKENS, min(tokens, IMAGE_MAX_TOKENS))
+    return media.image_tokens
 
 
 def _content_tokens(content: Any, media: MediaCosts) -> int:

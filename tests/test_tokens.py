@@ -25,6 +25,7 @@ from gateway.tokens import (
 @dataclass(frozen=True)
 class Costs:
     image_tokens: int = 1000
+    image_pixels_per_token: int = 784
     audio_tokens: int = 300
     video_tokens: int = 7000
 
@@ -149,3 +150,34 @@ def test_tools_add_exactly_their_json_estimate(content: list[Any], tools: list[A
     body = chat(*content)
     expected = estimate_request(body, COSTS) + (estimate_json(tools) if tools else 0)
     assert estimate_request({**body, "tools": tools}, COSTS) == expected
+
+
+def png_url(width: int, height: int) -> str:
+    """A data URL whose PNG header says width x height (the pixels themselves are not read)."""
+    header = (
+        b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR" + width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    )
+    return "data:image/png;base64," + base64.b64encode(header + b"\0" * 600).decode()
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "tokens"),
+    [
+        (3000, 2000, 7654),  # 6 MP photo: 6,000,000 / 784, rounded up
+        (1024, 1024, 1338),
+        (10, 10, 4),  # below Qwen2-VL's min_pixels: its 4 tokens
+        (60000, 60000, 16384),  # beyond its max_pixels: its 16,384
+    ],
+)
+def test_inline_image_costs_its_pixels(width: int, height: int, tokens: int) -> None:
+    """An inline image whose header gives its size costs one token per 784 pixels, bounded."""
+    assert media_tokens(chat(image(png_url(width, height))), COSTS) == tokens
+
+
+def test_pixel_costing_can_be_turned_off() -> None:
+    """With image_pixels_per_token = 0 every image counts image_tokens."""
+    flat = Costs(image_pixels_per_token=0)
+    assert media_tokens(chat(image(png_url(3000, 2000))), flat) == flat.image_tokens
+    assert (
+        media_tokens(chat(image(png_url(3000, 2000))), Costs(image_pixels_per_token=1000)) == 6000
+    )

@@ -96,7 +96,11 @@ async def test_invalid_stream_is_400_naming_the_field(gw: Gateway, flag: object)
     assert gw.sims[0].stats.requests == 0  # refused without touching an instance
 
 
-IMAGE = "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8\xff" + b"\1" * 600_000).decode()
+# An 800 KB inline photo: a PNG header saying 3000 x 2000, then 600 KB the gateway never reads.
+PHOTO_HEADER = (
+    b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR" + (3000).to_bytes(4, "big") + (2000).to_bytes(4, "big")
+)
+PHOTO = "data:image/png;base64," + base64.b64encode(PHOTO_HEADER + b"\1" * 600_000).decode()
 TOOLS = [
     {
         "type": "function",
@@ -120,20 +124,31 @@ async def lane_of(gw: Gateway, body: dict[str, Any]) -> str:
         return resp.headers["X-Gateway-Instance"]
 
 
+def look_at(url: str) -> dict[str, Any]:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}]}
+
+
+@pytest.mark.parametrize(("pixels_per_token", "lane"), [(None, "long0"), (0, "short0")])
+async def test_inline_photo_takes_the_long_lane(pixels_per_token: int | None, lane: str) -> None:
+    """An 800 KB 6 MP inline photo counts its pixels (about 7,650 tokens): long lane by default."""
+    assert len(PHOTO) > 800_000
+    prefill = {} if pixels_per_token is None else {"image_pixels_per_token": pixels_per_token}
+    async with fleet(FAST, FAST) as sims, lanes(sims, prefill) as gw:
+        assert await lane_of(gw, look_at(PHOTO)) == lane
+        assert await lane_of(gw, chat_body()) == "short0"
+
+
 @pytest.mark.parametrize(("image_tokens", "lane"), [(None, "long0"), (10, "short0")])
-async def test_image_request_takes_the_long_lane(image_tokens: int | None, lane: str) -> None:
-    """An 800 KB image counts [prefill] image_tokens (default 1,500), not 0: long lane here."""
+async def test_image_by_url_counts_the_configured_figure(
+    image_tokens: int | None, lane: str
+) -> None:
+    """An image the gateway cannot measure counts [prefill] image_tokens (default 1,500)."""
     prefill: dict[str, Any] = {"long_input_threshold": 1000}
     if image_tokens is not None:
         prefill["image_tokens"] = image_tokens
     async with fleet(FAST, FAST) as sims, lanes(sims, prefill) as gw:
-        content = [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": IMAGE}},
-        ]
-        assert len(IMAGE) > 800_000
-        assert await lane_of(gw, {"messages": [{"role": "user", "content": content}]}) == lane
-        assert await lane_of(gw, chat_body()) == "short0"
+        assert await lane_of(gw, look_at("https://example.com/cat.jpg")) == lane
 
 
 async def test_large_tools_request_takes_the_long_lane() -> None:
