@@ -25,6 +25,7 @@ from aiohttp import web
 
 from . import errors, log, request_id
 from .auth import KeyChecker
+from .body import InvalidField, wants_stream
 from .config import Config
 from .dispatch import (
     GiveUp,
@@ -219,12 +220,15 @@ class Proxy:
             if payload.get("model") is None and self.default_model:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
-            ex.prompt_tokens = await self.counter.count(payload)
+            try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
+                stream = route.streams and wants_stream(payload)
+            except InvalidField as bad:
+                raise errors.BadRequest(str(bad), param=bad.field) from None
+            ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
             ex.max_tokens = _max_tokens(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
-            stream = route.streams and payload.get("stream") is True
             return await self._forward(request, route, body, lane, stream, ex, headers)
         except errors.GatewayError as exc:
             ex.status = exc.status

@@ -94,6 +94,11 @@ class PrefillSection(Frozen):
     # None: estimate; "instance": ask an instance's /tokenize near the threshold;
     # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).
     tokenizer: str | None = None
+    # What one image, audio clip or video counts in the estimate (see README, Dispatch).
+    image_tokens: int = Field(1500, ge=0)
+    image_pixels_per_token: int = Field(784, ge=0)  # 0: every image counts image_tokens
+    audio_tokens: int = Field(750, ge=0)
+    video_tokens: int = Field(8192, ge=0)
 
     @field_validator("tokenizer")
     @classmethod

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .tokens import PER_MESSAGE, estimate_request
+from .tokens import DEFAULT_MEDIA, PER_MESSAGE, MediaCosts, estimate_request, media_tokens
 from .upstream import AttemptFailed, Upstream
 
 _TOKENIZE_TIMEOUT = 1.0
@@ -30,22 +30,35 @@ class LocalTokenizer:
     def _text(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def count(self, body: dict[str, Any]) -> int | None:
+    def count(self, body: dict[str, Any], media: MediaCosts = DEFAULT_MEDIA) -> int | None:
         messages = body.get("messages")
         if isinstance(messages, list):
             total = 0
             for message in messages:
-                content = message.get("content") if isinstance(message, dict) else None
+                if not isinstance(message, dict):
+                    continue
+                content = message.get("content")
                 if isinstance(content, list):
                     content = " ".join(
-                        p["text"] for p in content if isinstance(p, dict) and "text" in p
+                        p["text"]
+                        for p in content
+                        if isinstance(p, dict) and isinstance(p.get("text"), str)
                     )
                 total += PER_MESSAGE + (self._text(content) if isinstance(content, str) else 0)
-            return total
+                if message.get("tool_calls"):
+                    total += self._json(message["tool_calls"])
+            extras = [body[key] for key in ("tools", "documents") if body.get(key)]
+            return total + sum(self._json(e) for e in extras) + media_tokens(body, media)
         prompt = body.get("prompt", body.get("input"))
         if isinstance(prompt, str):
             return self._text(prompt)
         return None  # token ids and batches: the estimate is already exact or close
+
+    def _json(self, value: Any) -> int:
+        try:
+            return self._text(json.dumps(value, ensure_ascii=False))
+        except (RecursionError, ValueError):
+            return 0
 
 
 class TokenCounter:
@@ -66,12 +79,12 @@ class TokenCounter:
     def exact(self) -> bool:
         return self.local is not None or self.upstream is not None
 
-    async def count(self, body: dict[str, Any]) -> int:
-        estimate = estimate_request(body)
+    async def count(self, body: dict[str, Any], media: MediaCosts = DEFAULT_MEDIA) -> int:
+        estimate = estimate_request(body, media)
         if not self.exact or not self.threshold / 2 < estimate < self.threshold * 2:
             return estimate
         if self.local is not None:
-            exact = self.local.count(body)
+            exact = self.local.count(body, media)
         else:
             exact = await self._ask_instance(body)
         return estimate if exact is None else exact
@@ -81,7 +94,8 @@ class TokenCounter:
         if picked is None or self.upstream is None:
             return None
         url, headers = picked
-        query = {k: body[k] for k in ("model", "messages", "prompt") if k in body}
+        # vLLM's /tokenize renders tools and images as a chat request would: the count is whole.
+        query = {k: body[k] for k in ("model", "messages", "prompt", "tools") if k in body}
         if "messages" not in query and "prompt" not in query:
             return None
         try:

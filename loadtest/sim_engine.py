@@ -12,6 +12,8 @@ from http import HTTPStatus
 from types import MappingProxyType
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 MAX_MODEL_LEN = 32768
 # KV capacity per running slot, so kv_cache_usage_perc reaches 1.0 only with full, long sequences.
 KV_TOKENS_PER_SEQ = 2048
@@ -181,15 +183,37 @@ def parse_max_tokens(body: Mapping[str, Any], default: int, prompt_tokens: int) 
     return value
 
 
+class _StreamOptions(BaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _StreamFields(BaseModel):
+    """The stream fields of vLLM's (Chat)CompletionRequest, validated as vLLM does (lax)."""
+
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+
+
 def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(stream, include_usage) of a generation request."""
-    stream = body.get("stream", False)
-    options = body.get("stream_options")
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean")
-    if options and not stream:
+    """(stream, include_usage) of a generation request, as vLLM reads them.
+
+    pydantic's lax bool takes "true", "yes", 1 and the like. vLLM checks `stream_options`
+    against the raw `stream` before validation, so `"stream": 0` with options is refused.
+    Options without `include_usage` include it (its default is True).
+    """
+    if body.get("stream_options") and not body.get("stream"):
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
-    return stream, bool(isinstance(options, Mapping) and options.get("include_usage"))
+    raw = {k: body[k] for k in ("stream", "stream_options") if k in body}
+    try:
+        fields = _StreamFields.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ApiError(400, problems) from None
+    options = fields.stream_options
+    return bool(fields.stream), bool(options is not None and options.include_usage)
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -42,7 +42,10 @@ json_values = st.recursive(
     max_leaves=20,
 )
 # Fields an OpenAI body has, with values of any JSON type, so the fuzz reaches deep code.
-FIELDS = ["model", "messages", "prompt", "input", "stream", "stream_options", "max_tokens"]
+FIELDS = [
+    "model", "messages", "prompt", "input", "stream", "stream_options", "max_tokens", "tools",
+    "documents",
+]  # fmt: skip
 messages = st.lists(
     st.fixed_dictionaries(
         {},
@@ -51,6 +54,10 @@ messages = st.lists(
             "content": st.text(max_size=60)
             | st.lists(
                 st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
+                | st.fixed_dictionaries(
+                    {"type": st.sampled_from(["image_url", "input_audio", "video_url"])},
+                    optional={"image_url": json_values},
+                )
                 | json_values,
                 max_size=3,
             )
@@ -70,6 +77,7 @@ openai_like = st.fixed_dictionaries(
         "stream": st.booleans() | json_values,
         "stream_options": st.just({"include_usage": True}) | json_values,
         "max_tokens": st.integers(-2, 8) | json_values,
+        "tools": st.lists(json_values, max_size=2) | json_values,
     },
 )
 json_like_dicts = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), json_values)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fleet import main as fleet_main
 from loadtest.fleet import start_fleet, stop_fleet
+from loadtest.sim_engine import ApiError, parse_stream
 from loadtest.sim_vllm import (
     BUSY_MESSAGE,
     SimConfig,
@@ -509,3 +510,41 @@ def test_fleet_cli_refuses_non_loopback(capsys: pytest.CaptureFixture[str]) -> N
     """The fleet CLI exits with status 2 rather than listen beyond loopback."""
     assert fleet_main(["--host", "0.0.0.0", "--base-port", "0"]) == 2
     assert "non-loopback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, (False, False)),
+        ({"stream": "true"}, (True, False)),
+        ({"stream": 1}, (True, False)),
+        ({"stream": "Off"}, (False, False)),
+        ({"stream": None}, (False, False)),
+        # Options without include_usage include it: StreamOptions.include_usage defaults True.
+        ({"stream": True, "stream_options": {}}, (True, True)),
+        ({"stream": "yes", "stream_options": {"include_usage": "1"}}, (True, True)),
+        ({"stream": True, "stream_options": {"include_usage": "no"}}, (True, False)),
+        # vLLM checks options against the raw value: the string "false" is truthy there.
+        ({"stream": "false", "stream_options": {"include_usage": True}}, (False, True)),
+    ],
+)
+def test_parse_stream_reads_like_vllm(body: dict[str, Any], expected: tuple[bool, bool]) -> None:
+    """The simulator reads stream fields as vLLM's lax pydantic model does."""
+    assert parse_stream(body) == expected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"stream": "nope"},
+        {"stream": 2},
+        {"stream": 0, "stream_options": {"include_usage": True}},
+        {"stream": True, "stream_options": "yes"},
+        {"stream": True, "stream_options": {"include_usage": "maybe"}},
+    ],
+)
+def test_parse_stream_refuses_what_vllm_refuses(body: dict[str, Any]) -> None:
+    """What vLLM answers 400 the simulator answers 400."""
+    with pytest.raises(ApiError) as caught:
+        parse_stream(body)
+    assert caught.value.status == 400

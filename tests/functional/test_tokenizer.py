@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gateway.schema import Timeouts
+from gateway.schema import PrefillSection, Timeouts
 from gateway.tokenizer import LocalTokenizer, TokenCounter
 from gateway.upstream import Upstream
 
@@ -32,6 +32,21 @@ async def test_local_tokenizer_decides_the_lane_near_the_threshold(tmp_path: Pat
     assert await counter.count({"messages": [{"role": "user", "content": "a " * 120}]}) == 124
     # Far below the threshold the estimate stands, with no tokenizer work.
     assert await counter.count({"prompt": "a"}) == 1
+
+
+async def test_local_tokenizer_counts_tools_and_images_too(tmp_path: Path) -> None:
+    """Near the threshold the exact count keeps the tools' JSON and each image's figure."""
+    counter = TokenCounter(100, local=LocalTokenizer(word_tokenizer(tmp_path)))
+    tools = [{"name": "a " * 40}]  # JSON text of about 40 words
+    image = {"type": "image_url", "image_url": {"url": "https://x/y.png"}}
+    content = [{"type": "text", "text": "a a"}, image]
+    body = {"messages": [{"role": "user", "content": content}], "tools": tools}
+    plain = {"messages": [{"role": "user", "content": "a a"}]}
+    costs = PrefillSection(image_tokens=30)
+    # Estimated near the threshold, so the tokenizer counts: 4 + 2 words + tools + image.
+    total = await counter.count(body, costs)
+    assert total == 4 + 2 + LocalTokenizer(word_tokenizer(tmp_path))._json(tools) + 30
+    assert total > await counter.count(plain, costs) + 30 + 30
 
 
 @pytest.fixture
