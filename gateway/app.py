@@ -96,6 +96,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             lane=i.lane,
             weight=i.weight,
             slots=i.max_num_seqs or dispatch.max_num_seqs,
+            models=frozenset(i.models) if i.models is not None else None,
         )
         for i in config.instances
     ]
@@ -109,6 +110,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         queue_retry_after=retry_after_503(config),
         max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
+        long_input_threshold=config.prefill.long_input_threshold,
+        prefix_index_blocks=dispatch.prefix_index_blocks,
     )
     h = dispatch.health
     policy = HealthPolicy(
@@ -205,6 +208,12 @@ async def _models(request: web.Request) -> web.StreamResponse:
             "no vLLM instance is up", retry_after=dispatcher.scheduler.limits.queue_retry_after
         )
     data = request.app[HEALTH].model_union(up)
+    listed = {m["id"] for m in data}
+    for state in dispatcher.scheduler.states:  # pinned models of instances that hide the route
+        if state.name in up and state.spec.models is not None:
+            for model in sorted(state.spec.models - listed):
+                data.append({"id": model, "object": "model", "owned_by": "vllm"})
+                listed.add(model)
     return web.json_response({"object": "list", "data": data})
 
 
@@ -247,6 +256,14 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "lane": state.spec.lane,
                 "weight": state.spec.weight,
                 "slots": state.spec.slots,
+                "models": None if state.models is None else sorted(state.models),
+                "models_pinned": state.spec.models is not None,
+                "prefix_index_blocks": len(state.cache),
+                "prefix_estimated_hit_ratio": round(
+                    state.prefix_hit_tokens / state.prefix_query_tokens, 4
+                )
+                if state.prefix_query_tokens
+                else None,
                 "inflight": state.inflight,
                 "long_prefilling": state.long_prefilling,
                 "queue_depth": state.queue_depth(

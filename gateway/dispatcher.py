@@ -9,6 +9,7 @@ change synchronously between awaits and never race.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import time
@@ -55,8 +56,15 @@ class Dispatcher:
         exclude: frozenset[str] = frozenset(),
         tokens: int = 0,
         max_tokens: int = 0,
+        *,
+        model: str | None = None,
+        prefix: tuple[int, ...] = (),
     ) -> Ticket:
-        return Ticket(next(_ids), lane, deadline, exclude, tokens, max_tokens)
+        return Ticket(next(_ids), lane, deadline, exclude, tokens, max_tokens, model, prefix)
+
+    def retry_ticket(self, ticket: Ticket, exclude: frozenset[str]) -> Ticket:
+        """The same request again, under a new id, avoiding the instances in `exclude`."""
+        return dataclasses.replace(ticket, id=next(_ids), exclude=exclude)
 
     async def acquire(self, ticket: Ticket) -> str:
         """Return the instance that takes `ticket`, waiting in the queue if need be.
@@ -127,8 +135,21 @@ class Dispatcher:
         self._settle(self.scheduler.probe(name, ok, self.clock(), self.rng))
         return self.scheduler.state(name).up != before
 
-    def report_load(self, name: str, running: float, waiting: float, kv: float | None) -> None:
-        self.scheduler.report_load(name, LoadReport(running, waiting, kv, self.clock()))
+    def report_load(
+        self,
+        name: str,
+        running: float,
+        waiting: float,
+        kv: float | None,
+        prefix_queries: float | None = None,
+        prefix_hits: float | None = None,
+    ) -> None:
+        report = LoadReport(running, waiting, kv, self.clock(), prefix_queries, prefix_hits)
+        self.scheduler.report_load(name, report)
+
+    def set_models(self, name: str, models: frozenset[str]) -> None:
+        """What `name`'s /v1/models lists now; requests waiting for those models may go."""
+        self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
 
     def close(self) -> None:
         """Shutting down: every queued request gets 503 now."""

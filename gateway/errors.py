@@ -7,6 +7,7 @@
     │   └── InvalidHeader             400 invalid_header
     ├── Unauthorized                  401 invalid_api_key
     ├── NotFound                      404 not_found
+    │   └── ModelNotFound             404 model_not_found
     ├── MethodNotAllowed              405 method_not_allowed
     ├── PayloadTooLarge               413 request_too_large
     ├── Overloaded                    429 overloaded            (+ Retry-After)
@@ -83,6 +84,10 @@ class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
 
 
 class MethodNotAllowed(GatewayError):

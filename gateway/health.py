@@ -23,6 +23,10 @@ _log = log.get("gateway.health")
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
+# Prefix-cache counters, in tokens (the parser strips a counter's _total suffix); older
+# vLLM said gpu_prefix_cache_*.
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+_PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 # vLLM renamed the KV gauge; accept either so old and new instances both count.
 _KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
@@ -39,12 +43,21 @@ class VllmLoad:
     running: float
     waiting: float
     kv_usage: float | None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 def parse_vllm_metrics(text: str) -> VllmLoad | None:
     """Sum vLLM's load gauges over `engine` (and any other) labels; None if absent."""
     totals: dict[str, float] = {}
+    prefix: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
+        if family.name in _PREFIX_QUERIES or family.name in _PREFIX_HITS:
+            kind = "queries" if family.name in _PREFIX_QUERIES else "hits"
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    prefix[kind] = prefix.get(kind, 0.0) + sample.value
+            continue
         for sample in family.samples:
             if sample.name == _RUNNING or sample.name == _WAITING or sample.name in _KV_NAMES:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
@@ -58,7 +71,13 @@ def parse_vllm_metrics(text: str) -> VllmLoad | None:
         if name in totals:
             kv = totals[name] / totals[name + "#n"]
             break
-    return VllmLoad(totals.get(_RUNNING, 0.0), totals.get(_WAITING, 0.0), kv)
+    return VllmLoad(
+        totals.get(_RUNNING, 0.0),
+        totals.get(_WAITING, 0.0),
+        kv,
+        prefix.get("queries"),
+        prefix.get("hits"),
+    )
 
 
 class HealthChecker:
@@ -125,7 +144,14 @@ class HealthChecker:
         except (AttemptFailed, ValueError, UnicodeDecodeError):
             load = None
         if load is not None:
-            self.dispatcher.report_load(target.name, load.running, load.waiting, load.kv_usage)
+            self.dispatcher.report_load(
+                target.name,
+                load.running,
+                load.waiting,
+                load.kv_usage,
+                load.prefix_queries,
+                load.prefix_hits,
+            )
 
     async def _models(self, target: Target) -> None:
         try:
@@ -136,7 +162,10 @@ class HealthChecker:
         except (AttemptFailed, ValueError, KeyError, TypeError):
             data = None
         if isinstance(data, list):
-            self.models[target.name] = [m for m in data if isinstance(m, dict) and "id" in m]
+            models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            self.models[target.name] = models
+            # LoRA adapters are listed as models too: each id is routable to this instance.
+            self.dispatcher.set_models(target.name, frozenset(m["id"] for m in models))
 
     def model_union(self, up: set[str]) -> list[dict[str, Any]]:
         """The models of the instances that are up, each id once."""

@@ -33,9 +33,11 @@ from .dispatch import (
     Outcome,
     RetryAfter,
     RetryBudget,
+    Ticket,
     plan_retry,
     reason_for_status,
 )
+from .dispatch.affinity import prompt_blocks, prompt_text
 from .dispatcher import Dispatcher
 from .metrics import Metrics
 from .recorder import Recorder
@@ -109,6 +111,7 @@ class Proxy:
             Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
         }
         self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
+        self.affinity = config.dispatch.prefix_index_blocks > 0
         self.clock = dispatcher.clock
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -193,6 +196,21 @@ class Proxy:
             )
         return body, payload
 
+    def _served_model(self, payload: dict[str, Any]) -> str | None:
+        """The request's model, if a string; 404 here if no instance serves it."""
+        model = payload.get("model")
+        if not isinstance(model, str):
+            return None  # none at all, or not a string: the instance answers that
+        scheduler = self.dispatcher.scheduler
+        if not scheduler.model_served(model):
+            served = ", ".join(scheduler.served_models()) or "none yet"
+            raise errors.ModelNotFound(
+                f"the model {model[:200]!r} does not exist on this gateway's fleet; "
+                f"available models: {served}",
+                param="model",
+            )
+        return model
+
     def _too_large(self) -> errors.PayloadTooLarge:
         return errors.PayloadTooLarge(
             f"the request body is larger than the gateway's limit of {self.max_body} bytes"
@@ -224,12 +242,21 @@ class Proxy:
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
+            model = self._served_model(payload)
             ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
             ex.max_tokens = _max_tokens(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
-            return await self._forward(request, route, body, lane, stream, ex, headers)
+            ticket = self.dispatcher.new_ticket(
+                lane,
+                ex.started + self.request_timeout,
+                tokens=ex.prompt_tokens,
+                max_tokens=ex.max_tokens,
+                model=model,
+                prefix=prompt_blocks(prompt_text(payload)) if self.affinity else (),
+            )
+            return await self._forward(request, route, body, stream, ex, headers, ticket)
         except errors.GatewayError as exc:
             ex.status = exc.status
             return exc.response(headers)
@@ -258,20 +285,19 @@ class Proxy:
         request: web.Request,
         route: Route,
         body: bytes,
-        lane: Lane,
         stream: bool,
         ex: Exchange,
         headers: dict[str, str],
+        ticket: Ticket,
     ) -> web.StreamResponse:
-        deadline = ex.started + self.request_timeout
+        lane, deadline = ticket.lane, ticket.deadline
         self.budget.record_request(self.clock())
         tried: frozenset[str] = frozenset()
         last_failure: Retryable | None = None
         while True:
             ex.attempts += 1
-            ticket = self.dispatcher.new_ticket(
-                lane, deadline, tried, ex.prompt_tokens, ex.max_tokens
-            )
+            if tried:
+                ticket = self.dispatcher.retry_ticket(ticket, tried)
             try:
                 instance = await self.dispatcher.acquire(ticket)
             except errors.GatewayError:
@@ -287,7 +313,8 @@ class Proxy:
             except Retryable as failed:
                 tried = tried | {instance}
                 plan: RetryAfter | GiveUp = GiveUp("instances")
-                if self.dispatcher.scheduler.untried_available(lane, tried, self.clock()):
+                scheduler = self.dispatcher.scheduler
+                if scheduler.untried_available(lane, tried, self.clock(), ticket.model):
                     plan = plan_retry(
                         attempt=ex.attempts,
                         max_attempts=self.retry.max_attempts,

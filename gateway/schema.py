@@ -75,6 +75,9 @@ class DispatchSection(Frozen):
     # Longest wait in the gateway queue; None: each lane's [slo] TTFT objective, since a
     # request that waited longer has missed it already and its client is better told now.
     max_queue_wait: float | None = Field(None, gt=0)
+    # Blocks of 64 prompt tokens remembered per instance for prefix affinity; 0 turns
+    # affinity off. The default covers about 524k tokens, a typical instance's KV cache.
+    prefix_index_blocks: int = Field(8192, ge=0)
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")
@@ -191,6 +194,9 @@ class InstanceSpec(Frozen):
     api_key_env: str | None = None
     weight: float = Field(1.0, gt=0)
     max_num_seqs: int | None = Field(None, ge=1)
+    # The models (and LoRA adapters) it serves, for instances that hide /v1/models;
+    # without it they are learned from /v1/models every health round.
+    models: list[str] | None = Field(None, min_length=1)
 
     @field_validator("url")
     @classmethod

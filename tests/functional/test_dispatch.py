@@ -189,9 +189,9 @@ async def test_client_errors_are_not_retried() -> None:
     fast = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
     async with fleet(fast, fast) as sims, gateway_with(sims) as gw:
         async with client(gw) as c:
-            with pytest.raises(openai.NotFoundError):
+            with pytest.raises(openai.BadRequestError):
                 await c.chat.completions.create(
-                    model="no-such-model", messages=[{"role": "user", "content": "x"}]
+                    model="sim-model", messages=[{"role": "user", "content": "x"}], max_tokens=-1
                 )
         assert sum(s.stats.requests for s in sims) == 1
 
