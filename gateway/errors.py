@@ -8,7 +8,9 @@
     ├── Unauthorized                  401 invalid_api_key
     ├── NotFound                      404 not_found
     ├── MethodNotAllowed              405 method_not_allowed
+    ├── RequestTimeout                408 request_timeout       (closes the connection)
     ├── PayloadTooLarge               413 request_too_large
+    ├── ExpectationFailed             417 expectation_failed
     ├── Overloaded                    429 overloaded            (+ Retry-After)
     ├── UpstreamError                 502 upstream_error
     ├── NoInstanceAvailable           503 no_instance_available (+ Retry-After)
@@ -90,10 +92,28 @@ class MethodNotAllowed(GatewayError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        response = super().response(headers)
+        # The rest of the request never arrived: the connection cannot carry another one.
+        response.force_close()
+        return response
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class ExpectationFailed(GatewayError):
+    status = 417
+    type = "invalid_request_error"
+    code = "expectation_failed"
 
 
 class Overloaded(GatewayError):
