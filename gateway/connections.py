@@ -150,6 +150,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._got_bytes = False  # of the request whose head is awaited
+        # Counted from here, not connection_made: one accept burst makes many protocols
+        # before any is connected, and the cap must see each of them.
+        owner.open.add(self)
+        owner.metrics.client_connections.inc()
 
     def __repr__(self) -> str:
         return f"_Connection(phase={self.phase.value}, got_bytes={self._got_bytes})"
@@ -159,8 +163,6 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass).
         self.transport = cast(asyncio.Transport, transport)
-        self.owner.open.add(self)
-        self.owner.metrics.client_connections.inc()
         self._arm(self.owner.limits.header_timeout)
         self.inner.connection_made(transport)
 
@@ -229,7 +231,7 @@ class _Connection(asyncio.Protocol):
         else:
             reason = "idle_timeout"
         self.owner.cut(reason)
-        _log.info("client_connection_cut", reason=reason, peer=_peer(self.transport))
+        _log.debug("client_connection_cut", reason=reason, peer=_peer(self.transport))
         self.transport.close()  # flushes what was written, then connection_lost
 
 

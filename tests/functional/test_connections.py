@@ -322,3 +322,26 @@ async def test_expect_continue_invites_a_good_request_then_answers_it(gw: Gatewa
         assert json.loads(body)["object"] == "chat.completion"
     finally:
         client.close()
+
+
+def test_the_bounds_hold_under_uvloop() -> None:
+    """Under uvloop, what `gateway` serves with, a slow head still gets 408 and is counted."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> None:
+        timeouts = {"header_timeout": SHORT, "idle_timeout": SHORT}
+        async with (
+            fleet(SimConfig(instant=True)) as sims,
+            gateway_with(sims, sections={"gateway": timeouts}) as gw,
+        ):
+            client = await Client.open(gw)
+            try:
+                await client.send(b"GET /healthz HTTP/1.1\r\n")
+                assert (await client.answer())[0] == 408
+                assert await client.closed() == b""
+            finally:
+                client.close()
+            assert cuts(gw, "header_timeout") == 1
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
