@@ -67,7 +67,7 @@ _HEADER_TIMEOUT = raw_answer(
     errors.RequestTimeout("the request headers did not arrive within the gateway's header_timeout")
 )
 _OVER_LIMIT = raw_answer(
-    errors.NoInstanceAvailable(
+    errors.TooManyConnections(
         "the gateway has as many client connections open as it allows; retry shortly"
     ),
     retry_after=1,

@@ -15,6 +15,7 @@
     ├── UpstreamError                 502 upstream_error
     ├── NoInstanceAvailable           503 no_instance_available (+ Retry-After)
     ├── ShuttingDown                  503 shutting_down         (+ Retry-After)
+    ├── TooManyConnections            503 too_many_connections  (+ Retry-After)
     └── UpstreamTimeout               504 upstream_timeout
 
 The body is always OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
@@ -138,6 +139,12 @@ class ShuttingDown(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "shutting_down"
+
+
+class TooManyConnections(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "too_many_connections"
 
 
 class UpstreamTimeout(GatewayError):

@@ -245,7 +245,7 @@ async def test_connections_over_the_cap_get_503_and_the_gauge_counts(gw: Gateway
             assert status == 503
             assert headers["retry-after"] == "1"
             assert headers["connection"] == "close"
-            openai_error(body, "no_instance_available")
+            openai_error(body, "too_many_connections")
             assert await extra.closed() == b""
         finally:
             extra.close()
