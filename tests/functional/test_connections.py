@@ -188,6 +188,24 @@ async def test_slow_body_gets_408_and_is_closed(gw: Gateway) -> None:
     assert sum(s.stats.requests for s in gw.sims) == 0
 
 
+async def test_refusal_before_the_body_closes_rather_than_lingering(gw: Gateway) -> None:
+    """A 401 sent before the body arrived says close and ends soon, not after aiohttp's 10 s."""
+    client = await Client.open(gw)
+    try:
+        wrong_key = head("/v1/chat/completions", "Content-Length: 4000").replace(
+            KEY.encode(), b"sk-wrong"
+        )
+        await client.send(wrong_key + b'{"messages":')
+        status, headers, body = await client.answer()
+        assert status == 401
+        assert headers["connection"] == "close"
+        openai_error(body, "invalid_api_key")
+        assert await client.closed() == b""
+    finally:
+        client.close()
+    assert cuts(gw, "header_timeout") == 0
+
+
 # ---------------------------------------------------------------- keep-alive
 
 
