@@ -63,9 +63,12 @@ def build_app(config: Config) -> web.Application:
     app[LIFECYCLE] = Lifecycle()
     app.cleanup_ctx.append(_resources)
     for prefix in config.route_prefixes:
-        app.router.add_post(prefix + "/chat/completions", _openai_route(CHAT))
-        app.router.add_post(prefix + "/completions", _openai_route(COMPLETIONS))
-        app.router.add_post(prefix + "/embeddings", _openai_route(EMBEDDINGS))
+        for path, route in (
+            ("/chat/completions", CHAT),
+            ("/completions", COMPLETIONS),
+            ("/embeddings", EMBEDDINGS),
+        ):
+            app.router.add_post(prefix + path, _openai_route(route), expect_handler=_expect)
         app.router.add_get(prefix + "/models", _models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -196,6 +199,37 @@ def _openai_route(route: Route) -> Handler:
 
     handler.__name__ = f"openai_{route.name.replace('.', '_')}"
     return handler
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` is answered only once the key and the declared size pass.
+
+    aiohttp's default answers `100 Continue` to anyone, inviting the body of a request
+    the gateway will refuse. What this returns is sent as is (middlewares do not run),
+    with `Connection: close`: the client may send the body anyway.
+    """
+    expect = request.headers.get("Expect", "")
+    try:
+        if expect.lower() != "100-continue":
+            raise errors.ExpectationFailed(
+                f"Expect {expect[:80]!r} is not supported: only '100-continue' is", param="Expect"
+            )
+        proxy = request.app[PROXY]
+        proxy.authorize(request)
+        length = request.content_length
+        if length is not None and length > proxy.max_body:
+            raise errors.PayloadTooLarge(
+                f"the declared body of {length} bytes is larger than the gateway's limit "
+                f"of {proxy.max_body} bytes"
+            )
+    except errors.GatewayError as exc:
+        response = exc.response()
+        response.force_close()
+        return response
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not started
+    return None
 
 
 async def _models(request: web.Request) -> web.StreamResponse:

@@ -9,12 +9,15 @@
     ├── NotFound                      404 not_found
     │   └── ModelNotFound             404 model_not_found
     ├── MethodNotAllowed              405 method_not_allowed
+    ├── RequestTimeout                408 request_timeout       (closes the connection)
     ├── PayloadTooLarge               413 request_too_large
+    ├── ExpectationFailed             417 expectation_failed
     ├── Overloaded                    429 overloaded            (+ Retry-After)
     ├── UpstreamError                 502 upstream_error
     ├── NoInstanceAvailable           503 no_instance_available (+ Retry-After)
     ├── ShuttingDown                  503 shutting_down         (+ Retry-After)
     ├── QueueTimeout                  503 queue_timeout         (+ Retry-After)
+    ├── TooManyConnections            503 too_many_connections  (+ Retry-After)
     └── UpstreamTimeout               504 upstream_timeout
 
 The body is always OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
@@ -96,10 +99,28 @@ class MethodNotAllowed(GatewayError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        response = super().response(headers)
+        # The rest of the request never arrived: the connection cannot carry another one.
+        response.force_close()
+        return response
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class ExpectationFailed(GatewayError):
+    status = 417
+    type = "invalid_request_error"
+    code = "expectation_failed"
 
 
 class Overloaded(GatewayError):
@@ -132,6 +153,12 @@ class QueueTimeout(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "queue_timeout"
+
+
+class TooManyConnections(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "too_many_connections"
 
 
 class UpstreamTimeout(GatewayError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -22,6 +22,7 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 
 OTHER_TAG = "other"
+CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle_timeout", "over_limit")
 
 
 class Metrics:
@@ -109,6 +110,20 @@ class Metrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
+
+        self.client_connections = Gauge(
+            "gateway_client_connections",
+            "Client connections open now (not counting those refused over the cap).",
+            registry=registry,
+        )
+        self.client_connections_closed = Counter(
+            "gateway_client_connections_closed",
+            "Client connections the gateway cut, by reason (a timeout or the cap).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in CONNECTION_CUTS:  # every series exists at 0 from the start
+            self.client_connections_closed.labels(reason)
 
     def tag_label(self, tag: str) -> str:
         """The tag itself while fewer than `max_tags` distinct tags were seen, else 'other'."""

@@ -181,9 +181,16 @@ class Proxy:
         if length is not None and length > self.max_body:
             raise self._too_large()
         try:
-            body = await request.read()
+            async with asyncio.timeout(self.config.gateway.body_timeout):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
+        except TimeoutError:
+            self.metrics.client_connections_closed.labels("body_timeout").inc()
+            raise errors.RequestTimeout(
+                "the request body did not arrive within the gateway's body_timeout of "
+                f"{self.config.gateway.body_timeout:g} s"
+            ) from None
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:

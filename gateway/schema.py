@@ -38,6 +38,17 @@ class GatewaySection(Frozen):
     # Long-lane prompts are tens of KiB; base64 images are MiBs. 16 MiB covers both.
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     drain_timeout: float = Field(30.0, ge=0)
+    # Client connections (nginx's client_header_timeout / client_body_timeout /
+    # keepalive_timeout, HAProxy's maxconn). Headers are a few hundred bytes: 10 s is
+    # generous for any real client and short for a slowloris.
+    header_timeout: float = Field(10.0, gt=0)
+    # The whole body, not one read: 16 MiB in 60 s needs about 2.2 Mbit/s.
+    body_timeout: float = Field(60.0, gt=0)
+    # Longer than the pool expiry of common clients (httpx 5 s, aiohttp 15 s), so a
+    # pooled client never reuses a connection we are closing.
+    idle_timeout: float = Field(30.0, gt=0)
+    # Below a default `ulimit -n` of 1024 with room for the upstream connections.
+    max_client_connections: int = Field(900, ge=1)
 
     @field_validator("base_url")
     @classmethod

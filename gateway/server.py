@@ -13,8 +13,6 @@ import signal
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from aiohttp import web
-
 from . import log
 from .app import DISPATCHER, LIFECYCLE, PROXY, build_app
 from .config import Config
@@ -76,9 +74,7 @@ async def serve(
     runner = make_runner(app, config.gateway.drain_timeout)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.gateway.host, config.gateway.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        host, port = await runner.listen(config.gateway.host, config.gateway.port)
         url = f"http://{host}:{port}"
         _log.info("listening", url=url, instances=len(config.instances))
         if on_ready:
@@ -86,7 +82,7 @@ async def serve(
         await stop.wait()
         _log.info("draining", drain_timeout_s=config.gateway.drain_timeout)
         app[LIFECYCLE].draining = True
-        await site.stop()  # no new connections; open ones finish their requests
+        runner.stop_listening()  # no new connections; open ones finish their requests
         app[DISPATCHER].close()
         ended = await app[PROXY].drain(config.gateway.drain_timeout)
         _log.info("drained", ended_at_deadline=ended)

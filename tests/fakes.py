@@ -116,9 +116,7 @@ async def gateway_with(
     runner = make_runner(app, shutdown_timeout=2)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        host, port = await runner.listen("127.0.0.1", 0)
         yield Gateway(f"http://{host}:{port}", app, sims, config)
     finally:
         await runner.cleanup()
