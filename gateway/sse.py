@@ -40,6 +40,12 @@ def _first_end(data: bytes) -> int:
     return min(lf + 2, crlf + 3) if crlf >= 0 else lf + 2
 
 
+def completion_tokens(data: bytes, start: int = 0) -> int | None:
+    """The first `completion_tokens` count in `data[start:]` (a usage object), if any."""
+    match = _COMPLETION_TOKENS.search(data, start)
+    return int(match.group(1)) if match else None
+
+
 class Framer:
     """Cuts a byte stream into whole SSE events and counts the data events among them."""
 
@@ -68,8 +74,7 @@ class Framer:
 
     def completion_tokens(self) -> int | None:
         """The usage chunk's `completion_tokens`, if the last data event carried one."""
-        match = _COMPLETION_TOKENS.search(self.last)
-        return int(match.group(1)) if match else None
+        return completion_tokens(self.last)
 
     def feed(self, data: bytes) -> bytes:
         """The bytes of the events `data` completes, ready to pass on whole."""
