@@ -372,9 +372,6 @@ class Proxy:
                     body=body,
                     headers=send_headers,
                     timeout=max(0.001, allowance),
-                    # A stream may fall silent for at most its lane's allowance between
-                    # chunks; a whole answer is bounded by the deadline alone.
-                    idle=self.ttft_allowance[lane] if stream else None,
                 )
             except AttemptFailed as failed:
                 outcome, error = Outcome.FAILURE, failed.kind
@@ -391,8 +388,10 @@ class Proxy:
                 raise Retryable(reason, passthrough)
             if status == 200 and stream:
                 first = await self.relay.first_chunk(response, allowance - (self.clock() - opened))
+                # A stream may go without a data event for at most its lane's allowance.
+                idle = self.ttft_allowance[lane]
                 out, outcome, error = await self.relay.stream(
-                    request, response, first, ex, headers, ticket_id, opened
+                    request, response, first, ex, headers, ticket_id, opened, idle
                 )
                 return out
             answer = await self.relay.whole(response, ex, headers, deadline)
@@ -421,6 +420,10 @@ class Proxy:
         if failed.kind == "timeout":
             return errors.UpstreamTimeout(
                 f"the vLLM instance did not answer in time ({failed.detail})"
+            )
+        if failed.kind == "bad_response":
+            return errors.UpstreamError(
+                f"the vLLM instance's response header was too large or malformed ({failed.detail})"
             )
         # Nothing reached a GPU: the client may retry as soon as an instance is back.
         return errors.NoInstanceAvailable(

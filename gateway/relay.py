@@ -1,39 +1,41 @@
 """Relaying an instance's answer to the client, once an attempt has one.
 
-`whole()` passes on a complete answer (non-streamed, or an error) unchanged. `stream()`
-commits: it sends the headers and then copies SSE events as they arrive. Its per-chunk
-loop copies bytes and counts `data:` markers; it parses no JSON. It passes on whole events
-only, so an in-band error never lands inside a half-sent one, and it times only the writes
-that may block, so a client that keeps up costs nothing extra.
+`whole()` passes on a complete answer (non-streamed, or an error) unchanged, its
+Content-Encoding included. `first_chunk()` reads a stream until its first data event (the
+first token); `stream()` then commits: it sends the headers and copies SSE events as they
+arrive. The per-chunk loop hands each read to `sse.Framer`, which passes on whole events
+only (so an in-band error never lands inside a half-sent one) and counts them the same
+however TCP split them; it parses no JSON. It times only the writes that may block, so a
+client that keeps up costs nothing extra.
 
-Failures before the commit raise `Retryable`; after it, the stream ends with an in-band
-error event and `data: [DONE]`.
+Failures before the commit raise `Retryable`. After it, a stream the instance breaks,
+ends without `data: [DONE]`, or leaves without a data event for longer than the silence
+allowed ends with an in-band error event and `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
-from . import errors, log
+from . import errors, log, sse
 from .dispatch import Outcome
 from .dispatcher import Dispatcher
 from .metrics import Metrics
 
 _log = log.get("gateway.proxy")
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_DATA = b"data:"
-_DONE = b"data: [DONE]"
 # Writes that may block (the client is behind, or the chunk is big) are timed; others are
 # free. 16 KiB is asyncio's low-water mark.
 _BACKLOG = 16 * 1024
-_MAX_PARTIAL = 64 * 1024  # a "partial event" longer than this is passed on anyway
+_MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not held
+
+Decode = Callable[[bytes], bytes]
 
 
 @dataclass
@@ -55,11 +57,34 @@ class Exchange:
     max_tokens: int = 0
 
 
-def _event_boundary(data: bytes) -> int:
-    """The index just past the last complete SSE event in `data` (0 if none)."""
-    lf = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+@dataclass
+class Started:
+    """A stream whose first data event arrived: its framer, its decoder, the bytes to send."""
+
+    framer: sse.Framer
+    decode: Decode | None
+    first: bytes
+
+
+def _stream_decoder(response: aiohttp.ClientResponse) -> Decode | None:
+    """How to undo the stream's Content-Encoding (None: it has none).
+
+    The gateway never asks for compression, but a stream that comes compressed anyway is
+    decoded here rather than passed on encoded: the framer must see the events to pass on
+    whole ones, count tokens and append an in-band error, none of which works on gzip bytes.
+    """
+    encoding = response.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        return zlib.decompressobj(32 + zlib.MAX_WBITS).decompress  # gzip or zlib header
+    raise Retryable(
+        "bad_response",
+        errors.UpstreamError(
+            f"the vLLM instance sent its stream with Content-Encoding {encoding[:40]!r}, "
+            "which the gateway cannot decode: expected none, gzip or deflate"
+        ),
+    )
 
 
 class Retryable(Exception):
@@ -105,10 +130,16 @@ class Relay:
                 "connect", errors.UpstreamError(f"the vLLM instance broke the connection: {exc}")
             ) from None
         ex.status = response.status
-        match = _COMPLETION_TOKENS.search(data, max(0, len(data) - 512))
-        ex.tokens = int(match.group(1)) if match else None
         out_headers = dict(headers)
         out_headers["X-Gateway-Instance"] = ex.instance
+        # An encoding the gateway did not ask for goes on with the bytes it describes; the
+        # token count is then unknown (the usage object is inside the compressed bytes).
+        encoding = response.headers.get("Content-Encoding")
+        if encoding:
+            out_headers["Content-Encoding"] = encoding
+            ex.tokens = None
+        else:
+            ex.tokens = sse.completion_tokens(data, max(0, len(data) - 512))
         return web.Response(
             status=response.status,
             body=data,
@@ -116,10 +147,23 @@ class Relay:
             content_type=response.content_type or "application/json",
         )
 
-    async def first_chunk(self, response: aiohttp.ClientResponse, timeout: float) -> bytes:
+    async def first_chunk(self, response: aiohttp.ClientResponse, timeout: float) -> Started:
+        """Read until the stream's first data event, within `timeout` (nothing is sent yet).
+
+        Comment events before it (keep-alives) are dropped: passing one on would commit the
+        200 before the instance has shown a token, and a retry would no longer be possible.
+        """
+        decode = _stream_decoder(response)
+        framer = sse.Framer(_MAX_EVENT)
         try:
             async with asyncio.timeout(max(0.001, timeout)):
-                first = await response.content.readany()
+                while True:
+                    data = await response.content.readany()
+                    if not data:
+                        break
+                    first = framer.feed(decode(data) if decode is not None else data)
+                    if framer.events:
+                        return Started(framer, decode, first)
         except TimeoutError:
             raise Retryable(
                 "timeout",
@@ -129,23 +173,39 @@ class Relay:
             raise Retryable(
                 "connect", errors.UpstreamError(f"the vLLM instance broke the stream: {exc}")
             ) from None
-        if not first:
+        except zlib.error as exc:
             raise Retryable(
-                "connect", errors.UpstreamError("the vLLM instance closed the stream empty")
-            )
-        return first
+                "bad_response",
+                errors.UpstreamError(
+                    f"the vLLM instance sent a stream that does not decode: {exc}"
+                ),
+            ) from None
+        raise Retryable(
+            "bad_response",
+            errors.UpstreamError(
+                "the vLLM instance ended its 200 answer without a server-sent data event"
+                + (f" ({framer.held} bytes that are not one)" if framer.held else "")
+            ),
+        )
 
     async def stream(
         self,
         request: web.Request,
         response: aiohttp.ClientResponse,
-        first: bytes,
+        started: Started,
         ex: Exchange,
         headers: dict[str, str],
         ticket_id: int,
         sent_at: float,
+        silence: float,
     ) -> tuple[web.StreamResponse, Outcome, str | None]:
-        """Commit: send headers and the first chunk, then copy chunks as they arrive."""
+        """Commit: send headers and the first event, then copy events as they arrive.
+
+        `silence` bounds the time between two data events. Only data events reset it:
+        comment events (keep-alives) are passed on as they come but cannot hold a stream
+        open; the bytes of an unfinished event held when the time is up are dropped, not
+        sent half.
+        """
         out_headers = dict(headers)
         out_headers["X-Gateway-Instance"] = ex.instance
         out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
@@ -163,67 +223,91 @@ class Relay:
         transport = request.transport
         if transport is None:  # the client left before we could answer
             return out, self._client_left(ex), None
-        outcome: Outcome = Outcome.SUCCESS
-        error: str | None = None
-        events, last, pending, chunk = 0, b"", b"", first
-        while True:
-            # Pass on whole SSE events only, so an error event can never be glued to a
-            # half-sent one. vLLM sends whole events per chunk, so this rarely holds back.
-            if pending:
-                chunk, pending = pending + chunk, b""
-            if not chunk.endswith(b"\n\n"):  # rare: split mid-event, or CRLF framing
-                cut = _event_boundary(chunk)
-                if cut < len(chunk) and len(chunk) - cut < _MAX_PARTIAL:
-                    chunk, pending = chunk[:cut], chunk[cut:]
-            if chunk:
-                try:
-                    if transport.get_write_buffer_size() + len(chunk) > _BACKLOG:
-                        # The client is behind. Give it `timeout.write` seconds, then let
-                        # it go rather than keep a GPU generating into a full buffer.
-                        async with asyncio.timeout(self.write_timeout):
-                            await out.write(chunk)
-                    else:
-                        await out.write(chunk)
-                except (ConnectionResetError, TimeoutError):
-                    return out, self._client_left(ex), None
-                events += chunk.count(_DATA)
-                last = chunk
-            try:
-                chunk = await reader.readany()
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if not self.aborting or task is None:
-                    raise
-                task.uncancel()  # the drain deadline passed: end the stream in-band
-                outcome, error = Outcome.NEUTRAL, "drain_deadline"
-                self.metrics.stream_aborts.labels("shutdown").inc()
-                message = "the gateway is shutting down and its drain time is over"
-                await out.write(errors.sse_error_event(f"{message}; the answer is incomplete", 503))
-                break
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                outcome, error = Outcome.FAILURE, "stream_broken"
-                self.metrics.stream_aborts.labels("upstream").inc()
-                _log.warning("stream_aborted", side="upstream", error=type(exc).__name__)
-                await out.write(
-                    errors.sse_error_event(
-                        f"the vLLM instance {ex.instance} broke the stream after it started "
-                        f"({type(exc).__name__}); the answer is incomplete"
-                    )
-                )
-                break
-            if not chunk:
-                if pending:  # the instance ended without a final blank line: pass it on
-                    await out.write(pending)
-                break
+        framer, decode, chunk = started.framer, started.decode, started.first
+        loop = asyncio.get_running_loop()
+        broken: str | None = None  # why the instance's stream is unusable, if it is
+        try:
+            # One timer for the whole stream, moved on by each data event: cheaper than a
+            # timer per read, and aiohttp's own per-read timer (which any byte resets) is off.
+            async with asyncio.timeout_at(loop.time() + silence) as quiet:
+                while True:
+                    if chunk:
+                        try:
+                            if transport.get_write_buffer_size() + len(chunk) > _BACKLOG:
+                                # The client is behind. Give it `timeout.write` seconds, then
+                                # let it go rather than keep a GPU generating into a full
+                                # buffer. The instance's silence clock stops meanwhile.
+                                quiet.reschedule(None)
+                                async with asyncio.timeout(self.write_timeout):
+                                    await out.write(chunk)
+                                quiet.reschedule(loop.time() + silence)
+                            else:
+                                await out.write(chunk)
+                        except (ConnectionResetError, TimeoutError):
+                            return out, self._client_left(ex), None
+                    try:
+                        data = await reader.readany()
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if quiet.expired() or not self.aborting or task is None:
+                            raise
+                        task.uncancel()  # the drain deadline passed: end the stream in-band
+                        self.metrics.stream_aborts.labels("shutdown").inc()
+                        message = "the gateway is shutting down and its drain time is over"
+                        await self._end(out, f"{message}; the answer is incomplete", 503)
+                        return await self._finish(out, ex, Outcome.NEUTRAL, "drain_deadline")
+                    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                        broken = f"broke the stream after it started ({type(exc).__name__})"
+                        break
+                    if not data:
+                        broken = "ended the stream without data: [DONE]"
+                        break
+                    events = framer.events
+                    try:
+                        chunk = framer.feed(decode(data) if decode is not None else data)
+                    except zlib.error:
+                        broken = "sent stream bytes that do not decode"
+                        break
+                    if framer.events != events:
+                        quiet.reschedule(loop.time() + silence)
+        except TimeoutError:
+            broken = f"sent no data event for {silence:g}s"
+        if framer.done:  # the client has the whole answer: what follows [DONE] is moot
+            broken = None
+        ex.tokens = self._stream_tokens(framer, chat=ex.route == "chat.completions")
+        if broken is not None:
+            self.metrics.stream_aborts.labels("upstream").inc()
+            _log.warning("stream_aborted", side="upstream", why=broken, held=framer.held)
+            message = f"the vLLM instance {ex.instance} {broken}; the answer is incomplete"
+            if not await self._end(out, message, 502, mid_event=framer.mid_event):
+                return out, self._client_left(ex), None
+            return await self._finish(out, ex, Outcome.FAILURE, "stream_broken")
+        result = await self._finish(out, ex, Outcome.SUCCESS, None)
+        if result[1] is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
+            ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
+            self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
+            self.dispatcher.observe_tpot(ex.instance, ex.tpot)
+        return result
+
+    async def _end(
+        self, out: web.StreamResponse, message: str, code: int, *, mid_event: bool = False
+    ) -> bool:
+        """Write an in-band error event and [DONE]; False if the client has gone."""
+        # An oversized event cut off mid-way is closed first, so the error stands alone.
+        event = errors.sse_error_event(message, code)
+        try:
+            await out.write(b"\n\n" + event if mid_event else event)
+        except ConnectionResetError:
+            return False
+        return True
+
+    async def _finish(
+        self, out: web.StreamResponse, ex: Exchange, outcome: Outcome, error: str | None
+    ) -> tuple[web.StreamResponse, Outcome, str | None]:
         try:
             await out.write_eof()
         except ConnectionResetError:
             return out, self._client_left(ex), None
-        ex.tokens = self._stream_tokens(events, last, chat=ex.route == "chat.completions")
-        if outcome is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
-            ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
-            self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
-            self.dispatcher.observe_tpot(ex.instance, ex.tpot)
         return out, outcome, error
 
     def _client_left(self, ex: Exchange) -> Outcome:
@@ -232,12 +316,14 @@ class Relay:
         return Outcome.NEUTRAL
 
     @staticmethod
-    def _stream_tokens(events: int, last: bytes, *, chat: bool) -> int:
-        """Output tokens: the usage chunk's count if sent, else one per content event."""
-        match = _COMPLETION_TOKENS.search(last)
-        if match:
-            return int(match.group(1))
-        overhead = (1 if _DONE in last else 0) + (1 if chat else 0)
-        return max(0, events - overhead)
+    def _stream_tokens(framer: sse.Framer, *, chat: bool) -> int:
+        """Output tokens: the usage chunk's count if sent, else one per content event.
+
+        Counted from whole events, so the figure does not depend on how TCP split them.
+        """
+        usage = framer.completion_tokens()
+        if usage is not None:
+            return usage
+        return max(0, framer.events - framer.done - chat)
 
     # ------------------------------------------------------------ records

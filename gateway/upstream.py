@@ -2,8 +2,8 @@
 
 One pooled `ClientSession` sized by `max_connections` serves every instance. Failures
 are mapped here, where they enter, to `AttemptFailed` with a short kind that the retry
-policy understands ("connect" or "timeout"); HTTP answers of any status come back as
-responses for the proxy to judge.
+policy understands ("connect", "timeout", or "bad_response" for a response head aiohttp
+cannot parse); HTTP answers of any status come back as responses for the proxy to judge.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .schema import Timeouts
 
 
 class AttemptFailed(Exception):
-    """An attempt got no HTTP answer: kind is "connect" or "timeout"."""
+    """An attempt got no HTTP answer: kind is "connect", "timeout" or "bad_response"."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
@@ -29,7 +29,6 @@ class Upstream:
         self.max_connections = max_connections
         self.timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
-        self._read_timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -39,8 +38,9 @@ class Upstream:
             # sending a request down a socket the instance is closing.
             keepalive_timeout=4.0,
         )
-        # No total timeout: a stream may run for minutes. The proxy bounds each attempt's
-        # wait for an answer and passes the silence allowed between chunks per request.
+        # No total timeout and no per-read one: a stream may run for minutes, and the relay
+        # bounds the silence between data events itself (a per-read timer would be reset by
+        # any byte, a keep-alive comment included). The proxy bounds each attempt's wait.
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect)
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -68,29 +68,26 @@ class Upstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-        idle: float | None = None,
     ) -> aiohttp.ClientResponse:
         """Send a request and return once the response headers arrived (or fail).
 
-        `timeout` bounds the wait for the headers; `idle`, if given, the silence between
-        reads of the body afterwards. On timeout or cancellation aiohttp closes the
-        half-open connection, so the instance sees its client leave and aborts.
+        `timeout` bounds the wait for the headers; reading the body is the caller's to
+        bound. On timeout or cancellation aiohttp closes the half-open connection, so the
+        instance sees its client leave and aborts.
         """
-        client_timeout = self._read_timeouts.get(idle)
-        if client_timeout is None:
-            client_timeout = aiohttp.ClientTimeout(
-                total=None, connect=self.timeouts.connect, sock_read=idle
-            )
-            self._read_timeouts[idle] = client_timeout
         try:
             async with asyncio.timeout(timeout):
-                return await self.session.request(
-                    method, url, data=body, headers=headers, timeout=client_timeout
-                )
+                return await self.session.request(method, url, data=body, headers=headers)
         except TimeoutError:
             raise AttemptFailed("timeout", f"no response headers within {timeout:.1f}s") from None
         except aiohttp.ClientConnectorError as exc:
             raise AttemptFailed("connect", f"cannot connect: {exc.os_error}") from None
+        except aiohttp.ClientResponseError as exc:
+            # Raised while parsing the response head (a header over aiohttp's 8190-byte
+            # line limit, a malformed line): the instance answered, but not in HTTP we can
+            # pass on. The parser's message quotes header bytes; only its gist goes on.
+            gist = exc.message.split(":", 1)[0].strip()[:120]
+            raise AttemptFailed("bad_response", gist) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
 

@@ -1,0 +1,146 @@
+"""Server-sent events as a byte stream: where events end, and how many carried data.
+
+`Framer.feed(bytes)` takes whatever a read returned and gives back the bytes of the whole
+events it completed, holding the unfinished tail for the next read. Its counts (data
+events, `[DONE]`, the last data event for the usage chunk) depend only on the stream,
+never on how TCP split it: the same bytes fed in any pieces give the same output and the
+same counts. No sockets, no JSON; the relay calls it once per read.
+
+The framing is the SSE spec's, for the two line ends servers use: an event ends at a blank
+line, LF (`\\n\\n`) or CRLF (`\\r\\n\\r\\n`), mixed as they come. A bare CR as a line end
+is not recognised (no server we proxy sends it). An event is a *data event* if one of its
+lines starts with `data:`; one of only `:` lines is a comment (a keep-alive), passed on but
+not counted. An event longer than `max_event` is passed on in pieces as it arrives rather
+than held; it is classified by its first `max_event` bytes, wherever the reads split it.
+"""
+
+from __future__ import annotations
+
+import re
+
+_DONE_PAYLOADS = (b"data: [DONE]", b"data:[DONE]")
+_DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
+_BLANK_LINE = re.compile(rb"\n\r?\n")  # a line end, then an empty line
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def _last_end(data: bytes, start: int) -> int:
+    """The index just past the last blank line in `data[start:]`, or 0 if none."""
+    lf = data.rfind(b"\n\n", start)
+    crlf = data.rfind(b"\n\r\n", start)
+    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+def _first_end(data: bytes) -> int:
+    """The index just past the first blank line in `data`, or 0 if none."""
+    lf = data.find(b"\n\n")
+    crlf = data.find(b"\n\r\n")
+    if lf < 0:
+        return crlf + 3 if crlf >= 0 else 0
+    return min(lf + 2, crlf + 3) if crlf >= 0 else lf + 2
+
+
+def completion_tokens(data: bytes, start: int = 0) -> int | None:
+    """The first `completion_tokens` count in `data[start:]` (a usage object), if any."""
+    match = _COMPLETION_TOKENS.search(data, start)
+    return int(match.group(1)) if match else None
+
+
+class Framer:
+    """Cuts a byte stream into whole SSE events and counts the data events among them."""
+
+    __slots__ = ("_held", "_open", "_tail", "done", "events", "last", "max_event")
+
+    def __init__(self, max_event: int = 64 * 1024) -> None:
+        if max_event < 16:  # [DONE] and the `data:` prefix must fit in an event's head
+            raise ValueError(f"max_event must be at least 16 bytes, got {max_event}")
+        self.max_event = max_event
+        self.events = 0  # data events passed on, [DONE] included
+        self.done = False  # a `data: [DONE]` event was passed on
+        self.last = b""  # the last data event other than [DONE]: where a usage chunk is
+        self._held = b""  # the start of an unfinished event, not passed on yet
+        self._open = False  # inside an oversized event whose start was passed on
+        self._tail = b""  # the last bytes passed on while `_open`: a blank line may straddle
+
+    @property
+    def held(self) -> int:
+        """Bytes of an unfinished event not passed on (dropped if the stream ends here)."""
+        return len(self._held)
+
+    @property
+    def mid_event(self) -> bool:
+        """Whether the bytes passed on end inside an event (an oversized one, cut off)."""
+        return self._open
+
+    def completion_tokens(self) -> int | None:
+        """The usage chunk's `completion_tokens`, if the last data event carried one."""
+        return completion_tokens(self.last)
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes of the events `data` completes, ready to pass on whole."""
+        if self._open:
+            return self._continue(data)
+        held = self._held
+        if (
+            not held
+            and data.startswith(b"data:")
+            and data.find(b"\n") == len(data) - 2
+            and data.endswith(b"\n\n")
+            and data[-3] != 13  # CR
+        ):
+            # The hot path: one read, one single-line LF data event (vLLM sends one a token).
+            self.events += 1
+            if data in _DONE_EVENTS:
+                self.done = True
+            else:
+                self.last = data if len(data) - 2 <= self.max_event else b""
+            return data
+        buf = held + data if held else data
+        cut = _last_end(buf, max(0, len(held) - 2))
+        if cut:
+            out, self._held = buf[:cut], buf[cut:]
+            for event in _BLANK_LINE.split(out):
+                self._classify(event.lstrip(b"\r\n"), whole=True)
+        else:
+            out, self._held = b"", buf
+        # An event too long to hold is passed on as it comes. Its start is classified once
+        # `max_event` bytes of it (after leading line ends, and more than a blank line's
+        # worth of bytes that might still be its end) are here, so every split agrees.
+        if len(self._held) > self.max_event + 3:
+            start = self._held.lstrip(b"\r\n")
+            if len(start) > self.max_event + 3 or len(self._held) > 4 * self.max_event:
+                out += self._flush_oversized(start)
+        return out
+
+    def _classify(self, event: bytes, *, whole: bool) -> None:
+        """Count one event (leading line ends stripped) if it is a data event."""
+        limit = self.max_event
+        head = event if len(event) <= limit else event[:limit]
+        if head.startswith(b"data:") or b"\ndata:" in head:
+            self.events += 1
+            if whole and event.rstrip(b"\r") in _DONE_PAYLOADS:
+                self.done = True
+            else:
+                self.last = event if whole and len(event) <= limit else b""
+
+    def _flush_oversized(self, start: bytes) -> bytes:
+        """Pass on the start of an event too long to hold; count it by its first bytes."""
+        out, self._held = self._held, b""
+        self._classify(start, whole=False)
+        self._open, self._tail = True, out[-2:]
+        return out
+
+    def _continue(self, data: bytes) -> bytes:
+        """Inside an oversized event: pass bytes on until its blank line, then frame again."""
+        buf = self._tail + data
+        end = _first_end(buf)
+        if not end:
+            self._tail = buf[-2:]
+            return data
+        end -= len(self._tail)
+        self._open, self._tail = False, b""
+        return data[:end] + self.feed(data[end:]) if end < len(data) else data
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else f"held={len(self._held)}"
+        return f"<Framer events={self.events} done={self.done} {state}>"
