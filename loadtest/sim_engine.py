@@ -6,11 +6,13 @@ import asyncio
 import collections
 import json
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import MappingProxyType
 from typing import Any
+
+from loadtest.sim_prefix_cache import PrefixCache, block_hashes
 
 MAX_MODEL_LEN = 32768
 # KV capacity per running slot, so kv_cache_usage_perc reaches 1.0 only with full, long sequences.
@@ -43,6 +45,9 @@ class SimConfig:
     api_key: str | None = None  # like vLLM --api-key: guards /v1/* only
     instant: bool = False  # no timing model: answer at once
     seed: int = 0
+    # vLLM's automatic prefix cache (sim_prefix_cache.py): capacity in blocks; 0 turns it off.
+    prefix_cache_blocks: int = 0
+    block_size: int = 16  # tokens per KV block, vLLM's default
 
     def __post_init__(self) -> None:
         if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -51,6 +56,12 @@ class SimConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.prefix_cache_blocks < 0 or self.block_size < 1:
+            raise ValueError("prefix_cache_blocks must be >= 0 and block_size >= 1")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_cache_blocks > 0
 
 
 @dataclass
@@ -65,6 +76,8 @@ class SimStats:
     waiting: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
     last_headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
     seen_request_ids: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=1000)
@@ -207,6 +220,13 @@ def prompt_token_count(prompt: Any) -> int:
     raise ApiError(400, "prompt: a string or one list of token ids is required")
 
 
+def prompt_token_ids(prompt: Any) -> list[int]:
+    """Token ids of a completions prompt already checked by prompt_token_count."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return tokenize_text(prompt) if isinstance(prompt, str) else list(prompt)
+
+
 def embedding_inputs(raw: Any) -> list[tuple[str, int]]:
     """(key, token count) per input of an embeddings request."""
     inputs: list[Any] = raw if isinstance(raw, list) and raw else [raw]
@@ -230,11 +250,24 @@ class EngineBusy(Exception):
 class EngineRequest:
     """One sequence inside the engine; its handler reads tokens with next_token()."""
 
-    __slots__ = ("_queue", "active", "generated", "max_tokens", "prefilled", "prompt_tokens")
+    __slots__ = (
+        "_queue",
+        "active",
+        "cached",
+        "generated",
+        "hashes",
+        "max_tokens",
+        "prefilled",
+        "prompt_tokens",
+    )
 
-    def __init__(self, prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self, prompt_tokens: int, max_tokens: int, hashes: list[int] | None = None
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        self.hashes = hashes  # the prompt's block hashes, when the prefix cache is on
+        self.cached = 0  # prompt tokens found in the prefix cache at admission
         self.prefilled = 0
         self.generated = 0
         self.active = True
@@ -264,6 +297,11 @@ class Engine:
         self._running: list[EngineRequest] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache_blocks, config.block_size)
+            if config.prefix_caching
+            else None
+        )
 
     @property
     def closed(self) -> bool:
@@ -274,16 +312,24 @@ class Engine:
         held = sum(r.prefilled + r.generated for r in self._running)
         return min(1.0, held / (self.config.max_num_seqs * KV_TOKENS_PER_SEQ))
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> EngineRequest:
-        """Queue a request; raises EngineBusy when the waiting queue is full."""
+    def submit(
+        self, prompt_tokens: int, max_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> EngineRequest:
+        """Queue a request; raises EngineBusy when the waiting queue is full.
+
+        token_ids (the prompt's, when known) let the prefix cache skip a cached prefix.
+        """
         if self._closed:
             raise EngineBusy("engine is shut down")
+        hashes = None
+        if self.prefix_cache is not None and token_ids is not None:
+            hashes = block_hashes(token_ids, self.config.block_size)
         # Every prompt costs at least one prefill token, so each request reaches decode.
-        req = EngineRequest(max(1, prompt_tokens), max_tokens)
+        req = EngineRequest(max(1, prompt_tokens), max_tokens, hashes)
         # A request that finds a free slot is admitted at once rather than at the next step
         # boundary, so that admission control only counts requests that really queue.
         if not self._waiting and len(self._running) < self.config.max_num_seqs:
-            self._running.append(req)
+            self._start(req)
         elif self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
             raise EngineBusy("waiting queue full")
         else:
@@ -325,8 +371,19 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
-            self._running.append(self._waiting.popleft())
+            self._start(self._waiting.popleft())
         self._sync_stats()
+
+    def _start(self, req: EngineRequest) -> None:
+        # Like vLLM's scheduler, look the prompt up when it is scheduled: its cached prefix
+        # counts as already prefilled, so only the uncached tokens cost prefill time.
+        self._running.append(req)
+        cache = self.prefix_cache
+        if cache is None or req.hashes is None:
+            return
+        req.cached = req.prefilled = cache.lookup(req.hashes, req.prompt_tokens)
+        self._stats.prefix_cache_queries += req.prompt_tokens
+        self._stats.prefix_cache_hits += req.cached
 
     def _emit(self, req: EngineRequest) -> None:
         req.generated += 1
@@ -373,6 +430,10 @@ class Engine:
             if not req.active:
                 continue
             req.prefilled += take
+            if self.prefix_cache is not None and req.hashes:
+                # vLLM caches each full block once computed; the whole chain is re-touched so
+                # that its head stays the most recently used.
+                self.prefix_cache.insert(req.hashes[: req.prefilled // self.config.block_size])
             if req.in_decode:
                 self._stats.prompt_tokens += req.prompt_tokens
                 if req.max_tokens > 0:
