@@ -19,14 +19,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from loadtest.sim_batching import Engine, EngineBusy, EngineRequest
 from loadtest.sim_engine import (
     BUSY_MESSAGE,
     MAX_MODEL_LEN,
     VOCAB,
     ApiError,
-    Engine,
-    EngineBusy,
-    EngineRequest,
     Faults,
     Generation,
     SimConfig,
