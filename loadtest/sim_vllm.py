@@ -85,7 +85,7 @@ class _MetricsCollector:
         for name, total in [
             ("vllm:prompt_tokens", stats.prompt_tokens),
             ("vllm:generation_tokens", stats.generation_tokens),
-            # vLLM v1's names (in tokens); before v0.10 they were vllm:gpu_prefix_cache_*.
+            # vLLM v1's names, counted in tokens (older: vllm:gpu_prefix_cache_*, deprecated).
             ("vllm:prefix_cache_queries", stats.prefix_cache_queries),
             ("vllm:prefix_cache_hits", stats.prefix_cache_hits),
         ]:
