@@ -74,6 +74,13 @@ class PrefixMix:
             raise ValueError(f"zipf must be >= 0 (0: uniform), got {self.zipf}")
         _check_range("max_tokens", self.max_tokens)
 
+    def mean_prompt_tokens(self) -> float:
+        """Prompt tokens per request, template included (as `Mix.mean_prompt_tokens`)."""
+        return TEMPLATE_TOKENS + self.prefix_tokens + self.suffix_tokens
+
+    def mean_max_tokens(self) -> float:
+        return sum(self.max_tokens) / 2
+
     def weights(self) -> list[float]:
         """Relative popularity of each group: 1 / (g + 1) ** zipf."""
         return [1.0 / (g + 1) ** self.zipf for g in range(self.groups)]
