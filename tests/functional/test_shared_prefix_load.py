@@ -6,9 +6,11 @@ import itertools
 import json
 from pathlib import Path
 
+import aiohttp
 from fakes import fleet
+from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest import report, scenarios
+from loadtest import harness, report, scenarios
 from loadtest.__main__ import main
 from loadtest.loadgen import Client, session
 from loadtest.sim_engine import tokenize_messages
@@ -78,3 +80,22 @@ def test_cli_runs_conversations(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "run.json").read_text())["run"]
     assert summary["requests"] == 6
     assert summary["ok"] == 0
+
+
+async def test_fleet_process_turns_the_prefix_cache_on() -> None:
+    """harness.fleet_process passes --prefix-cache-blocks to the fleet CLI: a repeat prompt hits."""
+    body = {"model": "sim-model", "prompt": list(range(100, 164)), "max_tokens": 1}
+    async with (
+        harness.fleet_process([1.0], max_num_seqs=4, seed=0, prefix_cache_blocks=64) as fleet_proc,
+        aiohttp.ClientSession() as http,
+    ):
+        url = fleet_proc.urls[0]
+        for _ in range(2):
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        async with http.get(url + "/metrics") as resp:
+            text = await resp.text()
+    assert "vllm:prefix_cache_queries_total" in text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["vllm:prefix_cache_queries_total"] == 128
+    assert samples["vllm:prefix_cache_hits_total"] == 48
