@@ -12,6 +12,7 @@ from typing import Any
 
 from loadtest import compare, harness, overhead, scenarios
 from loadtest.loadgen import Mix
+from loadtest.workloads import ConversationMix, PrefixMix
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -59,6 +60,62 @@ def _mix(p: argparse.ArgumentParser, long_share: float, max_tokens: str) -> None
     g.add_argument("--max-tokens", type=_range, default=_range(max_tokens), metavar="LO-HI")
 
 
+def _shared(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "shared-prefix workloads (instead of the mix; see loadtest/workloads.py)"
+    )
+    g.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=0,
+        metavar="G",
+        help="G groups sharing a fixed prefix, one picked per request (default: 0, off)",
+    )
+    g.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=PrefixMix.prefix_tokens,
+        metavar="P",
+        help=f"tokens of each group's prefix (default: {PrefixMix.prefix_tokens})",
+    )
+    g.add_argument(
+        "--suffix-tokens",
+        type=int,
+        default=PrefixMix.suffix_tokens,
+        metavar="S",
+        help=f"unique tokens after the prefix (default: {PrefixMix.suffix_tokens})",
+    )
+    g.add_argument(
+        "--zipf",
+        type=float,
+        default=PrefixMix.zipf,
+        metavar="s",
+        help="group popularity 1/(g+1)**s; 0 picks uniformly (default: 0)",
+    )
+    g.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        metavar="C",
+        help="C multi-turn conversations re-sending their history (default: 0, off);"
+        " --requests is then ignored",
+    )
+    g.add_argument(
+        "--turns",
+        type=int,
+        default=ConversationMix.turns,
+        metavar="T",
+        help=f"turns per conversation (default: {ConversationMix.turns})",
+    )
+    g.add_argument(
+        "--turn-tokens",
+        type=_range,
+        default=ConversationMix.user_tokens,
+        metavar="LO-HI",
+        help="tokens of each new user message (default: 100-400)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
     sub = parser.add_subparsers(dest="scenario", required=True)
@@ -72,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--concurrency", type=int, default=8, help="closed loop (default)")
     mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     _mix(p, 0.2, "32-128")
+    _shared(p)
     _common(p)
 
     p = sub.add_parser("sweep", help="TTFT and TPOT against concurrency, through the gateway")
@@ -130,6 +188,29 @@ def _mix_of(args: argparse.Namespace, long_share: float | None = None) -> Mix:
     )
 
 
+def _prefix_of(args: argparse.Namespace) -> PrefixMix | None:
+    if not args.prefix_groups:
+        return None
+    return PrefixMix(
+        groups=args.prefix_groups,
+        prefix_tokens=args.prefix_tokens,
+        suffix_tokens=args.suffix_tokens,
+        zipf=args.zipf,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _conversations_of(args: argparse.Namespace) -> ConversationMix | None:
+    if not args.conversations:
+        return None
+    return ConversationMix(
+        conversations=args.conversations,
+        turns=args.turns,
+        user_tokens=args.turn_tokens,
+        max_tokens=args.max_tokens,
+    )
+
+
 def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, Any, Any]:
     jobs: dict[str, Callable[[], Coroutine[Any, Any, Any]]] = {
         "run": lambda: scenarios.run_once(
@@ -141,6 +222,8 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 concurrency=None if args.rate else args.concurrency,
                 rate=args.rate,
                 mix=_mix_of(args),
+                prefix=_prefix_of(args),
+                conversations=_conversations_of(args),
             ),
             common,
         ),

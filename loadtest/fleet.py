@@ -78,6 +78,19 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0, help="instance i gets seed+i")
     parser.add_argument("--instant", action="store_true", help="answer at once, no timing model")
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=0,
+        help="model vLLM's automatic prefix cache with this many KV blocks per instance"
+        " (default: 0, off)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=SimConfig.block_size,
+        help=f"tokens per KV block (default: {SimConfig.block_size}, as vLLM)",
+    )
     return parser
 
 
@@ -91,6 +104,8 @@ async def _run(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             instant=args.instant,
             seed=args.seed + index,
+            prefix_cache_blocks=args.prefix_cache_blocks,
+            block_size=args.block_size,
         )
         for index, speed in enumerate(args.speeds)
     ]

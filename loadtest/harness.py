@@ -130,8 +130,12 @@ async def fleet_process(
     seed: int,
     instant: bool = False,
     core: int | None = None,
+    prefix_cache_blocks: int = 0,
 ) -> AsyncIterator[FleetProc]:
-    """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs."""
+    """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
+
+    prefix_cache_blocks > 0 turns on the simulated prefix cache, that many blocks each.
+    """
     args = [
         *pin_prefix(core),
         sys.executable,
@@ -148,6 +152,8 @@ async def fleet_process(
     ]
     if instant:
         args.append("--instant")
+    if prefix_cache_blocks:
+        args += ["--prefix-cache-blocks", str(prefix_cache_blocks)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None

@@ -64,6 +64,12 @@ class RequestSpec:
     prompt_tokens: int  # content tokens, without the template's
     max_tokens: int
     client: int  # the simulated client that sends it (for pinning without a gateway)
+    # Shared-prefix workloads (workloads.py) set the chat messages themselves, as (role, text);
+    # prompt_tokens is then their simulator token count less one message's template tokens.
+    messages: tuple[tuple[str, str], ...] = ()
+    group: int = -1  # the shared-prefix group, if any
+    conversation: int = -1  # the multi-turn conversation, if any; turn counts from 0
+    turn: int = 0
 
     @property
     def long(self) -> bool:
@@ -73,6 +79,12 @@ class RequestSpec:
         """A deterministic text of exactly prompt_tokens simulator tokens, unique per request."""
         head = f"{self.index:07d} "  # 8 bytes: two tokens, and no two prompts are equal
         return head + " tok" * (self.prompt_tokens - 2)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The chat messages this request sends."""
+        if self.messages:
+            return [{"role": role, "content": text} for role, text in self.messages]
+        return [{"role": "user", "content": self.prompt()}]
 
 
 def make_workload(
@@ -151,7 +163,7 @@ class Client:
         """Send one streaming request to base_url (ending in /v1) and time its tokens."""
         body = {
             "model": self.model,
-            "messages": [{"role": "user", "content": spec.prompt()}],
+            "messages": spec.chat_messages(),
             "max_tokens": spec.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -29,6 +29,13 @@ from loadtest.loadgen import (
     run_open,
     session,
 )
+from loadtest.workloads import (
+    ConversationMix,
+    PrefixMix,
+    make_conversations,
+    make_prefix_workload,
+    run_conversations,
+)
 
 
 @dataclass(frozen=True)
@@ -113,15 +120,25 @@ class RunOptions:
     concurrency: int | None = 8  # closed loop; None: open loop at `rate`
     rate: float | None = None
     mix: Mix = field(default_factory=Mix)
+    prefix: PrefixMix | None = None  # shared-prefix groups instead of the mix
+    conversations: ConversationMix | None = None  # multi-turn conversations instead
 
 
 async def run_once(opts: RunOptions, common: Common) -> report.Summary:
     """One load against any OpenAI-compatible base URL (ending in /v1)."""
-    specs = make_workload(opts.requests, opts.mix, common.seed, rate=opts.rate)
+    if opts.conversations is not None:
+        # --rate, if given, spaces the conversations' starts; each one is a closed loop.
+        specs = make_conversations(opts.conversations, common.seed, rate=opts.rate)
+    elif opts.prefix is not None:
+        specs = make_prefix_workload(opts.requests, opts.prefix, common.seed, rate=opts.rate)
+    else:
+        specs = make_workload(opts.requests, opts.mix, common.seed, rate=opts.rate)
     async with session() as http:
         client = Client(http, opts.key, model=opts.model)
         route: Route = lambda spec, worker: opts.base_url.rstrip("/")  # noqa: E731
-        if opts.concurrency is None:
+        if opts.conversations is not None:
+            run = await run_conversations(client, specs, route, label="run", limit=common.limit)
+        elif opts.concurrency is None:
             run = await run_open(client, specs, route, label="run", limit=common.limit)
         else:
             run = await run_closed(

@@ -1,8 +1,10 @@
-"""Pure parts of the simulated vLLM: config, counters, tokenizer, batching engine, body shapes."""
+"""Pure parts of the simulated vLLM: config, counters, tokenizer, body shapes.
+
+The batching engine is in sim_batching.py, the prefix cache in sim_prefix_cache.py.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import random
@@ -45,6 +47,9 @@ class SimConfig:
     api_key: str | None = None  # like vLLM --api-key: guards /v1/* only
     instant: bool = False  # no timing model: answer at once
     seed: int = 0
+    # vLLM's automatic prefix cache (sim_prefix_cache.py): capacity in blocks; 0 turns it off.
+    prefix_cache_blocks: int = 0
+    block_size: int = 16  # tokens per KV block, vLLM's default
 
     def __post_init__(self) -> None:
         if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -53,6 +58,12 @@ class SimConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.prefix_cache_blocks < 0 or self.block_size < 1:
+            raise ValueError("prefix_cache_blocks must be >= 0 and block_size >= 1")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_cache_blocks > 0
 
 
 @dataclass
@@ -67,6 +78,8 @@ class SimStats:
     waiting: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
     last_headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
     seen_request_ids: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=1000)
@@ -231,6 +244,13 @@ def prompt_token_count(prompt: Any) -> int:
     raise ApiError(400, "prompt: a string or one list of token ids is required")
 
 
+def prompt_token_ids(prompt: Any) -> list[int]:
+    """Token ids of a completions prompt already checked by prompt_token_count."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return tokenize_text(prompt) if isinstance(prompt, str) else list(prompt)
+
+
 def embedding_inputs(raw: Any) -> list[tuple[str, int]]:
     """(key, token count) per input of an embeddings request."""
     inputs: list[Any] = raw if isinstance(raw, list) and raw else [raw]
@@ -245,168 +265,6 @@ def embedding_inputs(raw: Any) -> list[tuple[str, int]]:
         else:
             raise ApiError(400, "input: a string, list of strings or token ids is required")
     return parsed
-
-
-class EngineBusy(Exception):
-    """The waiting queue is full (admission control)."""
-
-
-class EngineRequest:
-    """One sequence inside the engine; its handler reads tokens with next_token()."""
-
-    __slots__ = ("_queue", "active", "generated", "max_tokens", "prefilled", "prompt_tokens")
-
-    def __init__(self, prompt_tokens: int, max_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.prefilled = 0
-        self.generated = 0
-        self.active = True
-        # One item per produced token (its 1-based index); None marks the end.
-        self._queue: asyncio.Queue[int | None] = asyncio.Queue()
-
-    async def next_token(self) -> int | None:
-        """Wait for the next token's index; None once the request has finished."""
-        return await self._queue.get()
-
-    @property
-    def in_decode(self) -> bool:
-        return self.prefilled >= self.prompt_tokens
-
-
-class Engine:
-    """Continuous batching: FIFO admission into max_num_seqs slots, chunked prefill, decode steps.
-
-    The step loop runs as a task only while there is work, so an idle instance costs nothing.
-    """
-
-    def __init__(self, config: SimConfig, stats: SimStats) -> None:
-        self.config = config
-        self.speed = config.speed
-        self._stats = stats
-        self._waiting: collections.deque[EngineRequest] = collections.deque()
-        self._running: list[EngineRequest] = []
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def kv_cache_usage(self) -> float:
-        held = sum(r.prefilled + r.generated for r in self._running)
-        return min(1.0, held / (self.config.max_num_seqs * KV_TOKENS_PER_SEQ))
-
-    def submit(self, prompt_tokens: int, max_tokens: int) -> EngineRequest:
-        """Queue a request; raises EngineBusy when the waiting queue is full."""
-        if self._closed:
-            raise EngineBusy("engine is shut down")
-        # Every prompt costs at least one prefill token, so each request reaches decode.
-        req = EngineRequest(max(1, prompt_tokens), max_tokens)
-        # A request that finds a free slot is admitted at once rather than at the next step
-        # boundary, so that admission control only counts requests that really queue.
-        if not self._waiting and len(self._running) < self.config.max_num_seqs:
-            self._running.append(req)
-        elif self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
-            raise EngineBusy("waiting queue full")
-        else:
-            self._waiting.append(req)
-        self._sync_stats()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        return req
-
-    def abort(self, req: EngineRequest) -> bool:
-        """Drop a request (client gone); True if it was still unfinished."""
-        if not req.active:
-            return False
-        req.active = False
-        if req in self._running:
-            self._running.remove(req)
-        else:
-            self._waiting.remove(req)
-        self._sync_stats()
-        return True
-
-    async def close(self) -> None:
-        """Stop the step loop and drop everything still queued or running."""
-        self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        for req in [*self._running, *self._waiting]:
-            req.active = False
-            req._queue.put_nowait(None)
-        self._running.clear()
-        self._waiting.clear()
-        self._sync_stats()
-
-    def _sync_stats(self) -> None:
-        self._stats.running = len(self._running)
-        self._stats.waiting = len(self._waiting)
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
-            self._running.append(self._waiting.popleft())
-        self._sync_stats()
-
-    def _emit(self, req: EngineRequest) -> None:
-        req.generated += 1
-        self._stats.generation_tokens += 1
-        req._queue.put_nowait(req.generated)
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        cfg = self.config
-        # Steps are scheduled against a deadline so sleep overshoot does not accumulate.
-        deadline = loop.time()
-        try:
-            while self._running or self._waiting:
-                self._admit()
-                decoding = [r for r in self._running if r.in_decode]
-                # As in vLLM, each decoding sequence takes one token of the step's budget.
-                budget = cfg.max_num_batched_tokens - len(decoding)
-                chunks: list[tuple[EngineRequest, int]] = []
-                for req in self._running:
-                    need = req.prompt_tokens - req.prefilled
-                    if need > 0 and budget > 0:
-                        take = min(need, budget)
-                        chunks.append((req, take))
-                        budget -= take
-                step = sum(take for _, take in chunks) / cfg.prefill_tokens_per_s
-                if decoding:
-                    slowdown = 1 + cfg.decode_slowdown_per_seq * (len(decoding) - 1)
-                    step += cfg.decode_s_per_token * slowdown
-                deadline = max(deadline + step / self.speed, loop.time())
-                await asyncio.sleep(deadline - loop.time())
-                self._apply_step(decoding, chunks)
-        finally:
-            if self._task is asyncio.current_task():
-                self._task = None
-
-    def _apply_step(
-        self, decoding: list[EngineRequest], chunks: list[tuple[EngineRequest, int]]
-    ) -> None:
-        # Requests aborted during the sleep are skipped: their slot is already free.
-        for req in decoding:
-            if req.active:
-                self._emit(req)
-        for req, take in chunks:
-            if not req.active:
-                continue
-            req.prefilled += take
-            if req.in_decode:
-                self._stats.prompt_tokens += req.prompt_tokens
-                if req.max_tokens > 0:
-                    self._emit(req)
-        for req in [r for r in self._running if r.in_decode and r.generated >= r.max_tokens]:
-            self._running.remove(req)
-            req.active = False
-            self._stats.completed += 1
-            req._queue.put_nowait(None)
-        self._sync_stats()
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -19,14 +19,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from loadtest.sim_batching import Engine, EngineBusy, EngineRequest
 from loadtest.sim_engine import (
     BUSY_MESSAGE,
     MAX_MODEL_LEN,
     VOCAB,
     ApiError,
-    Engine,
-    EngineBusy,
-    EngineRequest,
     Faults,
     Generation,
     SimConfig,
@@ -39,6 +37,7 @@ from loadtest.sim_engine import (
     parse_max_tokens,
     parse_stream,
     prompt_token_count,
+    prompt_token_ids,
     tokenize_messages,
     tokenize_text,
     usage_body,
@@ -86,6 +85,9 @@ class _MetricsCollector:
         for name, total in [
             ("vllm:prompt_tokens", stats.prompt_tokens),
             ("vllm:generation_tokens", stats.generation_tokens),
+            # vLLM v1's names, counted in tokens (older: vllm:gpu_prefix_cache_*, deprecated).
+            ("vllm:prefix_cache_queries", stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", stats.prefix_cache_hits),
         ]:
             counter = CounterMetricFamily(name, name.removeprefix("vllm:"), labels=names)
             counter.add_metric(values, float(total))
@@ -230,9 +232,11 @@ class SimInstance:
             finally:
                 self.stats.cancelled += 1
 
-    def _submit(self, prompt_tokens: int, max_tokens: int) -> EngineRequest:
+    def _submit(
+        self, prompt_tokens: int, max_tokens: int, token_ids: list[int] | None = None
+    ) -> EngineRequest:
         try:
-            return self.engine.submit(prompt_tokens, max_tokens)
+            return self.engine.submit(prompt_tokens, max_tokens, token_ids)
         except EngineBusy as exc:
             self.stats.rejected += 1
             raise ApiError(503, BUSY_MESSAGE) from exc
@@ -252,16 +256,27 @@ class SimInstance:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: field required (a non-empty list)")
-        return await self._generate(request, body, count_message_tokens(messages), chat=True)
+        # Token ids only matter to the prefix cache; counting alone is cheaper.
+        ids = tokenize_messages(messages) if self.config.prefix_caching else None
+        count = len(ids) if ids is not None else count_message_tokens(messages)
+        return await self._generate(request, body, count, chat=True, token_ids=ids)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         await self._apply_faults()
         body = await self._read_body(request)
-        prompt_tokens = prompt_token_count(body.get("prompt"))
-        return await self._generate(request, body, prompt_tokens, chat=False)
+        prompt = body.get("prompt")
+        prompt_tokens = prompt_token_count(prompt)
+        ids = prompt_token_ids(prompt) if self.config.prefix_caching else None
+        return await self._generate(request, body, prompt_tokens, chat=False, token_ids=ids)
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], prompt_tokens: int, *, chat: bool
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prompt_tokens: int,
+        *,
+        chat: bool,
+        token_ids: list[int] | None = None,
     ) -> web.StreamResponse:
         max_tokens = parse_max_tokens(body, self.config.default_max_tokens, prompt_tokens)
         stream, include_usage = parse_stream(body)
@@ -275,7 +290,7 @@ class SimInstance:
         )
         die_after = self.faults.die_after_chunks
         # instant mode skips the engine: every token is ready at once.
-        req = None if self.config.instant else self._submit(prompt_tokens, max_tokens)
+        req = None if self.config.instant else self._submit(prompt_tokens, max_tokens, token_ids)
         resp: web.StreamResponse | None = None
         dropped = done = False
         sent = 0

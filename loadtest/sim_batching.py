@@ -1,0 +1,213 @@
+"""The simulated vLLM's engine: continuous batching with chunked prefill, and the prefix cache."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+
+from loadtest.sim_engine import KV_TOKENS_PER_SEQ, SimConfig, SimStats
+from loadtest.sim_prefix_cache import PrefixCache, block_hashes
+
+
+class EngineBusy(Exception):
+    """The waiting queue is full (admission control)."""
+
+
+class EngineRequest:
+    """One sequence inside the engine; its handler reads tokens with next_token()."""
+
+    __slots__ = (
+        "_queue",
+        "active",
+        "cached",
+        "generated",
+        "hashes",
+        "max_tokens",
+        "prefilled",
+        "prompt_tokens",
+    )
+
+    def __init__(
+        self, prompt_tokens: int, max_tokens: int, hashes: list[int] | None = None
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.hashes = hashes  # the prompt's block hashes, when the prefix cache is on
+        self.cached = 0  # prompt tokens found in the prefix cache at admission
+        self.prefilled = 0
+        self.generated = 0
+        self.active = True
+        # One item per produced token (its 1-based index); None marks the end.
+        self._queue: asyncio.Queue[int | None] = asyncio.Queue()
+
+    async def next_token(self) -> int | None:
+        """Wait for the next token's index; None once the request has finished."""
+        return await self._queue.get()
+
+    @property
+    def in_decode(self) -> bool:
+        return self.prefilled >= self.prompt_tokens
+
+
+class Engine:
+    """Continuous batching: FIFO admission into max_num_seqs slots, chunked prefill, decode steps.
+
+    The step loop runs as a task only while there is work, so an idle instance costs nothing.
+    """
+
+    def __init__(self, config: SimConfig, stats: SimStats) -> None:
+        self.config = config
+        self.speed = config.speed
+        self._stats = stats
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._running: list[EngineRequest] = []
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache_blocks, config.block_size)
+            if config.prefix_caching
+            else None
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def kv_cache_usage(self) -> float:
+        held = sum(r.prefilled + r.generated for r in self._running)
+        return min(1.0, held / (self.config.max_num_seqs * KV_TOKENS_PER_SEQ))
+
+    def submit(
+        self, prompt_tokens: int, max_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> EngineRequest:
+        """Queue a request; raises EngineBusy when the waiting queue is full.
+
+        token_ids (the prompt's, when known) let the prefix cache skip a cached prefix.
+        """
+        if self._closed:
+            raise EngineBusy("engine is shut down")
+        hashes = None
+        if self.prefix_cache is not None and token_ids is not None:
+            hashes = block_hashes(token_ids, self.config.block_size)
+        # Every prompt costs at least one prefill token, so each request reaches decode.
+        req = EngineRequest(max(1, prompt_tokens), max_tokens, hashes)
+        # A request that finds a free slot is admitted at once rather than at the next step
+        # boundary, so that admission control only counts requests that really queue.
+        if not self._waiting and len(self._running) < self.config.max_num_seqs:
+            self._start(req)
+        elif self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
+            raise EngineBusy("waiting queue full")
+        else:
+            self._waiting.append(req)
+        self._sync_stats()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return req
+
+    def abort(self, req: EngineRequest) -> bool:
+        """Drop a request (client gone); True if it was still unfinished."""
+        if not req.active:
+            return False
+        req.active = False
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._sync_stats()
+        return True
+
+    async def close(self) -> None:
+        """Stop the step loop and drop everything still queued or running."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for req in [*self._running, *self._waiting]:
+            req.active = False
+            req._queue.put_nowait(None)
+        self._running.clear()
+        self._waiting.clear()
+        self._sync_stats()
+
+    def _sync_stats(self) -> None:
+        self._stats.running = len(self._running)
+        self._stats.waiting = len(self._waiting)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            self._start(self._waiting.popleft())
+        self._sync_stats()
+
+    def _start(self, req: EngineRequest) -> None:
+        # Like vLLM's scheduler, look the prompt up when it is scheduled: its cached prefix
+        # counts as already prefilled, so only the uncached tokens cost prefill time.
+        self._running.append(req)
+        cache = self.prefix_cache
+        if cache is None or req.hashes is None:
+            return
+        req.cached = req.prefilled = cache.lookup(req.hashes, req.prompt_tokens)
+        self._stats.prefix_cache_queries += req.prompt_tokens
+        self._stats.prefix_cache_hits += req.cached
+
+    def _emit(self, req: EngineRequest) -> None:
+        req.generated += 1
+        self._stats.generation_tokens += 1
+        req._queue.put_nowait(req.generated)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        # Steps are scheduled against a deadline so sleep overshoot does not accumulate.
+        deadline = loop.time()
+        try:
+            while self._running or self._waiting:
+                self._admit()
+                decoding = [r for r in self._running if r.in_decode]
+                # As in vLLM, each decoding sequence takes one token of the step's budget.
+                budget = cfg.max_num_batched_tokens - len(decoding)
+                chunks: list[tuple[EngineRequest, int]] = []
+                for req in self._running:
+                    need = req.prompt_tokens - req.prefilled
+                    if need > 0 and budget > 0:
+                        take = min(need, budget)
+                        chunks.append((req, take))
+                        budget -= take
+                step = sum(take for _, take in chunks) / cfg.prefill_tokens_per_s
+                if decoding:
+                    slowdown = 1 + cfg.decode_slowdown_per_seq * (len(decoding) - 1)
+                    step += cfg.decode_s_per_token * slowdown
+                deadline = max(deadline + step / self.speed, loop.time())
+                await asyncio.sleep(deadline - loop.time())
+                self._apply_step(decoding, chunks)
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
+
+    def _apply_step(
+        self, decoding: list[EngineRequest], chunks: list[tuple[EngineRequest, int]]
+    ) -> None:
+        # Requests aborted during the sleep are skipped: their slot is already free.
+        for req in decoding:
+            if req.active:
+                self._emit(req)
+        for req, take in chunks:
+            if not req.active:
+                continue
+            req.prefilled += take
+            if self.prefix_cache is not None and req.hashes:
+                # vLLM caches each full block once computed; the whole chain is re-touched so
+                # that its head stays the most recently used.
+                self.prefix_cache.insert(req.hashes[: req.prefilled // self.config.block_size])
+            if req.in_decode:
+                self._stats.prompt_tokens += req.prompt_tokens
+                if req.max_tokens > 0:
+                    self._emit(req)
+        for req in [r for r in self._running if r.in_decode and r.generated >= r.max_tokens]:
+            self._running.remove(req)
+            req.active = False
+            self._stats.completed += 1
+            req._queue.put_nowait(None)
+        self._sync_stats()
