@@ -39,8 +39,9 @@ class Metrics:
         self._tags: set[str] = set()
         self.requests = Counter(
             "gateway_requests",
-            "Requests answered, by route, status, lane and (capped) X-Request-Tag.",
-            ["route", "status", "lane", "tag"],
+            "Requests answered, by route, status, lane, model (those the fleet serves; others "
+            "fold into 'other') and (capped) X-Request-Tag.",
+            ["route", "status", "lane", "model", "tag"],
             registry=registry,
         )
         self.instance_requests = Counter(
@@ -206,6 +207,33 @@ class StateCollector(Collector):
                 labels=["instance"],
             ),
         }
+        prefix: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "index": GaugeMetricFamily(
+                "gateway_prefix_index_blocks",
+                "Prompt blocks (64 tokens) the gateway remembers sending to each instance.",
+                labels=["instance"],
+            ),
+            "queries": CounterMetricFamily(
+                "gateway_prefix_query_tokens",
+                "Prompt tokens sent to each instance with a prefix estimate.",
+                labels=["instance"],
+            ),
+            "hits": CounterMetricFamily(
+                "gateway_prefix_estimated_hit_tokens",
+                "Of those, the tokens the gateway estimated were in the instance's prefix cache.",
+                labels=["instance"],
+            ),
+            "vllm_queries": CounterMetricFamily(
+                "gateway_instance_vllm_prefix_cache_query_tokens",
+                "vllm:prefix_cache_queries_total at the instance's last scrape (its own count).",
+                labels=["instance"],
+            ),
+            "vllm_hits": CounterMetricFamily(
+                "gateway_instance_vllm_prefix_cache_hit_tokens",
+                "vllm:prefix_cache_hits_total at the instance's last scrape (its own count).",
+                labels=["instance"],
+            ),
+        }
         ejections = CounterMetricFamily(
             "gateway_instance_ejections",
             "Passive ejections of each instance after consecutive failures.",
@@ -228,7 +256,16 @@ class StateCollector(Collector):
             families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)
             families["tpot"].add_metric(name, float("nan") if tpot is None else tpot)
             families["slow"].add_metric(name, 1.0 if state.speed.slow else 0.0)
+            prefix["index"].add_metric(name, len(state.cache))
+            prefix["queries"].add_metric(name, state.prefix_query_tokens)
+            prefix["hits"].add_metric(name, state.prefix_hit_tokens)
+            last = state.report  # the instance's own counters, however old the scrape
+            if last is not None and last.prefix_queries is not None:
+                prefix["vllm_queries"].add_metric(name, last.prefix_queries)
+            if last is not None and last.prefix_hits is not None:
+                prefix["vllm_hits"].add_metric(name, last.prefix_hits)
         yield from families.values()
+        yield from prefix.values()
         yield ejections
         lanes = GaugeMetricFamily(
             "gateway_queue_depth",

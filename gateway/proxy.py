@@ -250,6 +250,8 @@ class Proxy:
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
             model = self._served_model(payload)
+            if model is not None:
+                ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
             ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
             ex.max_tokens = _max_tokens(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT

@@ -33,7 +33,11 @@ class Recorder:
     def record(self, ex: Exchange, duration: float) -> None:
         lane = ex.lane or "none"
         self.metrics.requests.labels(
-            ex.route, str(ex.status), lane, self.metrics.tag_label(ex.tag or "none")
+            ex.route,
+            str(ex.status),
+            lane,
+            ex.model or "none",
+            self.metrics.tag_label(ex.tag or "none"),
         ).inc()
         if ex.instance:
             self.metrics.duration.labels(lane).observe(duration)
@@ -45,6 +49,7 @@ class Recorder:
             "request",
             route=ex.route,
             status=ex.status,
+            model=ex.model or None,
             instance=ex.instance or None,
             lane=ex.lane or None,
             attempts=ex.attempts,

@@ -46,6 +46,7 @@ class Exchange:
     request_id: str
     started: float
     tag: str = ""
+    model: str = ""  # as a metric label: a model the fleet serves, else "other"
     lane: str = ""
     instance: str = ""
     status: int = 0

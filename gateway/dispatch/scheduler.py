@@ -130,6 +130,10 @@ class Scheduler:
         """Whether any instance, up or down, may serve `model` (unknown lists count as yes)."""
         return any(s.serves_model(model) for s in self.states)
 
+    def knows_model(self, model: str) -> bool:
+        """Whether some instance is known to serve `model` (bounds the metrics' model label)."""
+        return any(s.models is not None and model in s.models for s in self.states)
+
     def served_models(self) -> list[str]:
         """Every model some instance is known to serve, sorted."""
         return sorted({m for s in self.states for m in s.models or ()})

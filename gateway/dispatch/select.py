@@ -9,13 +9,16 @@ with room under their limits. A strategy only ranks them.
     others   = running + waiting that the instance reported in its last /metrics scrape,
                minus the requests of ours it was running then (traffic that bypasses us)
     kv       = its reported KV-cache usage, 0..1
-    score    = (own + others) / weight + kv + failures
+    score    = (own + others) / weight + kv + failures - affinity
+    affinity = AFFINITY x the share of the prompt estimated cached there (0..1)
 
 A report older than `metrics_stale_after` (or none yet) is unknown, not idle: its
 `others` and `kv` are taken as the highest any instance with a fresh report shows, so
 an instance nobody has measured never looks like the emptiest. `failures` is the count
 of consecutive failed requests, so a backend that fails fast does not attract traffic
-by looking idle. Ties break at random.
+by looking idle. The affinity term is worth at most one request in flight: it decides
+between instances about equally loaded and never overrides a real imbalance. Ties break
+at random.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from . import speed
 from .model import InstanceState, Lane, Ticket
 
 _TIE = 1e-9
+# least_busy: a prompt fully cached on an instance is worth one request less there.
+AFFINITY = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,11 @@ class LeastBusy:
     ) -> InstanceState:
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
         scores = score_all(fleet, now, self.stale_after)
-        return _lowest(candidates, {c.name: scores[c.name].total for c in candidates}, rng)
+        costs = {c.name: scores[c.name].total for c in candidates}
+        if ticket.prefix and ticket.tokens:
+            for c in candidates:
+                costs[c.name] -= AFFINITY * c.cached_tokens(ticket) / ticket.tokens
+        return _lowest(candidates, costs, rng)
 
 
 class RoundRobin:
@@ -137,10 +146,11 @@ class LeastTime:
 
     For each candidate, with its learned prefill rate (tokens/s) and TPOT:
 
-        ahead     = prompt tokens of ours still in prefill there
+        ahead     = uncached prompt tokens of ours still in prefill there
                     + others' requests (from /metrics) x this request's prompt size
+        cached    = this prompt's tokens estimated in its prefix cache (affinity.py)
         slot_wait = when all its slots are taken: (queued + 1) x max_tokens x tpot / slots
-        ttft      = (ahead + prompt tokens) / prefill rate + slot_wait
+        ttft      = (ahead + prompt tokens - cached) / prefill rate + slot_wait
         cost      = (ttft + max_tokens x max(0, tpot - the lane's TPOT objective))
                     x (1 + failures)
 
@@ -148,6 +158,9 @@ class LeastTime:
     to the user: an instance that decodes slower than the TPOT objective pays for each
     token it would be late; one within the objective is judged on time to first token
     alone, so a slow card that still meets the objective keeps the share its speed earns.
+    A cached prefix is one term of the same cost, not a switch: it saves its prefill
+    time where it is cached, and a hot prefix spreads to another instance once the work
+    queued where it is cached outweighs what the cache saves.
     An instance without history is assumed to run at the fleet's median speed; with no
     history anywhere, at a nominal prior, which makes the choice "least prefill work
     queued". Ties break at random.
@@ -185,7 +198,7 @@ class LeastTime:
             rate = state.speed.prefill.value or prefill_median
             tpot = state.speed.tpot.value or tpot_median
             ahead = state.pending_prefill_tokens + loads[state.name].others * ticket.tokens
-            ttft = (ahead + ticket.tokens) / rate
+            ttft = (ahead + ticket.tokens - state.cached_tokens(ticket)) / rate
             queued = state.inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
