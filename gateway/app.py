@@ -215,12 +215,12 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
                 f"Expect {expect[:80]!r} is not supported: only '100-continue' is", param="Expect"
             )
         proxy = request.app[PROXY]
-        proxy.authorize(request)
+        proxy.intake.authorize(request)
         length = request.content_length
-        if length is not None and length > proxy.max_body:
+        if length is not None and length > proxy.intake.max_body:
             raise errors.PayloadTooLarge(
                 f"the declared body of {length} bytes is larger than the gateway's limit "
-                f"of {proxy.max_body} bytes"
+                f"of {proxy.intake.max_body} bytes"
             )
     except errors.GatewayError as exc:
         response = exc.response()
@@ -233,7 +233,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
-    request.app[PROXY].authorize(request)
+    request.app[PROXY].intake.authorize(request)
     dispatcher = request.app[DISPATCHER]
     now = dispatcher.clock()
     up = {s.name for s in dispatcher.scheduler.states if s.available(now)}
@@ -271,7 +271,7 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
 
 
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
-    request.app[PROXY].authorize(request)
+    request.app[PROXY].intake.authorize(request)
     scheduler = request.app[DISPATCHER].scheduler
     now = request.app[DISPATCHER].clock()
     scores = score_all(scheduler.states, now, scheduler.limits.metrics_stale_after)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ from .dispatch import (
 )
 from .dispatch.affinity import prompt_blocks, prompt_text
 from .dispatcher import Dispatcher
+from .intake import Intake, max_tokens_of
 from .metrics import Metrics
 from .recorder import Recorder
 from .relay import Exchange, Relay, Retryable
@@ -46,8 +46,6 @@ from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
 
 _log = log.get("gateway.proxy")
-
-TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -71,14 +69,6 @@ class Target:
     headers: dict[str, str]
 
 
-def _max_tokens(payload: dict[str, Any]) -> int:
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = payload.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
-
-
 class Proxy:
     def __init__(
         self,
@@ -99,11 +89,10 @@ class Proxy:
         self.counter = counter
         channel = config.channel
         self.default_model = channel.default_model
-        self.default_tag = channel.headers.get("X-Request-Tag", "")
+        self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
         self.threshold = config.prefill.long_input_threshold
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
-        self.max_body = config.gateway.max_body_bytes
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry
         self.ttft_allowance = {
@@ -151,78 +140,6 @@ class Proxy:
                     await self._idle.wait()
         return left
 
-    # ------------------------------------------------------------ checks
-
-    def authorize(self, request: web.Request) -> None:
-        if not self.keys.check(request.headers.get("Authorization")):
-            raise errors.Unauthorized(
-                "missing or invalid API key: send the gateway's key as "
-                "'Authorization: Bearer <key>'"
-            )
-
-    def _tag(self, request: web.Request) -> str:
-        tag = request.headers.get("X-Request-Tag")
-        if tag is None:
-            return self.default_tag
-        if not TAG_PATTERN.fullmatch(tag):
-            raise errors.InvalidHeader(
-                f"X-Request-Tag {tag[:80]!r} is not allowed: use 1-64 characters from "
-                "letters, digits and . _ : / @ + = -",
-                param="X-Request-Tag",
-            )
-        return tag
-
-    async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        if request.content_type != "application/json":
-            raise errors.UnsupportedContentType(
-                f"Content-Type {request.content_type!r} is not supported: send application/json"
-            )
-        length = request.content_length
-        if length is not None and length > self.max_body:
-            raise self._too_large()
-        try:
-            async with asyncio.timeout(self.config.gateway.body_timeout):
-                body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise self._too_large() from None
-        except TimeoutError:
-            self.metrics.client_connections_closed.labels("body_timeout").inc()
-            raise errors.RequestTimeout(
-                "the request body did not arrive within the gateway's body_timeout of "
-                f"{self.config.gateway.body_timeout:g} s"
-            ) from None
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise errors.InvalidJSON("the request body is nested too deeply") from None
-        if not isinstance(payload, dict):
-            raise errors.InvalidJSON(
-                f"the request body must be a JSON object, got {type(payload).__name__}"
-            )
-        return body, payload
-
-    def _served_model(self, payload: dict[str, Any]) -> str | None:
-        """The request's model, if a string; 404 here if no instance serves it."""
-        model = payload.get("model")
-        if not isinstance(model, str):
-            return None  # none at all, or not a string: the instance answers that
-        scheduler = self.dispatcher.scheduler
-        if not scheduler.model_served(model):
-            served = ", ".join(scheduler.served_models()) or "none yet"
-            raise errors.ModelNotFound(
-                f"the model {model[:200]!r} does not exist on this gateway's fleet; "
-                f"available models: {served}",
-                param="model",
-            )
-        return model
-
-    def _too_large(self) -> errors.PayloadTooLarge:
-        return errors.PayloadTooLarge(
-            f"the request body is larger than the gateway's limit of {self.max_body} bytes"
-        )
-
     # ------------------------------------------------------------ handler
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
@@ -236,12 +153,12 @@ class Proxy:
         try:
             # The key first: an unauthenticated request names no metric label (its tag
             # would use up the bounded tag slots) and learns nothing about our checks.
-            self.authorize(request)
-            ex.tag = self._tag(request)
+            self.intake.authorize(request)
+            ex.tag = self.intake.tag(request)
             if ex.tag:
                 headers["X-Request-Tag"] = ex.tag
                 structlog.contextvars.bind_contextvars(tag=ex.tag)
-            body, payload = await self._json_body(request)
+            body, payload = await self.intake.json_body(request)
             if payload.get("model") is None and self.default_model:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
@@ -249,11 +166,11 @@ class Proxy:
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
-            model = self._served_model(payload)
+            model = self.intake.served_model(payload)
             if model is not None:
                 ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
             ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
-            ex.max_tokens = _max_tokens(payload)
+            ex.max_tokens = max_tokens_of(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)

@@ -1,0 +1,113 @@
+"""Reading a request before it is placed: its key, tag, body and model.
+
+Each check raises the gateway error the client should see, in the order that keeps an
+unauthenticated request from learning or naming anything: the key first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from aiohttp import web
+
+from . import errors
+from .auth import KeyChecker
+from .config import Config
+from .dispatch import Scheduler
+from .metrics import Metrics
+
+TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
+
+
+def max_tokens_of(payload: dict[str, Any]) -> int:
+    """The output tokens a request asks for (0: unknown)."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+class Intake:
+    def __init__(
+        self, config: Config, keys: KeyChecker, scheduler: Scheduler, metrics: Metrics
+    ) -> None:
+        self.keys = keys
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.default_tag = config.channel.headers.get("X-Request-Tag", "")
+        self.max_body = config.gateway.max_body_bytes
+        self.body_timeout = config.gateway.body_timeout
+
+    def authorize(self, request: web.Request) -> None:
+        if not self.keys.check(request.headers.get("Authorization")):
+            raise errors.Unauthorized(
+                "missing or invalid API key: send the gateway's key as "
+                "'Authorization: Bearer <key>'"
+            )
+
+    def tag(self, request: web.Request) -> str:
+        tag = request.headers.get("X-Request-Tag")
+        if tag is None:
+            return self.default_tag
+        if not TAG_PATTERN.fullmatch(tag):
+            raise errors.InvalidHeader(
+                f"X-Request-Tag {tag[:80]!r} is not allowed: use 1-64 characters from "
+                "letters, digits and . _ : / @ + = -",
+                param="X-Request-Tag",
+            )
+        return tag
+
+    async def json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        if request.content_type != "application/json":
+            raise errors.UnsupportedContentType(
+                f"Content-Type {request.content_type!r} is not supported: send application/json"
+            )
+        length = request.content_length
+        if length is not None and length > self.max_body:
+            raise self._too_large()
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        except TimeoutError:
+            self.metrics.client_connections_closed.labels("body_timeout").inc()
+            raise errors.RequestTimeout(
+                "the request body did not arrive within the gateway's body_timeout of "
+                f"{self.body_timeout:g} s"
+            ) from None
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise errors.InvalidJSON("the request body is nested too deeply") from None
+        if not isinstance(payload, dict):
+            raise errors.InvalidJSON(
+                f"the request body must be a JSON object, got {type(payload).__name__}"
+            )
+        return body, payload
+
+    def served_model(self, payload: dict[str, Any]) -> str | None:
+        """The request's model, if a string; 404 here if no instance serves it."""
+        model = payload.get("model")
+        if not isinstance(model, str):
+            return None  # none at all, or not a string: the instance answers that
+        scheduler = self.scheduler
+        if not scheduler.model_served(model):
+            served = ", ".join(scheduler.served_models()) or "none yet"
+            raise errors.ModelNotFound(
+                f"the model {model[:200]!r} does not exist on this gateway's fleet; "
+                f"available models: {served}",
+                param="model",
+            )
+        return model
+
+    def _too_large(self) -> errors.PayloadTooLarge:
+        return errors.PayloadTooLarge(
+            f"the request body is larger than the gateway's limit of {self.max_body} bytes"
+        )
