@@ -223,7 +223,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
                 f"of {proxy.intake.max_body} bytes"
             )
     except errors.GatewayError as exc:
-        response = exc.response()
+        response = exc.response({request_id.HEADER: request_id.of(request)})
         response.force_close()
         return response
     if request.version >= (1, 1):

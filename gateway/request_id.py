@@ -26,13 +26,19 @@ def current() -> str:
     return _current.get()
 
 
+def of(request: web.BaseRequest) -> str:
+    """The client's id if it is sane, else a new one."""
+    request_id = request.headers.get(HEADER, "")
+    if not _SANE.fullmatch(request_id):
+        request_id = os.urandom(16).hex()  # as unique as uuid4, a fifth of the cost
+    return request_id
+
+
 @web.middleware
 async def middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    request_id = request.headers.get(HEADER, "")
-    if not _SANE.fullmatch(request_id):
-        request_id = os.urandom(16).hex()  # as unique as uuid4, a fifth of the cost
+    request_id = of(request)
     _current.set(request_id)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)

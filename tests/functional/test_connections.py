@@ -320,6 +320,7 @@ async def test_expect_continue_refuses_before_inviting_the_body(
         got, headers, body = await client.answer()
         assert got == status
         assert headers["connection"] == "close"
+        assert len(headers["x-request-id"]) == 32
         openai_error(body, code)
         assert await client.closed() == b""
     finally:
