@@ -87,7 +87,8 @@ class Scheduler:
         }
         self._queues = WaitQueues()
         self._holding: dict[int, _Held] = {}
-        self._throughput = {lane: admission.Throughput() for lane in Lane}
+        # Departures per lane and model: each model's instances drain its own queue.
+        self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -104,15 +105,25 @@ class Scheduler:
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states)
 
-    def ahead(self, lane: Lane) -> int:
-        """Requests that start before a new `lane` request would: queued, and waiting at
-        the lane's instances beyond their running slots."""
-        at_instances = sum(max(0, s.inflight - s.spec.slots) for s in self._pool[lane])
-        return self.queue_length(lane) + at_instances
+    def ahead(self, lane: Lane, model: str | None = None) -> int:
+        """Requests that start before a new `lane` request for `model` would: queued for
+        the same, and waiting at its instances beyond their running slots."""
+        at_instances = sum(
+            max(0, s.inflight - s.spec.slots) for s in self._pool[lane] if s.serves_model(model)
+        )
+        return self._queues.length_for(lane, model) + at_instances
 
-    def predicted_wait(self, lane: Lane, now: float) -> float | None:
+    def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return admission.predicted_wait(self.ahead(lane), self._throughput[lane].rate(now))
+        rate = self._departures(lane, model).rate(now)
+        return admission.predicted_wait(self.ahead(lane, model), rate)
+
+    def _departures(self, lane: Lane, model: str | None) -> admission.Throughput:
+        key = (lane, model)
+        throughput = self._throughput.get(key)
+        if throughput is None:
+            throughput = self._throughput[key] = admission.Throughput()
+        return throughput
 
     def untried_available(
         self, lane: Lane, tried: frozenset[str], now: float, model: str | None = None
@@ -156,11 +167,12 @@ class Scheduler:
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         if self._queues.fifo_length(ticket.lane) >= self.limits.gateway_queue_size:
-            wait = self.predicted_wait(ticket.lane, now)
+            wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        rate = self._throughput[ticket.lane].rate(now)
-        refused = admission.refusal(self.ahead(ticket.lane), rate, wait_until - now)
+        rate = self._departures(ticket.lane, ticket.model).rate(now)
+        ahead = self.ahead(ticket.lane, ticket.model)
+        refused = admission.refusal(ahead, rate, wait_until - now)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
@@ -239,7 +251,7 @@ class Scheduler:
         if held.prefilling:
             self._end_prefill(held, now)
         if not self._departs_at_prefill(held):
-            self._throughput[held.ticket.lane].record(now)
+            self._departures(held.ticket.lane, held.ticket.model).record(now)
         held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
@@ -250,7 +262,7 @@ class Scheduler:
         if held.long_place:
             held.state.long_prefilling -= 1
         if self._departs_at_prefill(held):
-            self._throughput[Lane.LONG].record(now)
+            self._departures(Lane.LONG, held.ticket.model).record(now)
 
     @staticmethod
     def _departs_at_prefill(held: _Held) -> bool:
