@@ -114,6 +114,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
         long_input_threshold=config.prefill.long_input_threshold,
+        lane_split=config.prefill.lane_split,
         prefix_index_blocks=dispatch.prefix_index_blocks,
     )
     h = dispatch.health
@@ -288,6 +289,8 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 if state.ejected_until and state.ejected_until > now
                 else None,
                 "lane": state.spec.lane,
+                # The lane it serves now: its static lane, or the one the split gave it.
+                "current_lane": scheduler.lanes.lane(state),
                 "weight": state.spec.weight,
                 "slots": state.spec.slots,
                 "models": None if state.models is None else sorted(state.models),

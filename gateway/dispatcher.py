@@ -151,6 +151,12 @@ class Dispatcher:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""
         self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
 
+    def update_lanes(self) -> dict[str, Lane]:
+        """Re-size the split between the lanes; return the instances that changed lane."""
+        moves, decisions = self.scheduler.update_lanes(self.clock(), self.rng)
+        self._settle(decisions)
+        return moves
+
     def close(self) -> None:
         """Shutting down: every queued request gets 503 now."""
         self._settle(self.scheduler.close())

@@ -111,6 +111,13 @@ class HealthChecker:
                 prefill_tokens_per_s=state.speed.prefill.value,
                 tpot_s=state.speed.tpot.value,
             )
+        if moves := self.dispatcher.update_lanes():
+            split = self.dispatcher.scheduler.lanes
+            _log.info(
+                "lane_split",
+                moved={name: lane.value for name, lane in moves.items()},
+                lanes={s.name: split.lane(s) for s in self.dispatcher.scheduler.states},
+            )
 
     async def run_forever(self) -> None:
         while True:

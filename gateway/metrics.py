@@ -234,6 +234,12 @@ class StateCollector(Collector):
                 labels=["instance"],
             ),
         }
+        current_lane = GaugeMetricFamily(
+            "gateway_instance_lane",
+            "1 for the lane each instance serves now (static, or given by the split between "
+            "the lanes), 0 for the other; both 1 on a shared instance with the split off.",
+            labels=["instance", "lane"],
+        )
         ejections = CounterMetricFamily(
             "gateway_instance_ejections",
             "Passive ejections of each instance after consecutive failures.",
@@ -252,6 +258,10 @@ class StateCollector(Collector):
             kv = report.kv_usage if report else None
             families["kv"].add_metric(name, nan if kv is None else kv)
             ejections.add_metric(name, state.ejections_total)
+            serves = sched.lanes.lane(state)
+            for lane in Lane:
+                on = serves in (lane.value, "any")
+                current_lane.add_metric([state.name, self.lane_names[lane]], 1.0 if on else 0.0)
             rate, tpot = state.speed.prefill.value, state.speed.tpot.value
             families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)
             families["tpot"].add_metric(name, float("nan") if tpot is None else tpot)
@@ -267,6 +277,7 @@ class StateCollector(Collector):
         yield from families.values()
         yield from prefix.values()
         yield ejections
+        yield current_lane
         lanes = GaugeMetricFamily(
             "gateway_queue_depth",
             "Requests waiting in the gateway queue, by lane.",

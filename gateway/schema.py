@@ -104,6 +104,8 @@ class PrefillSection(Frozen):
     tag: str = Field("prefill", min_length=1, max_length=64)
     long_input_threshold: int = Field(4096, ge=1)
     max_long_per_instance: int = Field(2, ge=1)
+    # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
+    lane_split: bool = True
     long_ttft_factor: float = Field(4.0, ge=1)
     # None: estimate; "instance": ask an instance's /tokenize near the threshold;
     # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).

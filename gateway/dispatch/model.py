@@ -74,6 +74,9 @@ class Limits:
     # prefill there and takes no `max_long_per_instance` place.
     long_input_threshold: int = 4096
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
+    # Split the shared instances between the lanes by the mix (lanes.py); False: every
+    # shared instance serves both, long requests bounded by max_long_per_instance.
+    lane_split: bool = True
 
     def max_queue_wait(self, lane: Lane) -> float:
         return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long

@@ -11,7 +11,10 @@ Limits an instance holds:
   `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
   a request that would exceed it goes to another instance (overflow);
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
-  still in prefill, so short requests never wait behind a wall of long ones.
+  still in prefill, so short requests never wait behind a wall of long ones; with the
+  split on (`lanes.py`), each shared instance is held by one lane, a request prefers its
+  own lane's instances and spills to the other's only when none of its own has room,
+  and the cap binds only where the long lane does not hold the instance.
 When no instance has room, the request waits in a bounded FIFO queue of its lane (and
 model), for at most its lane's `max_queue_wait` and never past its deadline; one whose
 predicted wait is already longer is refused at arrival (see `admission.py`).
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 from . import admission, health, speed
 from .affinity import PrefixIndex
+from .lanes import LaneSplit
 from .model import (
     Assigned,
     Decision,
@@ -85,6 +89,8 @@ class Scheduler:
         self._pool = {
             lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
         }
+        # Which lane holds each shared instance now (lanes.py); re-sized by `update_lanes`.
+        self.lanes = LaneSplit(self.states, limits.lane_split)
         self._queues = WaitQueues()
         self._holding: dict[int, _Held] = {}
         # Departures per lane and model: each model's instances drain its own queue.
@@ -235,6 +241,14 @@ class Scheduler:
         """Re-evaluate which instances are slow cards; return the flags that changed."""
         return speed.update_slow_flags({s.name: s.speed for s in self.states})
 
+    def update_lanes(
+        self, now: float, rng: random.Random
+    ) -> tuple[dict[str, Lane], list[Decision]]:
+        """Re-size the split between the lanes (a health round); return the moves made and
+        the queued requests that an instance's new lane lets go."""
+        moves = self.lanes.evaluate(self.states, now)
+        return moves, self._drain(now, rng) if moves else []
+
     def release(
         self,
         ticket_id: int,
@@ -317,7 +331,11 @@ class Scheduler:
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
+        if (
+            state.spec.lane == "any"
+            and self.lanes.capped(state)
+            and self._takes_long_place(state, ticket)
+        ):
             return state.long_prefilling < self.limits.max_long_per_instance
         return True
 
@@ -344,7 +362,8 @@ class Scheduler:
         # answer "busy".
         untried = [s for s in pool if s.name not in ticket.exclude] if ticket.exclude else pool
         fresh = [s for s in untried if not s.busy(now)]
-        return fresh or untried
+        # Its own lane's instances first: it spills only when none of them has room.
+        return self.lanes.prefer(fresh or untried, ticket.lane)
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
@@ -362,6 +381,7 @@ class Scheduler:
         state.inflight += 1
         state.assigned_total += 1
         state.pending_prefill_tokens += held.uncached
+        self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)
         if held.long_place:
             state.long_prefilling += 1
         if ticket.prefix:

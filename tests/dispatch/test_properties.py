@@ -78,7 +78,12 @@ class Report:
     waiting: int
 
 
-Op = Submit | Release | PrefillDone | Probe | Cancel | Advance | Report
+@dataclass(frozen=True)
+class UpdateLanes:
+    """A health round's look at the split between the lanes."""
+
+
+Op = Submit | Release | PrefillDone | Probe | Cancel | Advance | Report | UpdateLanes
 
 picks = st.integers(0, 63)
 instances = st.integers(0, 3)
@@ -102,6 +107,8 @@ ops = st.one_of(
     st.builds(Cancel, picks),
     st.builds(Advance, st.sampled_from([0.5, 2.0, 7.0])),
     st.builds(Report, instances, st.integers(0, 20), st.integers(0, 20)),
+    st.just(UpdateLanes()),
+    st.just(UpdateLanes()),
 )
 operation_lists = st.lists(ops, min_size=40, max_size=150)
 
@@ -136,6 +143,7 @@ def setups(draw: st.DrawFn) -> Setup:
         metrics_stale_after=5.0,
         max_queue_wait_short=draw(st.sampled_from([math.inf, 1.0, 4.0])),
         max_queue_wait_long=draw(st.sampled_from([math.inf, 3.0])),
+        lane_split=draw(st.booleans()),
     )
     policy = HealthPolicy(
         rise=draw(st.integers(1, 2)),
@@ -177,10 +185,13 @@ class Harness:
     cancelled: set[int] = field(default_factory=set)
     ever_queued: set[int] = field(default_factory=set)
     wait_until: dict[int, float] = field(default_factory=dict)  # when a queued one expires
+    # Which lane holds each shared instance, from the moves update_lanes reported.
+    lanes: dict[str, Lane] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         s = self.setup
         self.rng = random.Random(s.seed)
+        self.lanes = {spec.name: Lane.SHORT for spec in s.specs if spec.lane == "any"}
         self.sched = Scheduler(
             s.specs, STRATEGIES[s.strategy](s.limits.metrics_stale_after), s.limits, s.policy
         )
@@ -205,9 +216,19 @@ class Harness:
             return False
         if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if lane is Lane.LONG and state.spec.lane == "any":
+        if lane is Lane.LONG and self.capped(state):
             return state.long_prefilling < self.limits.max_long_per_instance
         return True
+
+    def serves_now(self, state: InstanceState) -> str:
+        """The lane `state` serves now by the model: static, held, or "any" (split off)."""
+        if state.spec.lane != "any" or not self.limits.lane_split:
+            return state.spec.lane
+        return self.lanes[state.name].value
+
+    def capped(self, state: InstanceState) -> bool:
+        """Long requests there are bounded: a shared instance the long lane does not hold."""
+        return state.spec.lane == "any" and self.serves_now(state) != "long"
 
     def fits_somewhere(self, ticket: Ticket) -> bool:
         """Whether some instance may take `ticket` now (a retry never goes where it was)."""
@@ -233,6 +254,8 @@ class Harness:
         lane = decision.ticket.lane
         assert state.available(self.now), f"{decision} went to an unavailable {state!r}"
         assert state in self.pool(lane), f"{decision} went to {state!r}, not serving {lane}"
+        if lane is Lane.LONG and self.capped(state):
+            assert state.long_prefilling <= self.limits.max_long_per_instance, state
         self.held[decision.ticket.id] = (decision.instance, lane, lane is Lane.LONG)
 
     def check_preference(self, d: Assigned) -> None:
@@ -246,6 +269,16 @@ class Harness:
         chosen = self.sched.state(d.instance)
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
+        if self.serves_now(chosen) not in (lane.value, "any"):
+            # It spilled to the other lane: none of its own lane's instances could take it
+            # (a busy one of its own may lose to a fresh one of the other lane).
+            assert not any(
+                self.has_room(s, lane)
+                and s.name not in exclude
+                and self.serves_now(s) in (lane.value, "any")
+                and (chosen.busy(self.now) or not s.busy(self.now))
+                for s in others
+            ), f"{d} spilled to the other lane although its own had room"
         if chosen.busy(self.now):
             assert not any(
                 self.has_room(s, lane) and not s.busy(self.now)
@@ -329,7 +362,9 @@ class Harness:
         exclude = frozenset(
             s.name for k, s in enumerate(self.setup.specs) if op.exclude_mask >> k & 1
         )
-        ticket = Ticket(tid, op.lane, self.now + op.patience, exclude)
+        # Prompt sizes of each lane, so that the split sees a mix to size itself by.
+        tokens = 5000 if op.lane is Lane.LONG else 100
+        ticket = Ticket(tid, op.lane, self.now + op.patience, exclude, tokens, 16)
         lane_queue = self.queued[op.lane]
         waiting_before = len(lane_queue)
         room = self.fits_somewhere(ticket)
@@ -446,6 +481,16 @@ class Harness:
             load = LoadReport(op.running, op.waiting, kv_usage=op.running / 40, at=self.now)
             self.sched.report_load(name, load)
 
+    def update_lanes(self) -> None:
+        before = dict(self.lanes)
+        moves, out = self.sched.update_lanes(self.now, self.rng)
+        assert len(moves) <= 1, f"moved more than one instance at once: {moves}"
+        for name, lane in moves.items():
+            assert name in before, f"moved {name}, not a shared instance"
+            assert before[name] is not lane, f"moved {name} to the lane it was in"
+        self.lanes.update(moves)
+        self.settle(out, drained=True)
+
     def step(self, op: Op) -> None:
         if isinstance(op, Submit):
             self.submit(op)
@@ -459,6 +504,8 @@ class Harness:
             self.cancel(op)
         elif isinstance(op, Advance):
             self.now += op.seconds
+        elif isinstance(op, UpdateLanes):
+            self.update_lanes()
         else:
             self.report(op)
         self.check()
@@ -473,8 +520,6 @@ class Harness:
             assert state.inflight == len(mine), state
             assert state.long_prefilling >= 0, state
             assert state.long_prefilling == sum(1 for h in mine if h[2]), state
-            if state.spec.lane == "any":
-                assert state.long_prefilling <= limits.max_long_per_instance, state
         total = sum(s.inflight for s in self.sched.states)
         assert total == self.sched.inflight == len(self.held)
         if limits.global_limit is not None:

@@ -1,0 +1,229 @@
+"""The dynamic split of the shared instances between the short and the long lane.
+
+Why: on an instance that serves both lanes, every short prompt shares its engine steps
+with the long prompts prefilling there (vLLM's chunked prefill batches them together),
+so its time to first token and each of its decode steps pay for a long prefill. That is
+the prefill/decode interference DistServe is about. `max_long_per_instance` bounds the
+damage but spreads it over the whole fleet. Instead, each `lane = "any"` instance is
+held by one lane at a time: short requests go to the short-held ones, long requests to
+the long-held ones, and either may spill to the other lane's instances only when none of
+its own has room (the scheduler decides that; this module says who holds what).
+
+How the split is sized: the work each lane asked for over the last `WINDOW` seconds
+(uncached prompt tokens, plus its output tokens counted at what a decode token costs in
+prefill tokens on a full batch), against each lane's capacity (the sum of its available
+instances' learned prefill rates; weights where nothing is learned yet). The split
+minimises the busier lane's load, work / capacity. Static `short` and `long` instances
+count toward their lane's capacity and never move.
+
+Hysteresis: one evaluation per health round proposes at most one move (one instance to
+the other lane), and only if it cuts the busier lane's load by `MARGIN`; the same
+proposal must come `CONFIRM` evaluations in a row before it is made. Since every move
+strictly lowers a fixed objective, a steady mix never flaps: a move back would raise it.
+A lane with traffic never gives up its last available instance (its load would be
+infinite); a lane without traffic in the window gives its instances to the other one,
+one per confirmation. Before any traffic, every shared instance is held by the short
+lane, and a long request spills there under `max_long_per_instance`: today's behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from . import speed
+from .model import InstanceLane, InstanceState, Lane
+
+WINDOW = 30.0  # seconds of assignments the mix is measured over
+BUCKETS = 15  # the window slides in steps of WINDOW / BUCKETS
+MARGIN = 0.1  # a move must cut the busier lane's load by at least this share
+CONFIRM = 2  # evaluations in a row that must propose the same move
+# Priors while the fleet has no history (the same as least_time's).
+PRIOR_PREFILL = 5000.0  # tokens/s
+PRIOR_TPOT = 0.03  # s
+
+
+@dataclass(frozen=True)
+class Move:
+    instance: str
+    lane: Lane
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The work each lane asked for in the window: prompt and output tokens."""
+
+    prompt: dict[Lane, float]
+    output: dict[Lane, float]
+
+
+def _other(lane: Lane) -> Lane:
+    return Lane.LONG if lane is Lane.SHORT else Lane.SHORT
+
+
+class LaneSplit:
+    """Which lane holds each shared instance, and the window that sizes the split.
+
+    `enabled = False` keeps every shared instance serving both lanes (the split off).
+    """
+
+    def __init__(self, states: Iterable[InstanceState], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._held = {s.name: Lane.SHORT for s in states if s.spec.lane == "any"}
+        # bucket number (start time // width) -> [short prompt, short output, long prompt,
+        # long output] tokens.
+        self._buckets: dict[int, list[float]] = {}
+        self._width = WINDOW / BUCKETS
+        self._pending: Move | None = None
+        self._streak = 0
+
+    # ------------------------------------------------------------ queries
+
+    def lane(self, state: InstanceState) -> InstanceLane:
+        """The lane `state` serves now: its static lane, its held lane, or "any" (split off)."""
+        if state.spec.lane != "any" or not self.enabled:
+            return state.spec.lane
+        return self._held.get(state.name, Lane.SHORT).value
+
+    def prefer(self, pool: Sequence[InstanceState], lane: Lane) -> list[InstanceState]:
+        """The instances of `pool` that `lane` holds now; all of `pool` if it holds none
+        of them (a request spills only when none of its own lane's instances has room)."""
+        own = [s for s in pool if self.lane(s) in (lane.value, "any")]
+        return own or list(pool)
+
+    def capped(self, state: InstanceState) -> bool:
+        """Whether long requests there are bounded by `max_long_per_instance`: on a shared
+        instance the long lane does not hold (on a long-held one, as on a static `long`
+        one, no cap applies)."""
+        return self.lane(state) != "long"
+
+    # ------------------------------------------------------------ the window
+
+    def record(self, lane: Lane, prompt_tokens: int, max_tokens: int, now: float) -> None:
+        """A request of `lane` was sent with this much uncached prompt and output asked."""
+        if not self.enabled:
+            return
+        bucket = self._buckets.setdefault(math.floor(now / self._width), [0.0] * 4)
+        base = 0 if lane is Lane.SHORT else 2
+        bucket[base] += prompt_tokens
+        bucket[base + 1] += max_tokens
+        if len(self._buckets) > 2 * BUCKETS:  # a long gap between evaluations
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        oldest = math.floor((now - WINDOW) / self._width)
+        for key in [k for k in self._buckets if k <= oldest]:
+            del self._buckets[key]
+
+    def mix(self, now: float) -> Mix:
+        """The work each lane asked for over the last `WINDOW` seconds."""
+        self._trim(now)
+        sums = [sum(b[i] for b in self._buckets.values()) for i in range(4)]
+        return Mix(
+            prompt={Lane.SHORT: sums[0], Lane.LONG: sums[2]},
+            output={Lane.SHORT: sums[1], Lane.LONG: sums[3]},
+        )
+
+    # ------------------------------------------------------------ the split
+
+    def evaluate(self, states: Sequence[InstanceState], now: float) -> dict[str, Lane]:
+        """One health round's look at the mix: the moves made now (at most one)."""
+        if not self.enabled or not self._held:
+            return {}
+        proposal = propose(states, dict(self._held), self.mix(now), now)
+        if proposal is None or proposal != self._pending:
+            self._pending, self._streak = proposal, 0
+        if proposal is None:
+            return {}
+        self._streak += 1
+        if self._streak < CONFIRM:
+            return {}
+        self._held[proposal.instance] = proposal.lane
+        self._pending, self._streak = None, 0
+        return {proposal.instance: proposal.lane}
+
+    def held(self) -> dict[str, Lane]:
+        return dict(self._held)
+
+    def __repr__(self) -> str:
+        held = " ".join(f"{name}={lane.value}" for name, lane in self._held.items())
+        return f"<LaneSplit {'on' if self.enabled else 'off'} {held}>"
+
+
+def capacities(states: Sequence[InstanceState]) -> dict[str, float]:
+    """Each instance's prefill rate: learned, else the fleet median scaled by its weight,
+    else its weight (all in one unit where anything is learned)."""
+    median = speed.median(s.speed.prefill.value for s in states)
+    out = {}
+    for s in states:
+        rate = s.speed.prefill.value
+        out[s.name] = rate if rate is not None else (median or 1.0) * s.spec.weight
+    return out
+
+
+def work(states: Sequence[InstanceState], mix: Mix) -> dict[Lane, float]:
+    """Each lane's work in prompt tokens: an output token on a full batch costs what
+    one engine step's share of a sequence costs, tpot / slots, in prefill tokens."""
+    rate = speed.median(s.speed.prefill.value for s in states) or PRIOR_PREFILL
+    tpot = speed.median(s.speed.tpot.value for s in states) or PRIOR_TPOT
+    slots = speed.median(float(s.spec.slots) for s in states) or 1.0
+    per_output = tpot / slots * rate
+    return {lane: mix.prompt[lane] + per_output * mix.output[lane] for lane in Lane}
+
+
+def load(
+    states: Sequence[InstanceState],
+    held: dict[str, Lane],
+    demand: dict[Lane, float],
+    caps: dict[str, float],
+    now: float,
+) -> float:
+    """The busier lane's work / capacity (infinite where a lane with work has none)."""
+    worst = 0.0
+    for lane in Lane:
+        if demand[lane] <= 0:
+            continue
+        cap = sum(
+            caps[s.name]
+            for s in states
+            if s.available(now) and (s.spec.lane == lane.value or held.get(s.name) is lane)
+        )
+        worst = max(worst, demand[lane] / cap if cap > 0 else math.inf)
+    return worst
+
+
+def propose(
+    states: Sequence[InstanceState], held: dict[str, Lane], mix: Mix, now: float
+) -> Move | None:
+    """The one move that best lowers the busier lane's load, if worth making.
+
+    Pure: a function of the instances' speeds and availability, who holds what, and the
+    mix. A lane with no work gives its instances away (the fastest first); otherwise a
+    move must cut the busier lane's load by `MARGIN`.
+    """
+    demand = work(states, mix)
+    if all(w <= 0 for w in demand.values()):
+        return None
+    caps = capacities(states)
+    current = load(states, held, demand, caps, now)
+    best: tuple[float, float, str, Lane] | None = None
+    for s in states:
+        lane = held.get(s.name)
+        if lane is None or not s.available(now):
+            continue  # static, or down: moving it changes no capacity
+        to = _other(lane)
+        if demand[to] <= 0:
+            continue  # a lane without traffic needs no instance
+        after = load(states, {**held, s.name: to}, demand, caps, now)
+        # Lowest load after the move; among equals the fastest instance; then by name.
+        key = (after, -caps[s.name], s.name, to)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None
+    after, _, name, to = best
+    idle_from = demand[_other(to)] <= 0
+    if idle_from or after < current * (1 - MARGIN):
+        return Move(name, to)
+    return None
