@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest import compare, harness, overhead, scenarios
+from loadtest import compare, harness, lanes_bench, overhead, scenarios
 from loadtest.loadgen import Mix
 from loadtest.workloads import ConversationMix, PrefixMix
 
@@ -157,6 +157,22 @@ def _parser() -> argparse.ArgumentParser:
     _mix(p, 0.2, "32-128")
     _common(p)
 
+    p = sub.add_parser("lanes", help="issue 10's mix: short prompts kept out of long prefills")
+    defaults = lanes_bench.LanesOptions()
+    p.add_argument("--setups", type=_names, default=defaults.setups, help="strategy[:shared],...")
+    p.add_argument("--speeds", type=_floats, default=defaults.speeds)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    p.add_argument("--loads", type=_floats, default=defaults.loads, help="shares of capacity")
+    p.add_argument("--duration", type=float, default=defaults.duration, help="seconds per load")
+    p.add_argument("--name", default=defaults.name, help="report file name")
+    g = p.add_argument_group("workload mix (default: the issue's)")
+    g.add_argument("--long-share", type=float, default=lanes_bench.ISSUE_MIX.long_share)
+    g.add_argument("--short-tokens", type=_range, default=lanes_bench.ISSUE_MIX.short_tokens)
+    g.add_argument("--long-tokens", type=_range, default=lanes_bench.ISSUE_MIX.long_tokens)
+    g.add_argument("--max-tokens", type=_range, default=lanes_bench.ISSUE_MIX.max_tokens)
+    _common(p)
+
     p = sub.add_parser("overhead", help="the gateway's added latency, CPU and memory")
     p.add_argument("--idle-requests", type=int, default=400, help="per arm, concurrency 1")
     p.add_argument("--requests", type=int, default=3000, help="loaded run")
@@ -253,6 +269,19 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 clients=args.clients,
                 ladder=args.ladder,
                 ladder_duration=args.ladder_duration,
+            ),
+            common,
+        ),
+        "lanes": lambda: lanes_bench.lanes(
+            lanes_bench.LanesOptions(
+                setups=args.setups,
+                speeds=args.speeds,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                loads=args.loads,
+                duration=args.duration,
+                mix=_mix_of(args),
+                name=args.name,
             ),
             common,
         ),

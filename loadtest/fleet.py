@@ -74,6 +74,13 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
     parser.add_argument("--max-num-seqs", type=int, default=SimConfig.max_num_seqs)
     parser.add_argument("--max-waiting", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SimConfig.max_num_batched_tokens,
+        help="token budget per engine step, decodes and prefill chunks (vLLM's flag; "
+        f"default: {SimConfig.max_num_batched_tokens})",
+    )
     parser.add_argument("--model", default=SimConfig.model)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0, help="instance i gets seed+i")
@@ -101,6 +108,7 @@ async def _run(args: argparse.Namespace) -> None:
             speed=speed,
             max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             api_key=args.api_key,
             instant=args.instant,
             seed=args.seed + index,

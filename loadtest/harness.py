@@ -131,6 +131,7 @@ async def fleet_process(
     instant: bool = False,
     core: int | None = None,
     prefix_cache_blocks: int = 0,
+    max_num_batched_tokens: int | None = None,
 ) -> AsyncIterator[FleetProc]:
     """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
 
@@ -154,6 +155,8 @@ async def fleet_process(
         args.append("--instant")
     if prefix_cache_blocks:
         args += ["--prefix-cache-blocks", str(prefix_cache_blocks)]
+    if max_num_batched_tokens:
+        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -178,6 +181,7 @@ def gateway_files(
     dispatch: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
     slo: dict[str, Any] | None = None,
+    prefill: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     """Write the config.toml and settings.json a scenario's gateway runs with."""
     sections: dict[str, dict[str, Any]] = {
@@ -191,6 +195,8 @@ def gateway_files(
     }
     if slo:  # the operator's objectives, as the load generator judges them
         sections["slo"] = slo
+    if prefill:
+        sections["prefill"] = prefill
     lines = []
     for name, values in sections.items():
         lines.append(f"[{name}]")
@@ -254,6 +260,7 @@ async def gateway_process(
     gateway: dict[str, Any] | None = None,
     source: Path | None = None,
     slo: dict[str, Any] | None = None,
+    prefill: dict[str, Any] | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
@@ -272,6 +279,7 @@ async def gateway_process(
             dispatch=dispatch,
             gateway=gateway,
             slo=slo,
+            prefill=prefill,
         )
         log = folder / "gateway.log"
         env = {**os.environ, "GATEWAY_API_KEY": KEY}

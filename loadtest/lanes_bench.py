@@ -1,0 +1,211 @@
+"""The `lanes` scenario (issue 10): keep short prompts out of long prefills.
+
+The issue's mix: half the requests 200-token prompts, half 6,000-token ones, every one
+max_tokens 32, on the slow-card fleet (speeds 1, 1, 1, 0.4) whose simulated engines
+batch up to 8,192 tokens a step (vLLM's default `max_num_batched_tokens` for its OpenAI
+server on GPUs of 70 GiB and more), Poisson arrivals at each of `loads` times the fleet's
+capacity. Every setup gets a fresh fleet (and gateway) and exactly the same requests.
+
+Setups: a strategy name (`least_busy`, `least_time`) runs the gateway as configured by
+default, with the split between the lanes; `<strategy>:shared` runs it with
+`lane_split = false`, every instance serving both lanes and long prefills capped by
+`max_long_per_instance` (the gateway before the split). Baselines other routers would
+give are run where `compare.BASELINES` has them, and skipped with a line otherwise.
+
+Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
+tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loadtest import compare, harness, report
+from loadtest.loadgen import Client, Mix, RequestSpec, Route, Run, make_workload, run_open, session
+from loadtest.scenarios import (
+    Common,
+    cores,
+    fleet_names,
+    pin_self,
+    plot_path,
+    relabel,
+    say,
+    summarize,
+    write_json,
+)
+from loadtest.sim_engine import SimConfig
+
+ISSUE_MIX = Mix(
+    long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)
+)
+
+
+@dataclass(frozen=True)
+class LanesOptions:
+    setups: tuple[str, ...] = ("least_busy:shared", "least_busy", "least_time")
+    speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    loads: tuple[float, ...] = (0.75, 1.0)
+    duration: float = 40.0  # seconds of Poisson arrivals per load
+    mix: Mix = field(default_factory=lambda: ISSUE_MIX)
+    name: str = "lanes"  # the report's file name (JSON and PNG)
+
+
+async def _gateway_run(
+    setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
+) -> tuple[Run, dict[str, str]]:
+    """One fresh fleet behind a fresh gateway running `setup`; the run and the fleet's names."""
+    strategy, _, variant = setup.partition(":")
+    gw_core, fleet_core = cores(common)
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await stack.enter_async_context(
+            harness.fleet_process(
+                opts.speeds,
+                max_num_seqs=opts.max_num_seqs,
+                seed=common.seed,
+                core=fleet_core,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
+            )
+        )
+        gw = await stack.enter_async_context(
+            harness.gateway_process(
+                fleet.urls,
+                strategy=strategy,
+                max_num_seqs=opts.max_num_seqs,
+                core=gw_core,
+                source=common.gateway_dir,
+                slo={
+                    "ttft": common.ttft_slo,
+                    "tpot": common.tpot_slo,
+                    "long_ttft": common.ttft_slo,
+                    "long_tpot": common.tpot_slo,
+                },
+                prefill={"lane_split": variant != "shared"},
+            )
+        )
+        route: Route = lambda spec, worker: gw.base_url  # noqa: E731
+        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        run = await run_open(client, specs, route, label=setup, limit=common.limit)
+        return run, fleet_names(fleet.urls, opts.speeds)
+    raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
+
+
+def by_class(run: Run, common: Common, names: dict[str, str]) -> report.Summary:
+    """The run's summary plus TTFT per prompt class, short requests' latency, and the raw
+    TTFTs of each class (for the CDF)."""
+    summary = relabel(summarize(run, common), names)
+    ok = [r for r in run.results if r.ok and r.ttft is not None]
+    for name, long in (("short", False), ("long", True)):
+        ttfts = sorted(r.ttft for r in ok if r.long is long and r.ttft is not None)
+        summary[f"{name}_ttft_s"] = report.percentiles(ttfts)
+        summary[f"{name}_ttfts"] = ttfts
+    summary["short_latency_s"] = report.percentiles(
+        r.latency for r in ok if not r.long and r.latency is not None
+    )
+    return summary
+
+
+async def _one(
+    setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
+) -> report.Summary | None:
+    baselines = getattr(compare, "BASELINES", {})
+    if setup in baselines:
+        found = await baselines[setup](specs, opts, common)
+        if found is None:
+            say(f"{setup}: skipped (not installed)")
+            return None
+        run, names = found
+    elif setup.partition(":")[0] in ("least_busy", "least_time", "round_robin"):
+        run, names = await _gateway_run(setup, specs, opts, common)
+    else:
+        say(f"{setup}: skipped (no such setup here)")
+        return None
+    return by_class(run, common, names)
+
+
+async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
+    """Every setup at every load, on the same requests per load."""
+    pin_self(common)
+    cap = compare.capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
+    say(f"capacity estimate {cap:.1f} req/s")
+    loads: dict[str, dict[str, report.Summary]] = {}
+    for load in opts.loads:
+        rate = load * cap
+        count = max(1, round(rate * opts.duration))
+        specs = make_workload(count, opts.mix, common.seed, rate=rate)
+        say(f"open loop at {load:.0%} of capacity: {rate:.1f} req/s, {count} requests")
+        runs = {}
+        for setup in opts.setups:
+            summary = await _one(setup, specs, opts, common)
+            if summary is not None:
+                runs[setup] = summary
+        loads[f"{load:g}"] = runs
+        say(table(runs))
+    body = {"options": asdict(opts), "capacity_req_per_s": cap, "loads": loads}
+    say(f"wrote {write_json(common, opts.name, body)}")
+    if plot_path(common, f"{opts.name}.png"):
+        plot_cdf(loads, common.out / f"{opts.name}.png", opts)
+    return body
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f}"
+
+
+def table(runs: dict[str, report.Summary]) -> str:
+    """The issue's table: per-class TTFT, latency, tokens/s, goodput."""
+    rows = []
+    for name, s in runs.items():
+        short, long = s["short_ttft_s"], s["long_ttft_s"]
+        rows.append(
+            [
+                name,
+                f"{_cell(short['p50'])} / {_cell(short['p99'])}",
+                f"{_cell(long['p50'])} / {_cell(long['p99'])}",
+                _cell(s["latency_s"]["p50"]),
+                _cell(s["short_latency_s"]["p50"]),
+                f"{s['output_tokens_per_s']:,.0f}",
+                f"{s['goodput_rps']:.2f}",
+                str(sum(s["errors"].values())),
+            ]
+        )
+    headers = [
+        "setup",
+        "short p50 / p99 TTFT ms",
+        "long p50 / p99 TTFT ms",
+        "p50 latency ms",
+        "short p50 latency ms",
+        "out tok/s",
+        "goodput req/s",
+        "errors",
+    ]
+    return report.table(headers, rows)
+
+
+def plot_cdf(loads: dict[str, dict[str, report.Summary]], path: Any, opts: LanesOptions) -> None:
+    """TTFT CDF per prompt class (columns) and load (rows), one line per setup."""
+    plt = report._pyplot()
+    fig, axes = plt.subplots(len(loads), 2, figsize=(11, 3.6 * len(loads)), squeeze=False)
+    for row, (load, runs) in enumerate(loads.items()):
+        for col, klass in enumerate(("short", "long")):
+            ax = axes[row][col]
+            for name, s in runs.items():
+                ttfts = s[f"{klass}_ttfts"]
+                if ttfts:
+                    ys = [(k + 1) / len(ttfts) for k in range(len(ttfts))]
+                    ax.step([t * 1000 for t in ttfts], ys, where="post", label=name)
+            ax.set_xscale("log")
+            ax.set_xlabel("TTFT (ms)")
+            ax.set_ylabel("share of requests")
+            ax.set_title(f"{klass} prompts, {float(load):.0%} of capacity", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            if ax.get_lines():
+                ax.legend(fontsize=7)
+    fig.suptitle(f"TTFT CDF: speeds {opts.speeds}, {opts.mix.long_share:.0%} long prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,34 @@
+"""The `lanes` benchmark scenario end to end, tiny: every setup runs on the same requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest import lanes_bench, report, scenarios
+from loadtest.loadgen import Mix
+
+TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_tokens=(3, 3))
+
+
+async def test_lanes_smoke(tmp_path: Path) -> None:
+    """lanes runs the split, the shared gateway and an unknown setup (skipped), per class."""
+    opts = lanes_bench.LanesOptions(
+        setups=("least_busy:shared", "least_time", "nginx_nowhere"),
+        speeds=(1.0, 0.4),
+        loads=(0.4,),
+        duration=2.0,
+        mix=TINY,
+    )
+    common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
+    body = await lanes_bench.lanes(opts, common)
+    runs = body["loads"]["0.4"]
+    assert set(runs) == {"least_busy:shared", "least_time"}
+    assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
+    for summary in runs.values():
+        assert summary["ok"] == summary["requests"]
+        assert len(summary["short_ttfts"]) + len(summary["long_ttfts"]) == summary["ok"]
+        assert summary["long_ttfts"] == sorted(summary["long_ttfts"])
+        assert summary["short_ttft_s"]["p50"] is not None
+    assert json.loads((tmp_path / "lanes.json").read_text())["loads"]
+    assert (tmp_path / "lanes.png").exists() == report.can_plot()
