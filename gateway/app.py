@@ -30,6 +30,7 @@ from .dispatch import (
     Scheduler,
     score_all,
 )
+from .dispatch.select import LeastTime
 from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
@@ -130,6 +131,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     strategy = STRATEGIES[dispatch.strategy](
         stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
     )
+    if isinstance(strategy, LeastTime):
+        strategy.decode = dispatch.least_time_decode
     scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
     metrics.watch(scheduler, dispatcher.clock)

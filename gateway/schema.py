@@ -89,6 +89,9 @@ class DispatchSection(Frozen):
     # Blocks of 64 prompt tokens remembered per instance for prefix affinity; 0 turns
     # affinity off. The default covers about 524k tokens, a typical instance's KV cache.
     prefix_index_blocks: int = Field(8192, ge=0)
+    # least_time: "full" counts every output token's decode time (end-to-end latency);
+    # "over_objective" only the time beyond the lane's TPOT objective.
+    least_time_decode: Literal["full", "over_objective"] = "full"
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")

@@ -7,9 +7,11 @@ server on GPUs of 70 GiB and more), Poisson arrivals at each of `loads` times th
 capacity. Every setup gets a fresh fleet (and gateway) and exactly the same requests.
 
 Setups: a strategy name (`least_busy`, `least_time`) runs the gateway as configured by
-default, with the split between the lanes; `<strategy>:shared` runs it with
-`lane_split = false`, every instance serving both lanes and long prefills capped by
-`max_long_per_instance` (the gateway before the split). Baselines other routers would
+default, with the split between the lanes; flags after a colon, joined by `+`, change
+that: `shared` sets `lane_split = false`, every instance serving both lanes and long
+prefills capped by `max_long_per_instance` (the gateway before the split);
+`over_objective` sets `least_time_decode = "over_objective"` (least_time before it
+counted every output token), e.g. `least_time:shared+over_objective`. Baselines other routers would
 give are run where `compare.BASELINES` has them, and skipped with a line otherwise.
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
@@ -45,7 +47,12 @@ ISSUE_MIX = Mix(
 
 @dataclass(frozen=True)
 class LanesOptions:
-    setups: tuple[str, ...] = ("least_busy:shared", "least_busy", "least_time")
+    setups: tuple[str, ...] = (
+        "least_busy:shared",
+        "least_busy",
+        "least_time:shared+over_objective",
+        "least_time",
+    )
     speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 8192
@@ -60,6 +67,10 @@ async def _gateway_run(
 ) -> tuple[Run, dict[str, str]]:
     """One fresh fleet behind a fresh gateway running `setup`; the run and the fleet's names."""
     strategy, _, variant = setup.partition(":")
+    flags = set(variant.split("+")) if variant else set()
+    unknown = flags - {"shared", "over_objective"}
+    if unknown:
+        raise ValueError(f"unknown setup flags {sorted(unknown)} in {setup!r}")
     gw_core, fleet_core = cores(common)
     async with contextlib.AsyncExitStack() as stack:
         fleet = await stack.enter_async_context(
@@ -84,7 +95,10 @@ async def _gateway_run(
                     "long_ttft": common.ttft_slo,
                     "long_tpot": common.tpot_slo,
                 },
-                prefill={"lane_split": variant != "shared"},
+                prefill={"lane_split": "shared" not in flags},
+                dispatch={"least_time_decode": "over_objective"}
+                if "over_objective" in flags
+                else None,
             )
         )
         route: Route = lambda spec, worker: gw.base_url  # noqa: E731

@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from . import speed
 from .model import InstanceState, Lane, Ticket
@@ -151,13 +152,18 @@ class LeastTime:
         cached    = this prompt's tokens estimated in its prefix cache (affinity.py)
         slot_wait = when all its slots are taken: (queued + 1) x max_tokens x tpot / slots
         ttft      = (ahead + prompt tokens - cached) / prefill rate + slot_wait
-        cost      = (ttft + max_tokens x max(0, tpot - the lane's TPOT objective))
-                    x (1 + failures)
+        decode    = max_tokens x tpot                             (decode = "full")
+                    max_tokens x max(0, tpot - the lane's TPOT objective)
+                                                                  (decode = "over_objective")
+        cost      = (ttft + decode) x (1 + failures)
 
-    The last term lets decode speed weigh in for long outputs, and only where it matters
-    to the user: an instance that decodes slower than the TPOT objective pays for each
-    token it would be late; one within the objective is judged on time to first token
-    alone, so a slow card that still meets the objective keeps the share its speed earns.
+    With "full" (the default) the cost is the predicted end-to-end latency: decode time
+    counts in proportion to the output, so it decides where the output is long enough to
+    matter and not where it is not (a one-token answer is judged on TTFT alone); an
+    instance whose steps are slowed by the long prefills it carries (its learned TPOT
+    shows them) loses decode-heavy requests, so TTFT is not bought with end-to-end time.
+    With "over_objective" an instance within the TPOT objective is judged on TTFT alone,
+    and one slower pays for each token it would be late.
     A cached prefix is one term of the same cost, not a switch: it saves its prefill
     time where it is cached, and a hot prefix spreads to another instance once the work
     queued where it is cached outweighs what the cache saves.
@@ -172,10 +178,14 @@ class LeastTime:
     DEFAULT_TPOT_OBJECTIVE = 0.1  # s, the [slo] default
 
     def __init__(
-        self, stale_after: float, tpot_objectives: Mapping[Lane, float] | None = None
+        self,
+        stale_after: float,
+        tpot_objectives: Mapping[Lane, float] | None = None,
+        decode: Literal["full", "over_objective"] = "full",
     ) -> None:
         self.stale_after = stale_after
         self.tpot_objectives = dict(tpot_objectives or {})
+        self.decode = decode
 
     def predict(
         self, state: InstanceState, fleet: Sequence[InstanceState], ticket: Ticket, now: float
@@ -202,8 +212,11 @@ class LeastTime:
             queued = state.inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
-            decode_extra = ticket.max_tokens * max(0.0, tpot - objective)
-            out[state.name] = (ttft + decode_extra) * (1 + state.consecutive_failures)
+            if self.decode == "full":
+                decode = ticket.max_tokens * tpot
+            else:
+                decode = ticket.max_tokens * max(0.0, tpot - objective)
+            out[state.name] = (ttft + decode) * (1 + state.consecutive_failures)
         return out
 
     def choose(
