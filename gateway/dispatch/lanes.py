@@ -6,15 +6,24 @@ so its time to first token and each of its decode steps pay for a long prefill. 
 the prefill/decode interference DistServe is about. `max_long_per_instance` bounds the
 damage but spreads it over the whole fleet. Instead, each `lane = "any"` instance is
 held by one lane at a time: short requests go to the short-held ones, long requests to
-the long-held ones, and either may spill to the other lane's instances only when none of
-its own has room (the scheduler decides that; this module says who holds what).
+the long-held ones, and either spills to the other lane's instances only when none of
+its own has a free running slot and one of theirs has (`prefer`).
 
 How the split is sized: the work each lane asked for over the last `WINDOW` seconds
 (uncached prompt tokens, plus its output tokens counted at what a decode token costs in
 prefill tokens on a full batch), against each lane's capacity (the sum of its available
-instances' learned prefill rates; weights where nothing is learned yet). The split
-minimises the busier lane's load, work / capacity. Static `short` and `long` instances
-count toward their lane's capacity and never move.
+instances' prefill rates). The split minimises the busier lane's load, work / capacity.
+Static `short` and `long` instances count toward their lane's capacity and never move.
+
+Which prefill rate: `InstanceState.speed` learns one from every first token, but a short
+prompt's first token also waits for its engine step's fixed cost (the decode of every
+running sequence), so an instance serving short prompts looks several times slower than
+one serving long prompts on the same card; sized by those rates, the split would hand
+the short lane more and more instances. So the split learns its own rate from bulk
+samples only, `BULK_TOKENS` or more of prefill work (the prompt and the work ahead of
+it), where the fixed cost is a few per cent. An instance without a bulk sample counts at
+the median bulk rate times its weight; with none anywhere, the learned rates, else the
+weights.
 
 Hysteresis: one evaluation per health round proposes at most one move (one instance to
 the other lane), and only if it cuts the busier lane's load by `MARGIN`; the same
@@ -36,6 +45,7 @@ from . import speed
 from .model import InstanceLane, InstanceState, Lane
 
 WINDOW = 30.0  # seconds of assignments the mix is measured over
+BULK_TOKENS = 2048  # prefill samples this large teach the split an instance's rate
 BUCKETS = 15  # the window slides in steps of WINDOW / BUCKETS
 MARGIN = 0.1  # a move must cut the busier lane's load by at least this share
 CONFIRM = 2  # evaluations in a row that must propose the same move
@@ -77,6 +87,7 @@ class LaneSplit:
         self._width = WINDOW / BUCKETS
         self._pending: Move | None = None
         self._streak = 0
+        self._bulk: dict[str, speed.Ewma] = {}  # prefill rates from bulk samples
 
     # ------------------------------------------------------------ queries
 
@@ -87,16 +98,33 @@ class LaneSplit:
         return self._held.get(state.name, Lane.SHORT).value
 
     def prefer(self, pool: Sequence[InstanceState], lane: Lane) -> list[InstanceState]:
-        """The instances of `pool` that `lane` holds now; all of `pool` if it holds none
-        of them (a request spills only when none of its own lane's instances has room)."""
+        """Where a `lane` request may go, of the instances in `pool` (all with room).
+
+        Its own lane's instances while one of them has a free running slot; else the other
+        lane's that have one (it runs at once there, beside their prompts, rather than
+        queue at its own); else its own again (it queues there); else any of `pool`.
+        """
         own = [s for s in pool if self.lane(s) in (lane.value, "any")]
-        return own or list(pool)
+        if not own or len(own) == len(pool) or any(_free(s) for s in own):
+            return own or list(pool)
+        return [s for s in pool if s not in own and _free(s)] or own
 
     def capped(self, state: InstanceState) -> bool:
         """Whether long requests there are bounded by `max_long_per_instance`: on a shared
         instance the long lane does not hold (on a long-held one, as on a static `long`
         one, no cap applies)."""
         return self.lane(state) != "long"
+
+    def observe_prefill(self, name: str, tokens: int, seconds: float) -> None:
+        """A first token came `seconds` after sending, with `tokens` of prefill work (its
+        own and what was ahead of it); only bulk samples teach the split's rates."""
+        if self.enabled and tokens >= BULK_TOKENS and seconds > 0:
+            rate = self._bulk.setdefault(name, speed.Ewma(higher_is_better=True))
+            rate.update(tokens / seconds)
+
+    def rates(self) -> dict[str, float]:
+        """The bulk prefill rates learned so far, tokens/s."""
+        return {n: r.value for n, r in self._bulk.items() if r.value is not None}
 
     # ------------------------------------------------------------ the window
 
@@ -131,7 +159,7 @@ class LaneSplit:
         """One health round's look at the mix: the moves made now (at most one)."""
         if not self.enabled or not self._held:
             return {}
-        proposal = propose(states, dict(self._held), self.mix(now), now)
+        proposal = propose(states, dict(self._held), self.mix(now), now, self.rates())
         if proposal is None or proposal != self._pending:
             self._pending, self._streak = proposal, 0
         if proposal is None:
@@ -151,22 +179,39 @@ class LaneSplit:
         return f"<LaneSplit {'on' if self.enabled else 'off'} {held}>"
 
 
-def capacities(states: Sequence[InstanceState]) -> dict[str, float]:
-    """Each instance's prefill rate: learned, else the fleet median scaled by its weight,
-    else its weight (all in one unit where anything is learned)."""
-    median = speed.median(s.speed.prefill.value for s in states)
-    out = {}
-    for s in states:
-        rate = s.speed.prefill.value
-        out[s.name] = rate if rate is not None else (median or 1.0) * s.spec.weight
-    return out
+def _free(state: InstanceState) -> bool:
+    """Whether it has a running slot free of our requests (one more would not queue)."""
+    return state.inflight < state.spec.slots
 
 
-def work(states: Sequence[InstanceState], mix: Mix) -> dict[Lane, float]:
+def capacities(
+    states: Sequence[InstanceState], bulk: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Each instance's prefill rate, in one unit for all: its bulk rate, else the median
+    bulk rate times its weight; with no bulk rate anywhere, its learned rate, else the
+    median learned rate times its weight; with nothing learned, its weight."""
+    rates = bulk or {}
+    if not rates:
+        rates = {s.name: v for s in states if (v := s.speed.prefill.value) is not None}
+    median = speed.median(rates.values()) or 1.0
+    return {s.name: rates.get(s.name, median * s.spec.weight) for s in states}
+
+
+def work(
+    states: Sequence[InstanceState], mix: Mix, caps: dict[str, float] | None = None
+) -> dict[Lane, float]:
     """Each lane's work in prompt tokens: an output token on a full batch costs what
     one engine step's share of a sequence costs, tpot / slots, in prefill tokens."""
-    rate = speed.median(s.speed.prefill.value for s in states) or PRIOR_PREFILL
-    tpot = speed.median(s.speed.tpot.value for s in states) or PRIOR_TPOT
+    rates = capacities(states, caps)
+    median = speed.median(rates.values()) or 1.0
+    learned = bool(caps) or any(s.speed.prefill.value is not None for s in states)
+    rate = median if learned else PRIOR_PREFILL  # nothing learned: rates are bare weights
+    # The least interfered decode (on the instance whose steps carry the least prefill),
+    # scaled to a median-speed card.
+    tpot = min(
+        (v * rates[s.name] / median for s in states if (v := s.speed.tpot.value) is not None),
+        default=PRIOR_TPOT,
+    )
     slots = speed.median(float(s.spec.slots) for s in states) or 1.0
     per_output = tpot / slots * rate
     return {lane: mix.prompt[lane] + per_output * mix.output[lane] for lane in Lane}
@@ -194,7 +239,11 @@ def load(
 
 
 def propose(
-    states: Sequence[InstanceState], held: dict[str, Lane], mix: Mix, now: float
+    states: Sequence[InstanceState],
+    held: dict[str, Lane],
+    mix: Mix,
+    now: float,
+    bulk: dict[str, float] | None = None,
 ) -> Move | None:
     """The one move that best lowers the busier lane's load, if worth making.
 
@@ -202,10 +251,10 @@ def propose(
     mix. A lane with no work gives its instances away (the fastest first); otherwise a
     move must cut the busier lane's load by `MARGIN`.
     """
-    demand = work(states, mix)
+    caps = capacities(states, bulk)
+    demand = work(states, mix, bulk)
     if all(w <= 0 for w in demand.values()):
         return None
-    caps = capacities(states)
     current = load(states, held, demand, caps, now)
     best: tuple[float, float, str, Lane] | None = None
     for s in states:

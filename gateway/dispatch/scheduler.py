@@ -231,6 +231,7 @@ class Scheduler:
         self._end_prefill(held, now)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
+            self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
         return self._drain(now, rng) if held.long_place else []
 
     def observe_tpot(self, name: str, seconds: float) -> None:

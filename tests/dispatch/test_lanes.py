@@ -19,7 +19,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
-from gateway.dispatch.lanes import CONFIRM, WINDOW, LaneSplit
+from gateway.dispatch.lanes import BULK_TOKENS, CONFIRM, WINDOW, LaneSplit
 from gateway.dispatch.model import InstanceLane
 
 FAR = 1e9
@@ -94,6 +94,40 @@ def test_a_short_heavy_mix_keeps_most_instances_short() -> None:
         split.record(Lane.LONG, 6000, 128, float(t))
         split.evaluate(states, t + 0.5)
     assert sorted(lanes_of(split, states).values()) == ["long", "short", "short", "short"]
+
+
+def _bulk_samples(split: LaneSplit, states: list[InstanceState]) -> None:
+    """Each instance's first tokens after 6,000 tokens of prefill, at its true speed."""
+    for s in states:
+        assert s.speed.prefill.value is not None
+        split.observe_prefill(s.name, 6000, 6000 / s.speed.prefill.value)
+
+
+def test_short_first_tokens_do_not_make_the_short_lane_look_slow() -> None:
+    """The slow card, serving short prompts, learns a prefill rate 10x too low (each first
+    token waits for a whole engine step); the split sizes by bulk samples and keeps it
+    alone in the short lane, where those learned rates would move a fast card to it."""
+    for with_bulk in (True, False):
+        states = fleet(1, 1, 1, 0.4)
+        split = LaneSplit(states)
+        _bulk_samples(split, states)
+        run(split, states, 20, short=7, long=7, t0=0.0)
+        assert lanes_of(split, states)["i3"] == "short"
+        states[3].speed.prefill.value = 0.4 * FAST / 10  # what short first tokens teach
+        if not with_bulk:
+            split._bulk.clear()  # as if sized by InstanceState.speed alone
+        run(split, states, 10, short=7, long=7, t0=20.0)
+        short = [name for name, lane in lanes_of(split, states).items() if lane == "short"]
+        assert (short == ["i3"]) is with_bulk, (with_bulk, short)
+
+
+def test_small_prefill_samples_teach_the_split_nothing() -> None:
+    """Only samples of BULK_TOKENS or more of prefill work count toward the split's rates."""
+    split = LaneSplit(fleet(1))
+    split.observe_prefill("i0", BULK_TOKENS - 1, 0.001)
+    assert split.rates() == {}
+    split.observe_prefill("i0", BULK_TOKENS, 0.1)
+    assert split.rates() == {"i0": BULK_TOKENS / 0.1}
 
 
 def test_no_long_traffic_in_the_window_gives_every_instance_back_to_short() -> None:
@@ -296,6 +330,24 @@ def test_a_short_request_spills_to_a_long_held_card_when_its_own_is_full() -> No
     for i in (1, 2):
         assert assigned_to(sched.submit(ticket(i, Lane.SHORT), now, rng)) == "i2"
     assert assigned_to(sched.submit(ticket(3, Lane.SHORT), now, rng)) in {"i0", "i1"}
+
+
+def test_a_request_spills_to_a_free_slot_rather_than_queue_at_its_own_lane() -> None:
+    """With the short card's slots taken, a short request runs at once on a long-held card
+    with a free slot rather than queue at the short card; with no free slot anywhere it
+    queues at its own lane's card."""
+    rng = random.Random(0)
+    sched = scheduler(1, 1, 0.4, limits=Limits(max_long_per_instance=1, max_queue_per_instance=4))
+    settle_split(sched, rng)
+    now = 20.0
+    assert [assigned_to(sched.submit(ticket(i, Lane.SHORT), now, rng)) for i in (1, 2)] == [
+        "i2",
+        "i2",
+    ]
+    assert assigned_to(sched.submit(ticket(3, Lane.SHORT), now, rng)) in {"i0", "i1"}
+    for i in (4, 5, 6):  # the long cards' remaining slots
+        assert assigned_to(sched.submit(ticket(i, Lane.LONG), now, rng)) in {"i0", "i1"}
+    assert assigned_to(sched.submit(ticket(7, Lane.SHORT), now, rng)) == "i2"
 
 
 def test_a_long_request_spilling_to_a_short_held_card_is_capped() -> None:
