@@ -22,8 +22,8 @@ one serving long prompts on the same card; sized by those rates, the split would
 the short lane more and more instances. So the split learns its own rate from bulk
 samples only, `BULK_TOKENS` or more of prefill work (the prompt and the work ahead of
 it), where the fixed cost is a few per cent. An instance without a bulk sample counts at
-the median bulk rate times its weight; with none anywhere, the learned rates, else the
-weights.
+the median bulk rate scaled by its learned speed relative to the others (else its
+weight); with no bulk sample anywhere, the learned rates; with nothing learned, weights.
 
 Hysteresis: one evaluation per health round proposes at most one move (one instance to
 the other lane), and only if it cuts the busier lane's load by `MARGIN`; the same
@@ -188,13 +188,26 @@ def capacities(
     states: Sequence[InstanceState], bulk: dict[str, float] | None = None
 ) -> dict[str, float]:
     """Each instance's prefill rate, in one unit for all: its bulk rate, else the median
-    bulk rate times its weight; with no bulk rate anywhere, its learned rate, else the
-    median learned rate times its weight; with nothing learned, its weight."""
+    bulk rate scaled by its learned speed relative to the instances with one, else by its
+    weight; with no bulk rate anywhere, the same from the learned rates; with nothing
+    learned, its weight."""
     rates = bulk or {}
+    learned = {s.name: v for s in states if (v := s.speed.prefill.value) is not None}
     if not rates:
-        rates = {s.name: v for s in states if (v := s.speed.prefill.value) is not None}
+        rates = learned
     median = speed.median(rates.values()) or 1.0
-    return {s.name: rates.get(s.name, median * s.spec.weight) for s in states}
+    # Without a rate of its own, an instance counts at the median times its speed
+    # relative to the instances with one (from the learned rates), else its weight.
+    ref = speed.median(v for n, v in learned.items() if n in rates)
+    out = {}
+    for s in states:
+        if s.name in rates:
+            out[s.name] = rates[s.name]
+        elif ref and s.name in learned:
+            out[s.name] = median * learned[s.name] / ref
+        else:
+            out[s.name] = median * s.spec.weight
+    return out
 
 
 def work(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
-from gateway.dispatch.lanes import BULK_TOKENS, CONFIRM, WINDOW, LaneSplit
+from gateway.dispatch.lanes import BULK_TOKENS, CONFIRM, WINDOW, LaneSplit, capacities
 from gateway.dispatch.model import InstanceLane
 
 FAR = 1e9
@@ -119,6 +120,21 @@ def test_short_first_tokens_do_not_make_the_short_lane_look_slow() -> None:
         run(split, states, 10, short=7, long=7, t0=20.0)
         short = [name for name, lane in lanes_of(split, states).items() if lane == "short"]
         assert (short == ["i3"]) is with_bulk, (with_bulk, short)
+
+
+def test_an_instance_without_bulk_samples_counts_at_its_relative_speed() -> None:
+    """A card never sent a long prompt counts at the median bulk rate scaled by its learned
+    speed relative to the cards with bulk samples; with nothing learned, by its weight."""
+    states = fleet(1, 1, 1, 0.4)
+    bulk = {s.name: 18_000.0 for s in states[:3]}
+    assert capacities(states, bulk) == {
+        "i0": 18_000.0,
+        "i1": 18_000.0,
+        "i2": 18_000.0,
+        "i3": pytest.approx(18_000.0 * 0.4),
+    }
+    fresh = [InstanceState(InstanceSpec(n, weight=w)) for n, w in (("a", 1.0), ("b", 3.0))]
+    assert capacities(fresh) == {"a": 1.0, "b": 3.0}
 
 
 def test_small_prefill_samples_teach_the_split_nothing() -> None:
