@@ -26,8 +26,9 @@ the median bulk rate scaled by its learned speed relative to the others (else it
 weight); with no bulk sample anywhere, the learned rates; with nothing learned, weights.
 
 Hysteresis: one evaluation per health round proposes at most one move (one instance to
-the other lane), and only if it cuts the busier lane's load by `MARGIN`; the same
-proposal must come `CONFIRM` evaluations in a row before it is made. Since every move
+the other lane, or two swapped between the lanes), and only if it cuts the busier lane's
+load by `MARGIN`; the same proposal must come `CONFIRM` evaluations in a row before it
+is made. Since every move
 strictly lowers a fixed objective, a steady mix never flaps: a move back would raise it.
 A lane with traffic never gives up its last available instance (its load would be
 infinite); a lane without traffic in the window gives its instances to the other one,
@@ -46,6 +47,7 @@ from .model import InstanceLane, InstanceState, Lane
 
 WINDOW = 30.0  # seconds of assignments the mix is measured over
 BULK_TOKENS = 2048  # prefill samples this large teach the split an instance's rate
+BULK_WEIGHT = 0.2  # of each new bulk sample in the moving average
 BUCKETS = 15  # the window slides in steps of WINDOW / BUCKETS
 MARGIN = 0.1  # a move must cut the busier lane's load by at least this share
 CONFIRM = 2  # evaluations in a row that must propose the same move
@@ -56,8 +58,9 @@ PRIOR_TPOT = 0.03  # s
 
 @dataclass(frozen=True)
 class Move:
-    instance: str
-    lane: Lane
+    """Instances and the lanes they go to: one, or two swapped between the lanes."""
+
+    changes: tuple[tuple[str, Lane], ...]
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class LaneSplit:
         self._width = WINDOW / BUCKETS
         self._pending: Move | None = None
         self._streak = 0
-        self._bulk: dict[str, speed.Ewma] = {}  # prefill rates from bulk samples
+        self._bulk: dict[str, float] = {}  # prefill rates from bulk samples, tokens/s
 
     # ------------------------------------------------------------ queries
 
@@ -119,12 +122,16 @@ class LaneSplit:
         """A first token came `seconds` after sending, with `tokens` of prefill work (its
         own and what was ahead of it); only bulk samples teach the split's rates."""
         if self.enabled and tokens >= BULK_TOKENS and seconds > 0:
-            rate = self._bulk.setdefault(name, speed.Ewma(higher_is_better=True))
-            rate.update(tokens / seconds)
+            # A plain moving average: unlike least_time's, which believes a slowdown at
+            # once, it must not keep one unlucky sample on an instance that then serves
+            # short prompts and takes no more bulk samples to correct it.
+            sample = tokens / seconds
+            old = self._bulk.get(name)
+            self._bulk[name] = sample if old is None else old + BULK_WEIGHT * (sample - old)
 
     def rates(self) -> dict[str, float]:
         """The bulk prefill rates learned so far, tokens/s."""
-        return {n: r.value for n, r in self._bulk.items() if r.value is not None}
+        return dict(self._bulk)
 
     # ------------------------------------------------------------ the window
 
@@ -156,7 +163,8 @@ class LaneSplit:
     # ------------------------------------------------------------ the split
 
     def evaluate(self, states: Sequence[InstanceState], now: float) -> dict[str, Lane]:
-        """One health round's look at the mix: the moves made now (at most one)."""
+        """One health round's look at the mix: the instances moved now (none, one, or
+        two swapped)."""
         if not self.enabled or not self._held:
             return {}
         proposal = propose(states, dict(self._held), self.mix(now), now, self.rates())
@@ -167,9 +175,9 @@ class LaneSplit:
         self._streak += 1
         if self._streak < CONFIRM:
             return {}
-        self._held[proposal.instance] = proposal.lane
+        self._held.update(proposal.changes)
         self._pending, self._streak = None, 0
-        return {proposal.instance: proposal.lane}
+        return dict(proposal.changes)
 
     def held(self) -> dict[str, Lane]:
         return dict(self._held)
@@ -258,34 +266,48 @@ def propose(
     now: float,
     bulk: dict[str, float] | None = None,
 ) -> Move | None:
-    """The one move that best lowers the busier lane's load, if worth making.
+    """The one move that best lowers the busier lane's load, if worth making: one
+    instance to the other lane, or two swapped between the lanes.
 
     Pure: a function of the instances' speeds and availability, who holds what, and the
     mix. A lane with no work gives its instances away (the fastest first); otherwise a
-    move must cut the busier lane's load by `MARGIN`.
+    move must cut the busier lane's load by `MARGIN`. A swap keeps both lanes' sizes and
+    trades a faster instance for a slower one: it gets the split out of a spot that no
+    single move improves (the slow card in the long lane, a fast one in the short).
     """
     caps = capacities(states, bulk)
     demand = work(states, mix, bulk)
     if all(w <= 0 for w in demand.values()):
         return None
-    current = load(states, held, demand, caps, now)
-    best: tuple[float, float, str, Lane] | None = None
-    for s in states:
-        lane = held.get(s.name)
-        if lane is None or not s.available(now):
-            continue  # static, or down: moving it changes no capacity
-        to = _other(lane)
+    movable = [s for s in states if s.name in held and s.available(now)]  # static, down: no
+    Changes = tuple[tuple[str, Lane], ...]
+    best: tuple[float, float, Changes] | None = None
+    for s in movable:
+        to = _other(held[s.name])
         if demand[to] <= 0:
             continue  # a lane without traffic needs no instance
         after = load(states, {**held, s.name: to}, demand, caps, now)
         # Lowest load after the move; among equals the fastest instance; then by name.
-        key = (after, -caps[s.name], s.name, to)
+        single: Changes = ((s.name, to),)
+        key = (after, -caps[s.name], single)
         if best is None or key < best:
             best = key
+    if best is not None and demand[_other(best[2][0][1])] <= 0:
+        return Move(best[2])  # from a lane without traffic: no margin needed
+    if all(w > 0 for w in demand.values()):
+        shorts = [s for s in movable if held[s.name] is Lane.SHORT]
+        longs = [s for s in movable if held[s.name] is Lane.LONG]
+        for a in shorts:
+            for b in longs:
+                if caps[a.name] == caps[b.name]:
+                    continue  # swapping equals changes nothing
+                changes: Changes = ((a.name, Lane.LONG), (b.name, Lane.SHORT))
+                after = load(states, {**held, **dict(changes)}, demand, caps, now)
+                key = (after, 0.0, changes)
+                if best is None or key < best:
+                    best = key
     if best is None:
         return None
-    after, _, name, to = best
-    idle_from = demand[_other(to)] <= 0
-    if idle_from or after < current * (1 - MARGIN):
-        return Move(name, to)
+    if best[0] < load(states, held, demand, caps, now) * (1 - MARGIN):
+        return Move(best[2])
     return None

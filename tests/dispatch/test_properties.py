@@ -485,7 +485,9 @@ class Harness:
     def update_lanes(self) -> None:
         before = dict(self.lanes)
         moves, out = self.sched.update_lanes(self.now, self.rng)
-        assert len(moves) <= 1, f"moved more than one instance at once: {moves}"
+        assert len(moves) <= 2, f"moved more than two instances at once: {moves}"
+        if len(moves) == 2:  # a swap: one each way
+            assert set(moves.values()) == set(Lane), moves
         for name, lane in moves.items():
             assert name in before, f"moved {name}, not a shared instance"
             assert before[name] is not lane, f"moved {name} to the lane it was in"

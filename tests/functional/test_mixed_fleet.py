@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
@@ -12,8 +14,9 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from loadtest.sim_vllm import SimConfig
 
 CARD = SimConfig(decode_s_per_token=0.004, prefill_tokens_per_s=20000, max_num_seqs=8)
+_ids = itertools.count()
 SHORT = "hi " * 10  # ~10 tokens
-LONG = "tell me " * 1000  # ~2,000 tokens, over the 400-token threshold below
+LONG = "tell me " * 1200  # ~2,400 tokens, over the 400-token threshold below
 
 
 async def _send(session: aiohttp.ClientSession, gw: Gateway, content: str) -> str:
@@ -35,20 +38,22 @@ async def _mixed(gw: Gateway, pairs: int) -> tuple[set[str], set[str]]:
             async with sem:
                 return await _send(session, gw, content)
 
-        prompts = [SHORT, LONG] * pairs
+        # Each prompt starts differently, so no prefix looks cached (affinity.py).
+        prompts = [f"{next(_ids):08d} {p}" for _ in range(pairs) for p in (SHORT, LONG)]
         got = await asyncio.gather(*(one(p) for p in prompts))
-    short = {name for name, p in zip(got, prompts, strict=True) if p is SHORT}
-    long = {name for name, p in zip(got, prompts, strict=True) if p is LONG}
+    short = {name for name, p in zip(got, prompts, strict=True) if len(p) < len(LONG)}
+    long = {name for name, p in zip(got, prompts, strict=True) if len(p) > len(LONG)}
     return short, long
 
 
 @asynccontextmanager
-async def _mixed_fleet(split: bool) -> AsyncIterator[Gateway]:
+async def _mixed_fleet(split: bool, *speeds: float) -> AsyncIterator[Gateway]:
     sections = {
         "dispatch": {"health_check_interval": 0.1, "max_num_seqs": 8},
         "prefill": {"long_input_threshold": 400, "max_long_per_instance": 2, "lane_split": split},
     }
-    async with fleet(CARD, CARD, CARD) as sims, gateway_with(sims, sections=sections) as gw:
+    cards = [replace(CARD, speed=s) for s in speeds or (1.0, 1.0, 1.0)]
+    async with fleet(*cards) as sims, gateway_with(sims, sections=sections) as gw:
         yield gw
 
 
@@ -91,3 +96,16 @@ async def test_with_the_split_off_both_lanes_share_every_instance() -> None:
         assert short & long
         lanes = gw.dispatcher.scheduler.lanes
         assert {lanes.lane(s) for s in gw.dispatcher.scheduler.states} == {"any"}
+
+
+async def test_the_slow_card_serves_the_short_lane() -> None:
+    """On a fleet with one card at 40% speed and a mix whose work is mostly long prefill,
+    the split gives the fast cards to the long lane and the slow card to the short one."""
+    async with _mixed_fleet(True, 1.0, 1.0, 1.0, 0.4) as gw:
+        lanes = gw.dispatcher.scheduler.lanes
+        states = gw.dispatcher.scheduler.states
+        slow = gw.names()[3]
+        async with asyncio.timeout(30):
+            while [lanes.lane(s) for s in states] != ["long", "long", "long", "short"]:
+                await _mixed(gw, 6)
+        assert lanes.lane(gw.dispatcher.scheduler.state(slow)) == "short"
