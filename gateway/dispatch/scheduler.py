@@ -38,9 +38,12 @@ from .model import (
     Lane,
     Limits,
     LoadReport,
+    LocalShare,
     Outcome,
+    PeerLoad,
     Queued,
     Rejected,
+    SharedView,
     Ticket,
 )
 from .queues import WaitQueues
@@ -86,6 +89,7 @@ class Scheduler:
             lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
         }
         self._queues = WaitQueues()
+        self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Departures per lane and model: each model's instances drain its own queue.
         self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
@@ -109,9 +113,12 @@ class Scheduler:
         """Requests that start before a new `lane` request for `model` would: queued for
         the same, and waiting at its instances beyond their running slots."""
         at_instances = sum(
-            max(0, s.inflight - s.spec.slots) for s in self._pool[lane] if s.serves_model(model)
+            max(0, s.fleet_inflight - s.spec.slots)
+            for s in self._pool[lane]
+            if s.serves_model(model)
         )
-        return self._queues.length_for(lane, model) + at_instances
+        peers_queued = self._shared.queued.get(lane, 0)
+        return self._queues.length_for(lane, model) + peers_queued + at_instances
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
@@ -166,7 +173,8 @@ class Scheduler:
             candidates = self._candidates(ticket, now)
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
-        if self._queues.fifo_length(ticket.lane) >= self.limits.gateway_queue_size:
+        queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
+        if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
             wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
@@ -298,10 +306,32 @@ class Scheduler:
         state.observed_models = models
         return self._drain(now, rng)
 
+    def apply_shared(self, view: SharedView, now: float, rng: random.Random) -> list[Decision]:
+        """What the other gateway processes hold now (load, queues, learned speeds).
+
+        Their load counts toward every instance's limit and score; their speeds blend
+        with ours, so every process judges a slow card alike. An empty view (no shared
+        store, or it is away) is the local view alone.
+        """
+        self._shared = view
+        for state in self.states:
+            state.peers = view.loads.get(state.name, PeerLoad())
+            state.speed.blend(view.speeds.get(state.name, ()))
+        # Peers may have let go of places: waiting requests may fit now.
+        return self._drain(now, rng) if self._queues else []
+
+    def share(self) -> LocalShare:
+        """What this process tells the others: its own load, queues and learned speeds."""
+        return LocalShare(
+            loads={s.name: PeerLoad(s.inflight, s.pending_prefill_tokens) for s in self.states},
+            speeds={s.name: s.speed.own() for s in self.states},
+            queued={lane: self._queues.length(lane) for lane in Lane},
+        )
+
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name[name]
         state.report = report
-        state.inflight_at_report = state.inflight
+        state.inflight_at_report = state.fleet_inflight
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -315,7 +345,7 @@ class Scheduler:
         return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
-        if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+        if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
         if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             return state.long_prefilling < self.limits.max_long_per_instance
