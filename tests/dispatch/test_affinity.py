@@ -232,6 +232,27 @@ def test_chats_with_one_long_system_prompt_share_its_blocks() -> None:
     assert index.match(two) >= full_system_blocks
 
 
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5)
+
+
+@given(st.integers(), st.lists(json_scalars | st.lists(json_scalars, max_size=2), max_size=6))
+def test_a_token_id_prompt_of_any_values_never_raises(first: int, rest: list[object]) -> None:
+    """Token ids out of 32-bit range or not ints at all give no prompt text, not an error."""
+    prompt = [first, *rest]
+    got = prompt_text({"prompt": prompt})
+    if all(isinstance(t, int) and -(2**31) <= t < 2**31 for t in prompt):
+        assert len(got) == 4 * len(prompt)
+    else:
+        assert got == b""
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=200))
+def test_token_id_prompts_are_four_little_endian_bytes_each(ids: list[int]) -> None:
+    """Valid token ids hash as 4 little-endian bytes each, the same on every replica."""
+    expected = b"".join(t.to_bytes(4, "little", signed=True) for t in ids)
+    assert prompt_text({"prompt": ids}) == expected
+
+
 # ------------------------------------------------------------------ the cost
 
 
