@@ -370,16 +370,31 @@ def test_a_long_request_mostly_cached_takes_no_long_place() -> None:
     rng = random.Random(6)
     document = text(0, 20_000 * 4)
     assert placed(sched.submit(tk(0, document, lane=Lane.LONG), 0.0, rng)) == "a"
-    assert sched.state("a").long_prefilling == 1  # the first one computes it all
-    # Same document, new 1,000-token question: 1,000 tokens to compute, under the threshold.
-    cheap = tk(1, document + text(1, 1000 * 4), lane=Lane.LONG)
-    assert placed(sched.submit(cheap, 0.0, rng)) == "a"
+    sched.prefill_done(0, 1.0, rng)  # the document is in a's cache now
+    sched.release(0, Outcome.SUCCESS, 2.0, rng)
+    # Another long prompt, still in prefill, holds a's one long place.
+    assert placed(sched.submit(tk(1, text(1, 20_000 * 4), lane=Lane.LONG), 3.0, rng)) == "a"
+    assert sched.state("a").long_prefilling == 1
+    # The document with a new 1,000-token question: 1,000 tokens to compute, a short job.
+    cheap = tk(2, document + text(2, 1000 * 4), lane=Lane.LONG)
+    assert placed(sched.submit(cheap, 3.0, rng)) == "a"
     assert sched.state("a").long_prefilling == 1
     # A different long prompt is real long work: it waits for the place.
-    assert isinstance(sched.submit(tk(2, text(2, 20_000 * 4), lane=Lane.LONG), 0.0, rng), Queued)
-    # A cached one whose uncached tail is itself long still needs a place.
-    tail = tk(3, document + text(3, 5000 * 4), lane=Lane.LONG)
-    assert isinstance(sched.submit(tail, 0.0, rng), Queued)
+    assert isinstance(sched.submit(tk(3, text(3, 20_000 * 4), lane=Lane.LONG), 3.0, rng), Queued)
+
+
+def test_a_long_request_whose_uncached_tail_is_long_still_takes_a_long_place() -> None:
+    """A cached prefix does not exempt a long request whose uncached part is itself long."""
+    limits = Limits(max_long_per_instance=1, long_input_threshold=4096)
+    sched = make("a", limits=limits)
+    rng = random.Random(6)
+    document = text(0, 20_000 * 4)
+    sched.submit(tk(0, document, lane=Lane.LONG), 0.0, rng)
+    sched.prefill_done(0, 1.0, rng)
+    sched.release(0, Outcome.SUCCESS, 2.0, rng)
+    assert placed(sched.submit(tk(1, text(1, 20_000 * 4), lane=Lane.LONG), 3.0, rng)) == "a"
+    tail = tk(2, document + text(2, 5000 * 4), lane=Lane.LONG)
+    assert isinstance(sched.submit(tail, 3.0, rng), Queued)
 
 
 # ------------------------------------------------------------------ models and queues
