@@ -22,6 +22,8 @@ chain are a leading run. That makes `match` a binary search.
 
 from __future__ import annotations
 
+import array
+import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -76,8 +78,16 @@ def prompt_text(payload: Mapping[str, Any]) -> bytes:
     if isinstance(prompt, str):
         return prompt.encode("utf-8", "surrogatepass")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        # Token ids: 4 bytes each, so a block is still BLOCK_TOKENS of them.
-        return b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
+        # Token ids: 4 bytes each, so a block is still BLOCK_TOKENS of them. Ids that are
+        # not 32-bit ints (array "i" is a C int, 4 bytes) are the instance's to refuse;
+        # they get no affinity, not a 500.
+        try:
+            ids = array.array("i", prompt)
+        except (TypeError, OverflowError):
+            return b""
+        if sys.byteorder == "big":
+            ids.byteswap()  # little-endian everywhere, so replicas agree
+        return ids.tobytes()
     return b""
 
 
