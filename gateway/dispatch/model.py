@@ -223,11 +223,12 @@ class InstanceState:
         models = self.models
         return model is None or models is None or model in models
 
-    def cached_tokens(self, ticket: Ticket) -> int:
-        """The estimated prompt tokens of `ticket` already in its prefix cache."""
+    def cached_tokens(self, ticket: Ticket, *, settled: bool = False) -> int:
+        """The estimated prompt tokens of `ticket` in its prefix cache (or, with `settled`,
+        only those surely computed there already)."""
         if not ticket.prefix:
             return 0
-        return min(ticket.tokens, self.cache.match(ticket.prefix) * BLOCK_TOKENS)
+        return min(ticket.tokens, self.cache.match(ticket.prefix, settled=settled) * BLOCK_TOKENS)
 
     def fresh_report(self, now: float, stale_after: float) -> LoadReport | None:
         """The last scrape, if it is recent enough to trust; else None (unknown)."""

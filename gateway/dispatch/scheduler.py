@@ -231,6 +231,7 @@ class Scheduler:
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
+        held.state.cache.settle(held.ticket.prefix)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
         return self._drain(now, rng) if held.long_place else []
@@ -258,6 +259,8 @@ class Scheduler:
             raise UnknownTicket(ticket_id) from None
         if held.prefilling:
             self._end_prefill(held, now)
+        if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
+            held.state.cache.settle(held.ticket.prefix)
         if not self._departs_at_prefill(held):
             self._departures(held.ticket.lane, held.ticket.model).record(now)
         held.state.inflight -= 1
@@ -357,7 +360,9 @@ class Scheduler:
         instances only)."""
         if ticket.lane is not Lane.LONG:
             return False
-        cached = state.cached_tokens(ticket)
+        # Only blocks already computed there count: a burst of long prompts sharing one
+        # document would otherwise all skip the cap while the first is still prefilling.
+        cached = state.cached_tokens(ticket, settled=True)
         return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
 
     def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:

@@ -461,3 +461,23 @@ def test_a_new_model_list_forgets_the_instances_cached_prefixes() -> None:
     assert sched.state("a").cache.match(prompt_blocks(prompt)) == 4
     sched.set_models("a", frozenset({"model-c"}), 2.0, rng)
     assert len(sched.state("a").cache) == 0
+
+
+def test_a_burst_sharing_a_long_document_waits_for_the_first_prefill() -> None:
+    """Long prompts sharing a document that is still being prefilled each take a long place;
+    once the first prefill is done, the rest are cheap there and skip the cap."""
+    rng = random.Random(0)
+    sched = Scheduler(
+        [InstanceSpec("a", slots=64)],
+        STRATEGIES["least_time"](30.0),
+        Limits(max_long_per_instance=1, long_input_threshold=4096),
+    )
+    sched.probe("a", True, 0.0, rng)
+    document = prompt_blocks(b"d" * 4 * 20_000)  # 20k tokens, the same for all
+    tickets = [Ticket(i, Lane.LONG, 1e9, tokens=20_000, prefix=document) for i in (1, 2, 3)]
+    assert isinstance(sched.submit(tickets[0], 0.0, rng), Assigned)
+    assert isinstance(sched.submit(tickets[1], 0.0, rng), Queued)  # not computed yet
+    placed = sched.prefill_done(1, 1.0, rng, ttft=1.0)
+    assert [type(d) for d in placed] == [Assigned]  # now cached: no long place needed
+    assert isinstance(sched.submit(tickets[2], 1.0, rng), Assigned)
+    assert sched.state("a").long_prefilling == 0
