@@ -333,6 +333,14 @@ class Scheduler:
 
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name[name]
+        last = state.report
+        if (
+            last is not None
+            and last.prefix_queries is not None
+            and report.prefix_queries is not None
+            and report.prefix_queries < last.prefix_queries
+        ):
+            state.cache.clear()  # its counters went back: it restarted, with a cold cache
         state.report = report
         state.inflight_at_report = state.fleet_inflight
 

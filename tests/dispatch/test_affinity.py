@@ -15,6 +15,7 @@ from gateway.dispatch import (
     InstanceState,
     Lane,
     Limits,
+    LoadReport,
     Outcome,
     Queued,
     Rejected,
@@ -481,3 +482,17 @@ def test_a_burst_sharing_a_long_document_waits_for_the_first_prefill() -> None:
     assert [type(d) for d in placed] == [Assigned]  # now cached: no long place needed
     assert isinstance(sched.submit(tickets[2], 1.0, rng), Assigned)
     assert sched.state("a").long_prefilling == 0
+
+
+def test_an_instance_whose_prefix_counters_go_back_restarted_with_a_cold_cache() -> None:
+    """vLLM's prefix-cache counters falling between scrapes mean a restart: the index empties."""
+    rng = random.Random(0)
+    sched = Scheduler([InstanceSpec("a")], STRATEGIES["least_time"](30.0))
+    sched.probe("a", True, 0.0, rng)
+    blocks = prompt_blocks(b"p" * BLOCK_BYTES * 4)
+    sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4 * BLOCK_TOKENS, prefix=blocks), 0.0, rng)
+    sched.report_load("a", LoadReport(1, 0, 0.1, 1.0, prefix_queries=5000, prefix_hits=100))
+    sched.report_load("a", LoadReport(1, 0, 0.1, 2.0, prefix_queries=6000, prefix_hits=900))
+    assert sched.state("a").cache.match(blocks) == 4
+    sched.report_load("a", LoadReport(0, 0, 0.0, 3.0, prefix_queries=40, prefix_hits=0))
+    assert sched.state("a").cache.match(blocks) == 0
