@@ -71,8 +71,14 @@ def encode(share: LocalShare, requests: int, retries: int) -> bytes:
 
 
 def decode(data: bytes | str) -> PeerEntry:
-    """Another process's publication; raises ValueError (or KeyError, TypeError) if malformed."""
-    body: dict[str, Any] = json.loads(data)
+    """Another process's publication; ValueError if it is malformed."""
+    try:
+        return _decode(json.loads(data))
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"malformed publication: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(body: dict[str, Any]) -> PeerEntry:
     loads = {name: PeerLoad(int(v[0]), int(v[1])) for name, v in body["loads"].items()}
     speeds = {
         name: PeerSpeed(
@@ -191,7 +197,7 @@ class SharedState:
                 continue
             try:
                 entries.append(decode(value))
-            except (ValueError, KeyError, TypeError, IndexError):
+            except ValueError:
                 _log.warning("shared_state_entry_malformed", process=process)
         if gone:
             await self._redis.srem(self._members, *gone)
