@@ -11,6 +11,10 @@ TTL, and reads every other process's key in the same round:
     per lane       requests waiting in its queue
     retry budget   requests and retries in its window
 
+and appends to one Redis stream the prompts it placed where they were not cached yet
+(instance and block hashes), which every other process reads into its prefix index: so
+replicas agree where a prefix lives instead of each caching it somewhere else.
+
 The sum of the others' becomes the scheduler's `SharedView`: their load counts toward each
 instance's limit and score, their queues toward the gateway queue's bound, their retries
 toward the budget, and their learned speeds blend with ours. A process that dies stops
@@ -45,6 +49,8 @@ from .dispatcher import Dispatcher
 _log = log.get("gateway.shared")
 
 BACKOFF_MAX = 5.0  # seconds between attempts while Redis is away
+STREAM_MAXLEN = 20_000  # placements kept in the stream (approximately: Redis trims lazily)
+CATCH_UP = 500  # placements a new process reads back from before it started
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ class SharedState:
         )
         self._members = f"{namespace}:processes"
         self._prefix = f"{namespace}:process:"
+        self._stream = f"{namespace}:placements"
+        self._stream_at: str | None = None  # the last placement read
         # Every call is bounded: a slow Redis costs a round, never a request.
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=max(0.5, interval * 2), socket_connect_timeout=1.0
@@ -174,8 +182,12 @@ class SharedState:
         return self.up is True
 
     async def _exchange(self) -> tuple[SharedView, int, int]:
-        share = self.dispatcher.scheduler.share()
+        scheduler = self.dispatcher.scheduler
+        share = scheduler.share()
         requests, retries = self.budget.own_totals(self.dispatcher.clock())
+        placements = scheduler.take_placements()
+        if self._stream_at is None:
+            await self._catch_up()
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(
                 self._prefix + self.process_id,
@@ -184,7 +196,12 @@ class SharedState:
             )
             pipe.sadd(self._members, self.process_id)
             pipe.smembers(self._members)
+            if placements:
+                entry = {"p": self.process_id, "d": json.dumps(placements)}
+                pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
             results = await pipe.execute()
+        self._learn(results[-1])
         others = sorted(m.decode() for m in results[2] if m.decode() != self.process_id)
         if not others:
             return SharedView(), 0, 0
@@ -206,6 +223,27 @@ class SharedState:
             sum(e.requests for e in entries),
             sum(e.retries for e in entries),
         )
+
+    async def _catch_up(self) -> None:
+        """On joining, read the newest placements the others made before we started."""
+        recent: list[Any] = list(await self._redis.xrevrange(self._stream, count=CATCH_UP) or ())
+        self._stream_at = "0-0"
+        self._learn([[self._stream, recent[::-1]]])
+
+    def _learn(self, streams: Any) -> None:
+        """Placements other processes made: into our prefix indexes."""
+        for _, entries in streams or ():
+            for entry_id, fields in entries:
+                self._stream_at = _text(entry_id)
+                if _text(fields.get(b"p", b"")) == self.process_id:
+                    continue
+                try:
+                    placements = json.loads(fields[b"d"])
+                    learned = [(str(name), [int(b) for b in blocks]) for name, blocks in placements]
+                except (KeyError, ValueError, TypeError):
+                    _log.warning("shared_state_entry_malformed", stream=self._stream)
+                    continue
+                self.dispatcher.scheduler.learn_placements(learned)
 
     def _set_up(self, up: bool, error: BaseException | None = None) -> None:
         if up == self.up:
@@ -257,3 +295,7 @@ class SharedStateCollector(Collector):
         )
         peers.add_metric([], self.shared.peers)
         yield peers
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -24,6 +24,7 @@ the strategies' costs, and only its uncached part counts as prefill work.
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ from .model import (
 )
 from .queues import WaitQueues
 from .select import Strategy
+
+MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
 class UnknownTicket(KeyError):
@@ -90,6 +93,9 @@ class Scheduler:
         }
         self._queues = WaitQueues()
         self._shared = SharedView()  # the other gateway processes, as last heard
+        # Prompts placed where they were not (all) cached yet, for the other processes'
+        # prefix indexes; the newest `MAX_PLACEMENTS` only, taken each publish round.
+        self._placements: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
         self._holding: dict[int, _Held] = {}
         # Departures per lane and model: each model's instances drain its own queue.
         self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
@@ -331,6 +337,20 @@ class Scheduler:
             queued={lane: self._queues.length(lane) for lane in Lane},
         )
 
+    def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The prompts placed since the last call (instance, block hashes), to publish."""
+        out = list(self._placements)
+        self._placements.clear()
+        return out
+
+    def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Another process placed these prompts: they are (about to be) cached there too,
+        so every process agrees where a prefix lives."""
+        for name, blocks in placements:
+            state = self._by_name.get(name)
+            if state is not None:
+                state.cache.insert(blocks)
+
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name[name]
         last = state.report
@@ -408,6 +428,8 @@ class Scheduler:
         if held.long_place:
             state.long_prefilling += 1
         if ticket.prefix:
+            if state.cache.match(ticket.prefix) < len(ticket.prefix):
+                self._placements.append((state.name, ticket.prefix))  # new there: tell peers
             state.cache.insert(ticket.prefix)
             state.prefix_query_tokens += ticket.tokens
             state.prefix_hit_tokens += cached

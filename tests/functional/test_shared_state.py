@@ -13,6 +13,7 @@ from redis_server import RedisServer, redis_server
 
 from gateway.app import SHARED
 from gateway.dispatch import Lane
+from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from loadtest.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
@@ -148,3 +149,43 @@ def _belongs_to(task: asyncio.Task[object], gw: Gateway) -> bool:
     frame_self = getattr(coro, "cr_frame", None)
     owner = frame_self.f_locals.get("self") if frame_self is not None else None
     return owner is gw.app[SHARED]
+
+
+async def test_replicas_agree_where_a_prefix_lives() -> None:
+    """A prompt A placed is in B's prefix index within a round, so B sends the prefix there too."""
+    with redis_server() as redis:
+        fast = SimConfig(max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
+        sections_ = sections(redis)
+        sections_["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        async with (
+            fleet(fast, fast) as sims,
+            gateway_with(sims, sections=sections_) as a,
+            gateway_with(sims, sections=sections_) as b,
+        ):
+            document = "shared system prompt and document " * 400  # about 3,400 tokens
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            state = b.dispatcher.scheduler.state(placed_on)
+            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            await until(lambda: state.cache.match(blocks) > 40)
+            for question in ("two", "three", "four"):
+                status, served_by = await chat(b, document + f"question {question}")
+                assert status == 200
+                assert served_by == placed_on
+
+
+def user(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+async def chat(gw: Gateway, content: str) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            gw.url + "/v1/chat/completions",
+            json={"messages": [user(content)], "max_tokens": 2},
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as resp,
+    ):
+        await resp.read()
+        return resp.status, resp.headers.get("X-Gateway-Instance", "")
