@@ -337,7 +337,7 @@ def test_start_logs_each_warning_as_config_warning(
 ) -> None:
     """Serving (not only `--check`) logs a `config_warning` event for each preflight warning."""
     monkeypatch.setattr(preflight, "_getaddrinfo", lambda name: ["10.9.8.7"])
-    monkeypatch.setattr(log, "configure", lambda level: None)  # keep structlog as the test has it
+    monkeypatch.setattr(log, "configure", lambda *a, **k: None)  # keep structlog as the test has it
     served: list[Config] = []
 
     async def serve(config: Config, *, simulate: bool) -> None:
