@@ -57,7 +57,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(config: Config) -> web.Application:
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
-        middlewares=[request_id.middleware, _openai_errors],
+        middlewares=[
+            request_id.middleware,
+            recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
+            _openai_errors,
+        ],
     )
     app[CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
@@ -153,7 +157,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
-    _start_series(app, metrics, scheduler.served_models(), keys)
+    recorder.start_series(
+        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+    )
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
     try:
         yield
@@ -162,33 +168,6 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await upstream.close()
-
-
-def _start_series(
-    app: web.Application, metrics: Metrics, models: list[str], keys: KeyChecker
-) -> None:
-    """Create at zero the series of every server, route and model known at start.
-
-    Routes that take POST place requests in a lane; all but the probes and /metrics take a
-    key (when one is configured).
-    """
-    config = app[CONFIG]
-    routes: dict[str, set[str]] = {}
-    for route in app.router.routes():
-        if route.resource is not None:
-            name = recorder.route_label(route.resource.canonical, config.route_prefixes)
-            routes.setdefault(name, set()).add(route.method)
-    keyed = [] if keys.open else [r for r in routes if r not in _PUBLIC]
-    metrics.start_series(
-        [i.label for i in config.instances],
-        placed_routes=[r for r, methods in routes.items() if "POST" in methods],
-        keyed_routes=keyed,
-        models=models,
-        tag=config.channel.headers.get("X-Request-Tag", ""),
-    )
-
-
-_PUBLIC = frozenset({"healthz", "readyz", "metrics"})
 
 
 def retry_after_503(config: Config) -> float:
@@ -253,23 +232,13 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     except errors.GatewayError as exc:
         response = exc.response({request_id.HEADER: request_id.of(request)})
         response.force_close()
-        _record_refusal(request, response)
+        prefixes = request.app[CONFIG].route_prefixes
+        recorder.record_refusal(request.app[PROXY], request, response, prefixes)
         return response
     if request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer proper has not started
     return None
-
-
-def _record_refusal(request: web.Request, response: web.Response) -> None:
-    """Count and log an `Expect` refusal: aiohttp sends it without running the middlewares."""
-    proxy = request.app[PROXY]
-    route = recorder.route_of(request, request.app[CONFIG].route_prefixes)
-    ex = proxy.recorder.begin(request, route, proxy.clock())
-    ex.request_id = response.headers[request_id.HEADER]
-    ex.status = response.status
-    ex.bytes_sent = _length(response)
-    proxy.recorder.record(ex, 0.0)
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
@@ -374,40 +343,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
 
 @web.middleware
 async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape; record every request.
-
-    Each request, whatever answers it, is counted in `gateway_requests_total` and gets one
-    access-log line here; the proxy fills in the Exchange opened here as it goes.
-    """
-    proxy = request.app[PROXY]
-    route = recorder.route_of(request, request.app[CONFIG].route_prefixes)
-    ex = proxy.recorder.begin(request, route, proxy.clock())
-    response: web.StreamResponse | None = None
-    try:
-        response = await _shaped(request, handler)
-        return response
-    except asyncio.CancelledError:
-        ex.status = ex.status or 499  # the client closed the connection (nginx's code for it)
-        raise
-    except web.HTTPException as exc:  # one aiohttp answers itself (none of ours today)
-        ex.status = ex.status or exc.status
-        raise
-    except Exception:
-        ex.status = ex.status or 500
-        raise
-    finally:
-        if response is not None:
-            ex.status = ex.status or response.status
-            # A stream has been written (its count includes the head); a whole answer not yet.
-            ex.bytes_sent = response.body_length if response.prepared else _length(response)
-        proxy.recorder.record(ex, proxy.clock() - ex.started)
-
-
-def _length(response: web.StreamResponse) -> int:
-    return response.content_length or 0
-
-
-async def _shaped(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape."""
     try:
         return await handler(request)
     except errors.GatewayError as exc:

@@ -10,11 +10,15 @@ time to first token and time per output token, and as goodput when it met both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from . import log, request_id
+from .config import Config
 from .metrics import NONE, Metrics
 from .relay import Exchange
 
@@ -22,8 +26,9 @@ _access = log.get("gateway.access")
 
 EXCHANGE = web.RequestKey("exchange", Exchange)
 OTHER_ROUTE = "other"
-# Answered often and uneventfully (probes, scrapes): their successes log at debug only.
-QUIET_ROUTES = frozenset({"healthz", "readyz", "metrics"})
+# Probes and scrapes: they take no key, and their successes log at debug only (they are
+# answered often and uneventfully).
+PROBE_ROUTES = frozenset({"healthz", "readyz", "metrics"})
 _USER_AGENT_CHARS = 200
 _PATH_CHARS = 200
 
@@ -51,6 +56,100 @@ def route_of(request: web.Request, prefixes: Sequence[str]) -> str:
             if known.canonical == request.path:
                 return route_label(known.canonical, prefixes)
     return OTHER_ROUTE
+
+
+def route_table(
+    routes: Iterable[web.AbstractRoute], prefixes: Sequence[str]
+) -> dict[str, set[str]]:
+    """Each route's name and the methods it takes."""
+    table: dict[str, set[str]] = {}
+    for route in routes:
+        if route.resource is not None:
+            name = route_label(route.resource.canonical, prefixes)
+            table.setdefault(name, set()).add(route.method)
+    return table
+
+
+def start_series(
+    metrics: Metrics,
+    config: Config,
+    routes: Iterable[web.AbstractRoute],
+    *,
+    keyed: bool,
+    models: Iterable[str],
+) -> None:
+    """Create the series known at start at zero: POST routes place requests in a lane, and
+    (with `keyed`) every route but the probes and /metrics can answer 401."""
+    table = route_table(routes, config.route_prefixes)
+    metrics.start_series(
+        [i.label for i in config.instances],
+        placed_routes=[r for r, methods in table.items() if "POST" in methods],
+        keyed_routes=[r for r in table if r not in PROBE_ROUTES] if keyed else [],
+        models=models,
+        tag=config.channel.headers.get("X-Request-Tag", ""),
+    )
+
+
+class Owner(Protocol):
+    """What recording needs from the app: the recorder and the request clock (the proxy)."""
+
+    @property
+    def recorder(self) -> Recorder: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str]) -> Middleware:
+    """The middleware that records every request, whatever answers it.
+
+    It sits outside the one that shapes errors, so it sees the 401, 404, 405 and 413
+    answers as the client gets them; the proxy fills in the Exchange opened here.
+    """
+
+    @web.middleware
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        own = owner(request.app)
+        ex = own.recorder.begin(request, route_of(request, prefixes), own.clock())
+        response: web.StreamResponse | None = None
+        try:
+            response = await handler(request)
+            return response
+        except asyncio.CancelledError:
+            ex.status = ex.status or 499  # the client closed the connection (nginx's code)
+            raise
+        except web.HTTPException as exc:  # one aiohttp answers itself
+            ex.status = ex.status or exc.status
+            raise
+        except Exception:
+            ex.status = ex.status or 500
+            raise
+        finally:
+            if response is not None:
+                ex.status = ex.status or response.status
+                ex.bytes_sent = bytes_of(response)
+            own.recorder.record(ex, own.clock() - ex.started)
+
+    return record
+
+
+def bytes_of(response: web.StreamResponse) -> int:
+    """A stream has been written (the count includes its head); a whole answer not yet."""
+    return response.body_length if response.prepared else response.content_length or 0
+
+
+def record_refusal(
+    owner: Owner, request: web.Request, response: web.Response, prefixes: Sequence[str]
+) -> None:
+    """Count and log an `Expect` refusal: aiohttp sends it without running the middlewares."""
+    ex = owner.recorder.begin(request, route_of(request, prefixes), owner.clock())
+    ex.request_id = response.headers[request_id.HEADER]
+    ex.status = response.status
+    ex.bytes_sent = bytes_of(response)
+    owner.recorder.record(ex, 0.0)
 
 
 class Recorder:
@@ -100,7 +199,7 @@ class Recorder:
                 if ex.tpot is not None:
                     self.metrics.tpot.labels(lane, ex.instance).observe(ex.tpot)
                     self._account_slo(ex, lane)
-        quiet = ex.route in QUIET_ROUTES and 200 <= ex.status < 300
+        quiet = ex.route in PROBE_ROUTES and 200 <= ex.status < 300
         (_access.debug if quiet else _access.info)(
             "request",
             client=ex.client or None,
