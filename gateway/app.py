@@ -35,6 +35,7 @@ from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics, Registry
 from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
+from .shared import SharedState, SharedStateCollector
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
 
@@ -50,6 +51,7 @@ PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 METRICS = web.AppKey("metrics", Metrics)
+SHARED = web.AppKey("shared", SharedState)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -66,6 +68,8 @@ def build_app(config: Config) -> web.Application:
     app[CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
     app.cleanup_ctx.append(_resources)
+    if config.file.shared.redis_url is not None:
+        app.cleanup_ctx.append(_shared_state)
     for prefix in config.route_prefixes:
         for path, route in (
             ("/chat/completions", CHAT),
@@ -168,6 +172,31 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await upstream.close()
+
+
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    settings = app[CONFIG].file.shared
+    assert settings.redis_url is not None
+    shared = SharedState(
+        settings.redis_url.get_secret_value(),
+        app[DISPATCHER],
+        app[PROXY].budget,
+        interval=settings.publish_interval,
+        ttl=settings.ttl,
+        namespace=settings.namespace,
+    )
+    app[SHARED] = shared
+    app[METRICS].registry.register(SharedStateCollector(shared))
+    await shared.run_round()  # join the view before the first request, if Redis answers
+    task = asyncio.create_task(shared.run_forever(), name="shared-state")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await shared.close()
 
 
 def retry_after_503(config: Config) -> float:

@@ -25,6 +25,7 @@ from .dispatch import (
     Queued,
     Rejected,
     Scheduler,
+    SharedView,
     Ticket,
 )
 from .metrics import Metrics
@@ -146,6 +147,10 @@ class Dispatcher:
     ) -> None:
         report = LoadReport(running, waiting, kv, self.clock(), prefix_queries, prefix_hits)
         self.scheduler.report_load(name, report)
+
+    def apply_shared(self, view: SharedView) -> None:
+        """The other gateway processes' load, queues and speeds (shared.py)."""
+        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
 
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""

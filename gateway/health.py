@@ -108,8 +108,8 @@ class HealthChecker:
             _log.warning(
                 "instance_slow" if slow else "instance_speed_recovered",
                 server=name,
-                prefill_tokens_per_s=state.speed.prefill.value,
-                tpot_s=state.speed.tpot.value,
+                prefill_tokens_per_s=state.speed.prefill_rate,
+                tpot_s=state.speed.tpot_value,
             )
 
     async def run_forever(self) -> None:

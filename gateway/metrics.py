@@ -356,7 +356,7 @@ class StateCollector(Collector):
             kv = report.kv_usage if report else None
             families["kv"].add_metric(name, nan if kv is None else kv)
             ejections.add_metric(name, state.ejections_total)
-            rate, tpot = state.speed.prefill.value, state.speed.tpot.value
+            rate, tpot = state.speed.prefill_rate, state.speed.tpot_value
             families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)
             families["tpot"].add_metric(name, float("nan") if tpot is None else tpot)
             families["slow"].add_metric(name, 1.0 if state.speed.slow else 0.0)

@@ -46,6 +46,12 @@ class WaitQueues:
     def retry_count(self) -> int:
         return len(self._retries)
 
+    def length_for(self, lane: Lane, model: str | None) -> int:
+        """What waits for `lane` and `model`: its FIFO and its retries."""
+        fifo = self._fifos.get((lane, model))
+        retries = sum(1 for t in self._retries.values() if t.lane is lane and t.model == model)
+        return (len(fifo) if fifo else 0) + retries
+
     def length(self, lane: Lane) -> int:
         """Everything of `lane` that waits: new requests and retries."""
         return self._fifo_count[lane] + self._retry_count[lane]

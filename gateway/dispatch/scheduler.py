@@ -38,9 +38,12 @@ from .model import (
     Lane,
     Limits,
     LoadReport,
+    LocalShare,
     Outcome,
+    PeerLoad,
     Queued,
     Rejected,
+    SharedView,
     Ticket,
 )
 from .queues import WaitQueues
@@ -86,8 +89,10 @@ class Scheduler:
             lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
         }
         self._queues = WaitQueues()
+        self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
-        self._throughput = {lane: admission.Throughput() for lane in Lane}
+        # Departures per lane and model: each model's instances drain its own queue.
+        self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -104,15 +109,28 @@ class Scheduler:
     def any_available(self, now: float) -> bool:
         return any(s.available(now) for s in self.states)
 
-    def ahead(self, lane: Lane) -> int:
-        """Requests that start before a new `lane` request would: queued, and waiting at
-        the lane's instances beyond their running slots."""
-        at_instances = sum(max(0, s.inflight - s.spec.slots) for s in self._pool[lane])
-        return self.queue_length(lane) + at_instances
+    def ahead(self, lane: Lane, model: str | None = None) -> int:
+        """Requests that start before a new `lane` request for `model` would: queued for
+        the same, and waiting at its instances beyond their running slots."""
+        at_instances = sum(
+            max(0, s.fleet_inflight - s.spec.slots)
+            for s in self._pool[lane]
+            if s.serves_model(model)
+        )
+        peers_queued = self._shared.queued.get(lane, 0)
+        return self._queues.length_for(lane, model) + peers_queued + at_instances
 
-    def predicted_wait(self, lane: Lane, now: float) -> float | None:
+    def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return admission.predicted_wait(self.ahead(lane), self._throughput[lane].rate(now))
+        rate = self._departures(lane, model).rate(now)
+        return admission.predicted_wait(self.ahead(lane, model), rate)
+
+    def _departures(self, lane: Lane, model: str | None) -> admission.Throughput:
+        key = (lane, model)
+        throughput = self._throughput.get(key)
+        if throughput is None:
+            throughput = self._throughput[key] = admission.Throughput()
+        return throughput
 
     def untried_available(
         self, lane: Lane, tried: frozenset[str], now: float, model: str | None = None
@@ -155,12 +173,14 @@ class Scheduler:
             candidates = self._candidates(ticket, now)
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
-        if self._queues.fifo_length(ticket.lane) >= self.limits.gateway_queue_size:
-            wait = self.predicted_wait(ticket.lane, now)
+        queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
+        if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
+            wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        rate = self._throughput[ticket.lane].rate(now)
-        refused = admission.refusal(self.ahead(ticket.lane), rate, wait_until - now)
+        rate = self._departures(ticket.lane, ticket.model).rate(now)
+        ahead = self.ahead(ticket.lane, ticket.model)
+        refused = admission.refusal(ahead, rate, wait_until - now)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
@@ -211,6 +231,7 @@ class Scheduler:
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
+        held.state.cache.settle(held.ticket.prefix)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
         return self._drain(now, rng) if held.long_place else []
@@ -238,8 +259,10 @@ class Scheduler:
             raise UnknownTicket(ticket_id) from None
         if held.prefilling:
             self._end_prefill(held, now)
+        if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
+            held.state.cache.settle(held.ticket.prefix)
         if not self._departs_at_prefill(held):
-            self._throughput[held.ticket.lane].record(now)
+            self._departures(held.ticket.lane, held.ticket.model).record(now)
         held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
@@ -250,7 +273,7 @@ class Scheduler:
         if held.long_place:
             held.state.long_prefilling -= 1
         if self._departs_at_prefill(held):
-            self._throughput[Lane.LONG].record(now)
+            self._departures(Lane.LONG, held.ticket.model).record(now)
 
     @staticmethod
     def _departs_at_prefill(held: _Held) -> bool:
@@ -286,10 +309,40 @@ class Scheduler:
         state.observed_models = models
         return self._drain(now, rng)
 
+    def apply_shared(self, view: SharedView, now: float, rng: random.Random) -> list[Decision]:
+        """What the other gateway processes hold now (load, queues, learned speeds).
+
+        Their load counts toward every instance's limit and score; their speeds blend
+        with ours, so every process judges a slow card alike. An empty view (no shared
+        store, or it is away) is the local view alone.
+        """
+        self._shared = view
+        for state in self.states:
+            state.peers = view.loads.get(state.name, PeerLoad())
+            state.speed.blend(view.speeds.get(state.name, ()))
+        # Peers may have let go of places: waiting requests may fit now.
+        return self._drain(now, rng) if self._queues else []
+
+    def share(self) -> LocalShare:
+        """What this process tells the others: its own load, queues and learned speeds."""
+        return LocalShare(
+            loads={s.name: PeerLoad(s.inflight, s.pending_prefill_tokens) for s in self.states},
+            speeds={s.name: s.speed.own() for s in self.states},
+            queued={lane: self._queues.length(lane) for lane in Lane},
+        )
+
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name[name]
+        last = state.report
+        if (
+            last is not None
+            and last.prefix_queries is not None
+            and report.prefix_queries is not None
+            and report.prefix_queries < last.prefix_queries
+        ):
+            state.cache.clear()  # its counters went back: it restarted, with a cold cache
         state.report = report
-        state.inflight_at_report = state.inflight
+        state.inflight_at_report = state.fleet_inflight
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -303,7 +356,7 @@ class Scheduler:
         return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
-        if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+        if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
         if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             return state.long_prefilling < self.limits.max_long_per_instance
@@ -315,7 +368,9 @@ class Scheduler:
         instances only)."""
         if ticket.lane is not Lane.LONG:
             return False
-        cached = state.cached_tokens(ticket)
+        # Only blocks already computed there count: a burst of long prompts sharing one
+        # document would otherwise all skip the cap while the first is still prefilling.
+        cached = state.cached_tokens(ticket, settled=True)
         return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
 
     def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:

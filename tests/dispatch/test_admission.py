@@ -159,8 +159,36 @@ def test_admitted_queue_never_exceeds_rate_times_budget(
     rng = random.Random(0)
     sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=budget)
     now = saturate(sched, rng, departures=departures, every=every)
-    rate = sched._throughput[Lane.SHORT].rate(now)
+    rate = sched._departures(Lane.SHORT, None).rate(now)
     for i in range(arrivals):
         sched.submit(Ticket(i, Lane.SHORT, FAR), now, rng)
     if rate is not None:
         assert sched.queue_length(Lane.SHORT) <= rate * budget + 1
+
+
+def test_one_models_queue_does_not_get_another_model_refused() -> None:
+    """Admission predicts per model: model-a's long queue does not refuse a model-b request."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1, models=frozenset({"model-a"})),
+        InstanceSpec("b", slots=1, models=frozenset({"model-b"})),
+        max_queue_wait_short=2.0,
+    )
+    now, held = 0.0, 100
+    for model in ("model-a", "model-b"):
+        held += 1
+        sched.submit(Ticket(held, Lane.SHORT, FAR, model=model), now, rng)
+    for _ in range(6):  # model-a's instance finishes one request every 0.5 s
+        now += 0.5
+        sched.release(held - 1, Outcome.SUCCESS, now, rng)
+        held += 1
+        sched.submit(Ticket(held, Lane.SHORT, FAR, model="model-a"), now, rng)
+        held += 1  # keep ids apart from model-b's one held ticket
+    queued = [sched.submit(Ticket(i, Lane.SHORT, FAR, model="model-a"), now, rng) for i in range(4)]
+    assert isinstance(queued[-1], Queued)
+    refused = sched.submit(Ticket(10, Lane.SHORT, FAR, model="model-a"), now, rng)
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "predicted_wait"
+    other = sched.submit(Ticket(11, Lane.SHORT, FAR, model="model-b"), now, rng)
+    assert isinstance(other, Queued)  # b's rate is unknown: nothing refused by prediction
+    assert sched.ahead(Lane.SHORT, "model-b") == 1

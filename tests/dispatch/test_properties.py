@@ -376,7 +376,7 @@ class Harness:
                 assert not ticket.exclude
                 assert waiting_before > 0 or not room
                 budget = min(ticket.deadline, self.now + self.limits.max_queue_wait(op.lane))
-                wait = self.sched.predicted_wait(op.lane, self.now)
+                wait = self.sched.predicted_wait(op.lane, self.now, ticket.model)
                 assert wait is not None
                 assert wait > budget - self.now, (wait, budget)
             else:
