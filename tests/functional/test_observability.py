@@ -232,3 +232,26 @@ async def test_admin_instances_names_the_long_lane_by_the_prefill_tag() -> None:
     assert lanes == {"short0": "any", "long0": "bulk"}
     assert set(body["queues"]) == {"short", "bulk"}
     assert 'gateway_queue_depth{lane="bulk"}' in text
+
+
+async def test_probes_and_scrapes_log_at_debug_until_they_fail() -> None:
+    """Successful /healthz and /metrics answers log at debug; a 503 from /readyz at info."""
+    async with (
+        fleet(SimConfig(instant=True)) as sims,
+        gateway_with(sims) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        with structlog.testing.capture_logs() as events:
+            for path in ("/healthz", "/metrics"):
+                async with session.get(gw.url + path) as r:
+                    assert r.status == 200
+            gw.lifecycle.draining = True
+            async with session.get(gw.url + "/readyz") as r:
+                assert r.status == 503
+        samples = await scrape(gw)
+    levels = {(e["route"], e["status"]): e["log_level"] for e in access_lines(events)}
+    assert levels == {("healthz", 200): "debug", ("metrics", 200): "debug", ("readyz", 503): "info"}
+    unplaced = {"lane": "none", "model": "none", "tag": "none"}
+    name = "gateway_requests_total"
+    assert series(samples, name, route="healthz", status="200", **unplaced) == 1
+    assert series(samples, name, route="readyz", status="503", **unplaced) == 1
