@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import errors, request_id
+from . import errors, recorder, request_id
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import (
@@ -33,7 +33,7 @@ from .dispatch import (
 from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
-from .metrics import Metrics
+from .metrics import Metrics, Registry
 from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
 from .shared import SharedState, SharedStateCollector
 from .tokenizer import LocalTokenizer, TokenCounter
@@ -59,7 +59,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(config: Config) -> web.Application:
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
-        middlewares=[request_id.middleware, _openai_errors],
+        middlewares=[
+            request_id.middleware,
+            recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
+            _openai_errors,
+        ],
     )
     app[CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
@@ -95,7 +99,7 @@ _NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-reques
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     dispatch = config.dispatch
-    registry = CollectorRegistry()
+    registry = Registry()
     metrics = Metrics(registry, lane_names={Lane.SHORT: "short", Lane.LONG: config.prefill.tag})
     specs = [
         InstanceSpec(
@@ -157,6 +161,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
+    recorder.start_series(
+        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+    )
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
     try:
         yield
@@ -254,6 +261,8 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     except errors.GatewayError as exc:
         response = exc.response({request_id.HEADER: request_id.of(request)})
         response.force_close()
+        prefixes = request.app[CONFIG].route_prefixes
+        recorder.record_refusal(request.app[PROXY], request, response, prefixes)
         return response
     if request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -304,6 +313,8 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
     scheduler = request.app[DISPATCHER].scheduler
     now = request.app[DISPATCHER].clock()
     scores = score_all(scheduler.states, now, scheduler.limits.metrics_stale_after)
+    # The long lane is named by [prefill].tag here too, as in metrics and logs.
+    lane_names = {lane.value: name for lane, name in request.app[METRICS].lane_names.items()}
     instances: list[dict[str, Any]] = []
     for state in scheduler.states:
         report = state.report
@@ -316,7 +327,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "ejected_for_s": round(state.ejected_until - now, 1)
                 if state.ejected_until and state.ejected_until > now
                 else None,
-                "lane": state.spec.lane,
+                "lane": lane_names.get(state.spec.lane, state.spec.lane),
                 "weight": state.spec.weight,
                 "slots": state.spec.slots,
                 "models": None if state.models is None else sorted(state.models),
@@ -349,7 +360,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "recent_errors": list(state.recent_errors),
             }
         )
-    queues = {lane.value: scheduler.queue_length(lane) for lane in Lane}
+    queues = {lane_names[lane.value]: scheduler.queue_length(lane) for lane in Lane}
     body = {
         "strategy": scheduler.strategy.name,
         "inflight": scheduler.inflight,

@@ -1,7 +1,8 @@
 """`gateway`: validate the configuration, then serve (optionally before simulated vLLM).
 
     gateway [--config config.toml] [--settings settings.json] [--check] [--simulate]
-            [--host H] [--port P] [--open] [--log-level info] [--version]
+            [--host H] [--port P] [--open] [--log-level info]
+            [--log-format json|console] [--version]
 
 Without --config it uses the defaults embedded in the package (two instances on
 127.0.0.1:8000-8001, key from GATEWAY_API_KEY), which suit --simulate.
@@ -35,7 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="listen address (overrides [gateway].host)")
     p.add_argument("--port", type=int, help="listen port (overrides [gateway].port)")
     p.add_argument("--open", action="store_true", help="run without an API key (no auth)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log events written (default: %(default)s; debug adds the access "
+        "lines of successful probes and scrapes)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="json: one JSON object a line; console: readable lines (default: console on a "
+        "terminal, json otherwise; json forces it under e.g. `docker run -t`)",
+    )
     p.add_argument("--version", action="version", version=f"gateway {__version__}")
     return p
 
@@ -80,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{config.gateway.host}:{config.gateway.port}"
         )
         return 0
-    log.configure(args.log_level)
+    log.configure(
+        args.log_level, json=None if args.log_format is None else args.log_format == "json"
+    )
     for warning in warnings:
         log.get("gateway.cli").warning("config_warning", problem=warning)
     from .server import serve

@@ -107,7 +107,7 @@ class HealthChecker:
             state = self.dispatcher.scheduler.state(name)
             _log.warning(
                 "instance_slow" if slow else "instance_speed_recovered",
-                instance=name,
+                server=name,
                 prefill_tokens_per_s=state.speed.prefill_rate,
                 tpot_s=state.speed.tpot_value,
             )
@@ -122,7 +122,7 @@ class HealthChecker:
         if self.dispatcher.probe(target.name, ok):
             # Coming up is good news (and every start-up's first verdict): info, not warning.
             log_at = _log.info if ok else _log.warning
-            log_at("instance_up" if ok else "instance_down", instance=target.name)
+            log_at("instance_up" if ok else "instance_down", server=target.name)
         if ok:
             await asyncio.gather(self._scrape(target), self._models(target))
 

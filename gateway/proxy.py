@@ -39,8 +39,8 @@ from .dispatch import (
 from .dispatch.affinity import prompt_blocks, prompt_text
 from .dispatcher import Dispatcher
 from .intake import Intake, max_tokens_of
-from .metrics import Metrics
-from .recorder import Recorder
+from .metrics import ERROR_KINDS, Metrics
+from .recorder import EXCHANGE, Recorder
 from .relay import Exchange, Relay, Retryable
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
@@ -143,8 +143,8 @@ class Proxy:
     # ------------------------------------------------------------ handler
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
-        started = self.clock()
-        ex = Exchange(route.name, request_id.current(), started)
+        ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
+        ex.route = route.name  # the middleware records it (recorder.py)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
@@ -204,7 +204,6 @@ class Proxy:
                 self._tasks.discard(task)
                 if not self._tasks:
                     self._idle.set()
-            self.recorder.record(ex, self.clock() - ex.started)
 
     async def _forward(
         self,
@@ -224,14 +223,17 @@ class Proxy:
             ex.attempts += 1
             if tried:
                 ticket = self.dispatcher.retry_ticket(ticket, tried)
+            queued = self.clock()
             try:
                 instance = await self.dispatcher.acquire(ticket)
             except errors.GatewayError:
                 if last_failure is None:
                     raise
                 return self._give_up(last_failure, ex, headers)  # nowhere left to retry
+            finally:
+                ex.queue_wait += self.clock() - queued
             ex.instance = instance
-            structlog.contextvars.bind_contextvars(instance=instance)
+            structlog.contextvars.bind_contextvars(server=instance)
             try:
                 return await self._attempt(
                     request, route, body, lane, stream, ex, headers, ticket.id, deadline
@@ -294,7 +296,6 @@ class Proxy:
                 )
             except AttemptFailed as failed:
                 outcome, error = Outcome.FAILURE, failed.kind
-                self.metrics.instance_requests.labels(ex.instance, failed.kind).inc()
                 raise Retryable(failed.kind, self._attempt_error(failed)) from None
             status = response.status
             self.metrics.instance_requests.labels(ex.instance, str(status)).inc()
@@ -319,6 +320,8 @@ class Proxy:
         except Retryable as failed:
             if error is None:  # failed before commit while reading the first chunk
                 outcome, error = Outcome.FAILURE, failed.reason
+            if failed.reason in ERROR_KINDS:  # no usable answer (not a retryable status)
+                self.metrics.instance_errors.labels(ex.instance, failed.reason).inc()
             raise
         finally:
             if response is not None:

@@ -51,7 +51,7 @@ async def per_instance(gw: Gateway, name: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name:
-                out[sample.labels["instance"]] = sample.value
+                out[sample.labels["server"]] = sample.value
     return out
 
 
