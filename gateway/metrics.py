@@ -125,6 +125,21 @@ class Metrics:
         )
         for reason in CONNECTION_CUTS:  # every series exists at 0 from the start
             self.client_connections_closed.labels(reason)
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "SIGHUP reloads of config.toml and settings.json, by result (applied or failed).",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("applied", "failed"):
+            self.config_reloads.labels(result)
+        self.config_last_reload_successful = Gauge(
+            "gateway_config_last_reload_successful",
+            "1 if the last reload applied (or none was tried), 0 if it failed: the files on "
+            "disk are not what the gateway runs.",
+            registry=registry,
+        )
+        self.config_last_reload_successful.set(1)
 
     def tag_label(self, tag: str) -> str:
         """The tag itself while fewer than `max_tags` distinct tags were seen, else 'other'."""

@@ -118,6 +118,7 @@ class Proxy:
         channel = config.channel
         self.default_model = channel.default_model
         self.threshold = config.prefill.long_input_threshold
+        self.counter.threshold = self.threshold  # where an exact count is worth asking for
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry
         self.ttft_allowance = {

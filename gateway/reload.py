@@ -74,7 +74,9 @@ def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
     """The configuration to run: `new`, but with the running value of what needs a restart.
 
     Returns it, the dotted paths that change live, and those that would need a restart.
+    A listen address given on the command line still overrides the file's.
     """
+    new = new.with_listen(*old.listen_override)
     old_file, new_file = old.file.model_dump(), new.file.model_dump()
     old_settings, new_settings = old.settings.model_dump(), new.settings.model_dump()
     old_flat = _flat(old_file) | _flat(old_settings)
@@ -104,6 +106,8 @@ def reload(app: web.Application) -> bool:
         config, changed, restart = merge(old, new)
     except (ConfigError, ValueError) as exc:
         _log.error("reload_failed", error=str(exc), kept="the running configuration")
+        proxy.metrics.config_reloads.labels("failed").inc()
+        proxy.metrics.config_last_reload_successful.set(0)
         return False
     if restart:
         _log.warning("reload_needs_restart", settings=restart, kept="the running values")
@@ -113,6 +117,8 @@ def reload(app: web.Application) -> bool:
     app[DISPATCHER].reconfigure(specs, limits, policy)
     proxy.reconfigure(config, KeyChecker(k.get_secret_value() for k in config.api_keys), targets)
     app[HEALTH].reconfigure(probe_targets(targets), config.dispatch.health.probe_timeout)
+    proxy.metrics.config_reloads.labels("applied").inc()
+    proxy.metrics.config_last_reload_successful.set(1)
     _log.info(
         "reloaded",
         changed=changed,

@@ -50,6 +50,7 @@ class Reload:
     events: list[dict[str, Any]] = field(default_factory=list)
     exit_code: int | None = None
     log: str = ""
+    metrics: str = ""  # /metrics after the broken reload
 
 
 def _events(text: str) -> list[dict[str, Any]]:
@@ -162,6 +163,8 @@ async def _drive(
     (folder / "settings.json").write_text('{"vllm": {"instances": [')
     await _hup(proc, log, "reload_failed", 1)
     out.after_broken_status = (await _statuses(url, NEW_KEY, 1))[0]
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
+        out.metrics = await resp.text()
     proc.send_signal(signal.SIGTERM)
     async with asyncio.timeout(15):
         out.exit_code = await proc.wait()
@@ -232,6 +235,18 @@ def test_a_broken_file_keeps_the_old_configuration(reload: Reload) -> None:
     assert "invalid JSON" in failed[0]["error"]
     assert reload.after_broken_status == 200
     assert len(_named(reload, "reloaded")) == 2
+
+
+def test_reloads_are_counted_and_the_failed_one_flagged(reload: Reload) -> None:
+    """/metrics counts two applied reloads and one failed, and flags the last as failed."""
+    samples = dict(
+        line.rsplit(" ", 1)
+        for line in reload.metrics.splitlines()
+        if line.startswith("gateway_config")
+    )
+    assert float(samples['gateway_config_reloads_total{result="applied"}']) == 2
+    assert float(samples['gateway_config_reloads_total{result="failed"}']) == 1
+    assert float(samples["gateway_config_last_reload_successful"]) == 0
 
 
 def test_the_process_still_exits_0_on_sigterm(reload: Reload) -> None:
