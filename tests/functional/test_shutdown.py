@@ -32,9 +32,9 @@ from faultproxy import eventually
 from loadtest.sim_vllm import SimConfig, SimInstance
 
 DRAIN = 3.0
-DELAY = 1.0  # drain_delay
+DELAY = 0.5  # drain_delay: shorter than what the short streams have left
 PER_INSTANCE = 20
-SHORT_TOKENS = 30  # about 1.2 s at 30 ms a token with 20 sequences batched
+SHORT_TOKENS = 60  # about 2 s at 30 ms a token: still running when the listener closes
 LONG_TOKENS = 1000  # about 40 s: still running at the drain deadline
 QUEUED = 10
 SIM = SimConfig(decode_s_per_token=0.03, prefill_tokens_per_s=1e6, max_num_seqs=64)
