@@ -7,7 +7,7 @@ the instances that stay.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .affinity import PrefixIndex
 from .model import HealthPolicy, InstanceSpec, InstanceState, Lane, Limits
@@ -25,14 +25,22 @@ class Fleet:
         self.set_fleet(specs, limits, health_policy)
 
     def set_fleet(
-        self, specs: Sequence[InstanceSpec], limits: Limits, health_policy: HealthPolicy
+        self,
+        specs: Sequence[InstanceSpec],
+        limits: Limits,
+        health_policy: HealthPolicy,
+        departed: Mapping[str, InstanceState] | None = None,
     ) -> None:
-        """Instances by name: one already here keeps its state with its new spec."""
+        """Instances by name: one already here keeps its state with its new spec.
+
+        `departed` are removed instances that still hold requests: one added back gets
+        its state back, so its in-flight count stays exact.
+        """
         if not specs:
             raise ValueError("a scheduler needs at least one instance")
         states = []
         for spec in specs:
-            state = self._by_name.get(spec.name)
+            state = self._by_name.get(spec.name) or (departed or {}).get(spec.name)
             if state is None:
                 state = InstanceState(spec)
                 state.cache = PrefixIndex(limits.prefix_index_blocks)

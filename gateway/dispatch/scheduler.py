@@ -93,7 +93,8 @@ class Scheduler(Fleet):
         take no new request; those they hold finish and `release` as usual. Queued
         requests may now fit (more room) or have nowhere left to go (rejected).
         """
-        self.set_fleet(specs, limits, health_policy)
+        departed = {h.state.name: h.state for h in self._holding.values()}
+        self.set_fleet(specs, limits, health_policy, departed)
         return self._drain(now, rng)
 
     # ------------------------------------------------------------ queries

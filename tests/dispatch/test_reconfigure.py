@@ -136,3 +136,18 @@ def test_counts_stay_exact_across_any_sequence_of_reloads(
         sched.release(t, Outcome.SUCCESS, 0.0, rng)
     assert sched.inflight == 0
     assert all(s.inflight == 0 and s.pending_prefill_tokens == 0 for s in states.values())
+
+
+def test_an_instance_removed_and_added_back_keeps_its_in_flight_count() -> None:
+    """An instance removed while holding a request and added back before it ends counts it still."""
+    rng = random.Random(6)
+    sched = make("a", "b")
+    bring_up(sched, rng)
+    on_b = next(i for i in range(10) if assigned_to(sched.submit(tk(i), 0.0, rng)) == "b")
+    b = sched.state("b")
+    sched.reconfigure([InstanceSpec("a")], Limits(), HealthPolicy(), 0.0, rng)
+    sched.reconfigure([InstanceSpec("a"), InstanceSpec("b")], Limits(), HealthPolicy(), 0.0, rng)
+    assert sched.state("b") is b
+    assert b.inflight == 1
+    sched.release(on_b, Outcome.SUCCESS, 0.0, rng)
+    assert b.inflight == 0
