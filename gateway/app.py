@@ -101,6 +101,49 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     dispatch = config.dispatch
     registry = Registry()
     metrics = Metrics(registry, lane_names={Lane.SHORT: "short", Lane.LONG: config.prefill.tag})
+    specs, limits, policy = scheduler_inputs(config)
+    stale_after = limits.metrics_stale_after
+    slo = config.file.slo
+    strategy = STRATEGIES[dispatch.strategy](
+        stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
+    )
+    scheduler = Scheduler(specs, strategy, limits, policy)
+    dispatcher = Dispatcher(scheduler, metrics)
+    metrics.watch(scheduler, dispatcher.clock)
+    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
+    await upstream.start()
+    targets = targets_of(config)
+    checker = HealthChecker(
+        probe_targets(targets),
+        upstream,
+        dispatcher,
+        interval=dispatch.health_check_interval,
+        probe_timeout=dispatch.health.probe_timeout,
+    )
+    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    counter = _token_counter(config, upstream, dispatcher, targets)
+    app[METRICS] = metrics
+    app[DISPATCHER] = dispatcher
+    app[HEALTH] = checker
+    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
+    # Verdicts before the first request, so start-up does not send traffic blind.
+    await checker.run_round()
+    recorder.start_series(
+        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+    )
+    task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await upstream.close()
+
+
+def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
+    """What the pure scheduler is built from (at start, and again on each reload)."""
+    dispatch = config.dispatch
     specs = [
         InstanceSpec(
             name=i.label,
@@ -133,45 +176,19 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         ejection_max=h.ejection_max,
         max_ejected_fraction=h.max_ejected_fraction,
     )
-    slo = config.file.slo
-    strategy = STRATEGIES[dispatch.strategy](
-        stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
-    )
-    scheduler = Scheduler(specs, strategy, limits, policy)
-    dispatcher = Dispatcher(scheduler, metrics)
-    metrics.watch(scheduler, dispatcher.clock)
-    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
-    await upstream.start()
-    targets = {
+    return specs, limits, policy
+
+
+def targets_of(config: Config) -> dict[str, Target]:
+    """Each instance as the proxy sends to it, by name."""
+    return {
         i.label: Target(i.label, i.url, _instance_headers(config, i.api_key_env))
         for i in config.instances
     }
-    checker = HealthChecker(
-        [ProbeTarget(t.name, t.url, _probe_headers(t.headers)) for t in targets.values()],
-        upstream,
-        dispatcher,
-        interval=dispatch.health_check_interval,
-        probe_timeout=h.probe_timeout,
-    )
-    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
-    counter = _token_counter(config, upstream, dispatcher, targets)
-    app[METRICS] = metrics
-    app[DISPATCHER] = dispatcher
-    app[HEALTH] = checker
-    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
-    # Verdicts before the first request, so start-up does not send traffic blind.
-    await checker.run_round()
-    recorder.start_series(
-        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
-    )
-    task = asyncio.create_task(checker.run_forever(), name="health-checks")
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await upstream.close()
+
+
+def probe_targets(targets: dict[str, Target]) -> list[ProbeTarget]:
+    return [ProbeTarget(t.name, t.url, _probe_headers(t.headers)) for t in targets.values()]
 
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:

@@ -19,7 +19,10 @@ from . import errors
 from .dispatch import (
     Assigned,
     Decision,
+    HealthPolicy,
+    InstanceSpec,
     Lane,
+    Limits,
     LoadReport,
     Outcome,
     Queued,
@@ -132,6 +135,8 @@ class Dispatcher:
 
     def probe(self, name: str, ok: bool) -> bool:
         """Record a health probe; return whether the verdict changed."""
+        if not self.scheduler.has(name):
+            return False  # removed by a reload while its probe was out
         before = self.scheduler.state(name).up
         self._settle(self.scheduler.probe(name, ok, self.clock(), self.rng))
         return self.scheduler.state(name).up != before
@@ -155,6 +160,10 @@ class Dispatcher:
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""
         self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
+
+    def reconfigure(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
+        """A reloaded instance list and limits; queued requests may be placed or refused."""
+        self._settle(self.scheduler.reconfigure(specs, limits, policy, self.clock(), self.rng))
 
     def close(self) -> None:
         """Shutting down: every queued request gets 503 now."""

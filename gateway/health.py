@@ -8,6 +8,7 @@ instances concurrently; verdicts go to the scheduler through the dispatcher.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -99,6 +100,15 @@ class HealthChecker:
         self.rng = rng or random.Random()
         self.models: dict[str, list[dict[str, Any]]] = {}
         self.rounds = 0
+        self._wake = asyncio.Event()
+
+    def reconfigure(self, targets: list[Target], probe_timeout: float) -> None:
+        """A reloaded instance list: probe it now, so new instances get a verdict soon."""
+        self.targets = targets
+        self.probe_timeout = probe_timeout
+        names = {t.name for t in targets}
+        self.models = {k: v for k, v in self.models.items() if k in names}
+        self._wake.set()
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self._check(t) for t in self.targets))
@@ -114,7 +124,10 @@ class HealthChecker:
 
     async def run_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.interval * self.rng.uniform(0.9, 1.1))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval * self.rng.uniform(0.9, 1.1)):
+                    await self._wake.wait()
+            self._wake.clear()
             await self.run_round()
 
     async def _check(self, target: Target) -> None:

@@ -189,6 +189,21 @@ class Metrics:
         for lane in self.lane_names.values():
             self.duration.labels(lane)
             self.queue_wait.labels(lane)
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "SIGHUP reloads of config.toml and settings.json, by result (applied or failed).",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("applied", "failed"):
+            self.config_reloads.labels(result)
+        self.config_last_reload_successful = Gauge(
+            "gateway_config_last_reload_successful",
+            "1 if the last reload applied (or none was tried), 0 if it failed: the files on "
+            "disk are not what the gateway runs.",
+            registry=registry,
+        )
+        self.config_last_reload_successful.set(1)
 
     def start_series(
         self,

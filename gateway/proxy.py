@@ -80,33 +80,23 @@ class Proxy:
         targets: dict[str, Target],
         counter: TokenCounter,
     ) -> None:
-        self.config = config
         self.dispatcher = dispatcher
         self.upstream = upstream
         self.metrics = metrics
-        self.keys = keys
         self.targets = targets
         self.counter = counter
-        channel = config.channel
-        self.default_model = channel.default_model
         self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
-        self.threshold = config.prefill.long_input_threshold
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
-        self.request_timeout = config.gateway.request_timeout
-        self.retry = channel.retry
-        self.ttft_allowance = {
-            Lane.SHORT: channel.timeout.read,
-            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
-        }
-        self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
+        self.budget = RetryBudget(ratio=config.channel.retry.budget_ratio)
         self.affinity = config.dispatch.prefix_index_blocks > 0
         self.clock = dispatcher.clock
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.relay = Relay(metrics, dispatcher, channel.timeout.write)
+        self.relay = Relay(metrics, dispatcher, config.channel.timeout.write)
+        self.reconfigure(config, keys, targets)
         slo = config.file.slo
         self.recorder = Recorder(
             metrics,
@@ -115,6 +105,30 @@ class Proxy:
                 self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
             },
         )
+
+    def reconfigure(self, config: Config, keys: KeyChecker, targets: dict[str, Target]) -> None:
+        """Take a (reloaded) configuration: what is read per request changes from here on.
+
+        Requests in progress keep what they read at their start. Targets of removed
+        instances stay known, so a request still on one finishes normally.
+        """
+        self.config = config
+        self.keys = keys
+        self.targets.update(targets)
+        channel = config.channel
+        self.default_model = channel.default_model
+        self.threshold = config.prefill.long_input_threshold
+        self.counter.threshold = self.threshold  # where an exact count is worth asking for
+        self.request_timeout = config.gateway.request_timeout
+        self.retry = channel.retry
+        self.ttft_allowance = {
+            Lane.SHORT: channel.timeout.read,
+            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
+        }
+        self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
+        self.relay.write_timeout = channel.timeout.write
+        self.upstream.timeouts = channel.timeout
+        self.intake.reconfigure(config, keys)
 
     @property
     def aborting(self) -> bool:

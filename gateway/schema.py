@@ -38,6 +38,9 @@ class GatewaySection(Frozen):
     # Long-lane prompts are tens of KiB; base64 images are MiBs. 16 MiB covers both.
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM, /readyz answers 503 this long while everything is still served, so
+    # a load balancer or Kubernetes' endpoint controller sees it before the listener closes.
+    drain_delay: float = Field(5.0, ge=0)
     # Client connections (nginx's client_header_timeout / client_body_timeout /
     # keepalive_timeout, HAProxy's maxconn). Headers are a few hundred bytes: 10 s is
     # generous for any real client and short for a slowloris.

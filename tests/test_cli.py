@@ -424,3 +424,26 @@ def test_json_log_format_is_json_even_on_a_terminal(as_json: bool | None) -> Non
     else:
         assert "hello" in text
         assert not text.lstrip().startswith("{")
+
+
+def test_help_names_the_environment_variables_and_every_flag_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gateway --help` names the key variable, ${VAR} expansion, the signals, and every flag
+    with a default."""
+    from gateway.cli import _parser
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("GATEWAY_API_KEY", "${VAR}", "${VAR:-default}", "SIGHUP", "SIGTERM"):
+        assert needle in text, needle
+    flat = " ".join(text.split())
+    for action in _parser()._actions:
+        if action.dest in ("help", "version"):
+            continue
+        flag = action.option_strings[-1]
+        assert flag in text, flag
+        shown = flat.split(flag, 2)[-1].split(" --", 1)[0]  # the flag's own help entry
+        assert "default" in shown, (flag, shown)

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from . import admission, health, speed
-from .affinity import PrefixIndex
+from .fleet import Fleet
 from .model import (
     Assigned,
     Decision,
@@ -69,7 +69,7 @@ class _Held:
     long_place: bool = False  # holds one of the instance's max_long_per_instance places
 
 
-class Scheduler:
+class Scheduler(Fleet):
     def __init__(
         self,
         specs: Sequence[InstanceSpec],
@@ -77,20 +77,9 @@ class Scheduler:
         limits: Limits = Limits(),
         health_policy: HealthPolicy = HealthPolicy(),
     ) -> None:
-        if not specs:
-            raise ValueError("a scheduler needs at least one instance")
-        self.states = [InstanceState(spec) for spec in specs]
-        for state in self.states:
-            state.cache = PrefixIndex(limits.prefix_index_blocks)
+        super().__init__(specs, limits, health_policy)
         self.strategy = strategy
-        self.limits = limits
-        self.health_policy = health_policy
         self.closed = False
-        self._by_name = {s.name: s for s in self.states}
-        # Where a lane has no dedicated or shared instance, it may use any.
-        self._pool = {
-            lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
-        }
         self._queues = WaitQueues()
         self._shared = SharedView()  # the other gateway processes, as last heard
         # Prompts placed where they were not (all) cached yet, for the other processes'
@@ -100,10 +89,26 @@ class Scheduler:
         # Departures per lane and model: each model's instances drain its own queue.
         self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
 
-    # ------------------------------------------------------------ queries
+    def reconfigure(
+        self,
+        specs: Sequence[InstanceSpec],
+        limits: Limits,
+        health_policy: HealthPolicy,
+        now: float,
+        rng: random.Random,
+    ) -> list[Decision]:
+        """A reloaded configuration: a new instance list, limits and health policy.
 
-    def state(self, name: str) -> InstanceState:
-        return self._by_name[name]
+        Instances that stay (by name) keep their state: health, in-flight requests,
+        learned speed, prefix index. New ones start unknown until probed. Removed ones
+        take no new request; those they hold finish and `release` as usual. Queued
+        requests may now fit (more room) or have nowhere left to go (rejected).
+        """
+        departed = {h.state.name: h.state for h in self._holding.values()}
+        self.set_fleet(specs, limits, health_policy, departed)
+        return self._drain(now, rng)
+
+    # ------------------------------------------------------------ queries
 
     @property
     def inflight(self) -> int:
@@ -111,9 +116,6 @@ class Scheduler:
 
     def queue_length(self, lane: Lane) -> int:
         return self._queues.length(lane)
-
-    def any_available(self, now: float) -> bool:
-        return any(s.available(now) for s in self.states)
 
     def ahead(self, lane: Lane, model: str | None = None) -> int:
         """Requests that start before a new `lane` request for `model` would: queued for
@@ -149,18 +151,6 @@ class Scheduler:
 
     def _untried_alive(self, ticket: Ticket, now: float) -> bool:
         return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model)
-
-    def model_served(self, model: str) -> bool:
-        """Whether any instance, up or down, may serve `model` (unknown lists count as yes)."""
-        return any(s.serves_model(model) for s in self.states)
-
-    def knows_model(self, model: str) -> bool:
-        """Whether some instance is known to serve `model` (bounds the metrics' model label)."""
-        return any(s.models is not None and model in s.models for s in self.states)
-
-    def served_models(self) -> list[str]:
-        """Every model some instance is known to serve, sorted."""
-        return sorted({m for s in self.states for m in s.models or ()})
 
     # ------------------------------------------------------------ requests
 
@@ -243,8 +233,9 @@ class Scheduler:
         return self._drain(now, rng) if held.long_place else []
 
     def observe_tpot(self, name: str, seconds: float) -> None:
-        """A streamed answer's time per output token on `name`."""
-        self._by_name[name].speed.observe_tpot(seconds)
+        """A streamed answer's time per output token on `name` (if still in the fleet)."""
+        if name in self._by_name:
+            self._by_name[name].speed.observe_tpot(seconds)
 
     def update_slow_flags(self) -> dict[str, bool]:
         """Re-evaluate which instances are slow cards; return the flags that changed."""
@@ -294,8 +285,10 @@ class Scheduler:
     # ------------------------------------------------------------ instances
 
     def probe(self, name: str, ok: bool, now: float, rng: random.Random) -> list[Decision]:
-        """An active health probe answered (or failed)."""
-        state = self._by_name[name]
+        """An active health probe answered (or failed); ignored for a removed instance."""
+        state = self._by_name.get(name)
+        if state is None:
+            return []
         was_up = state.up
         changed = health.apply_probe(state, ok, self.health_policy)
         if changed and state.up and was_up is False:
@@ -307,8 +300,8 @@ class Scheduler:
         self, name: str, models: frozenset[str], now: float, rng: random.Random
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
-        state = self._by_name[name]
-        if state.observed_models == models:
+        state = self._by_name.get(name)
+        if state is None or state.observed_models == models:
             return []
         if state.observed_models is not None:
             state.cache.clear()  # another model now: nothing it cached still applies
@@ -352,7 +345,9 @@ class Scheduler:
                 state.cache.insert(blocks)
 
     def report_load(self, name: str, report: LoadReport) -> None:
-        state = self._by_name[name]
+        state = self._by_name.get(name)
+        if state is None:
+            return
         last = state.report
         if (
             last is not None
@@ -371,9 +366,6 @@ class Scheduler:
         return [Rejected(t, "shutting_down", after) for t in self._queues.clear()]
 
     # ------------------------------------------------------------ internals
-
-    def _alive(self, lane: Lane, model: str | None, now: float) -> bool:
-        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
