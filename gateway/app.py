@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import errors, request_id
+from . import errors, recorder, request_id
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import (
@@ -34,8 +34,9 @@ from .dispatch.select import LeastTime
 from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
-from .metrics import Metrics
+from .metrics import Metrics, Registry
 from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
+from .shared import SharedState, SharedStateCollector
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
 
@@ -51,6 +52,7 @@ PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 METRICS = web.AppKey("metrics", Metrics)
+SHARED = web.AppKey("shared", SharedState)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -58,11 +60,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(config: Config) -> web.Application:
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
-        middlewares=[request_id.middleware, _openai_errors],
+        middlewares=[
+            request_id.middleware,
+            recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
+            _openai_errors,
+        ],
     )
     app[CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
     app.cleanup_ctx.append(_resources)
+    if config.file.shared.redis_url is not None:
+        app.cleanup_ctx.append(_shared_state)
     for prefix in config.route_prefixes:
         for path, route in (
             ("/chat/completions", CHAT),
@@ -92,8 +100,53 @@ _NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-reques
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     dispatch = config.dispatch
-    registry = CollectorRegistry()
+    registry = Registry()
     metrics = Metrics(registry, lane_names={Lane.SHORT: "short", Lane.LONG: config.prefill.tag})
+    specs, limits, policy = scheduler_inputs(config)
+    stale_after = limits.metrics_stale_after
+    slo = config.file.slo
+    strategy = STRATEGIES[dispatch.strategy](
+        stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
+    )
+    if isinstance(strategy, LeastTime):
+        strategy.decode = dispatch.least_time_decode
+    scheduler = Scheduler(specs, strategy, limits, policy)
+    dispatcher = Dispatcher(scheduler, metrics)
+    metrics.watch(scheduler, dispatcher.clock)
+    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
+    await upstream.start()
+    targets = targets_of(config)
+    checker = HealthChecker(
+        probe_targets(targets),
+        upstream,
+        dispatcher,
+        interval=dispatch.health_check_interval,
+        probe_timeout=dispatch.health.probe_timeout,
+    )
+    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    counter = _token_counter(config, upstream, dispatcher, targets)
+    app[METRICS] = metrics
+    app[DISPATCHER] = dispatcher
+    app[HEALTH] = checker
+    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
+    # Verdicts before the first request, so start-up does not send traffic blind.
+    await checker.run_round()
+    recorder.start_series(
+        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+    )
+    task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await upstream.close()
+
+
+def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
+    """What the pure scheduler is built from (at start, and again on each reload)."""
+    dispatch = config.dispatch
     specs = [
         InstanceSpec(
             name=i.label,
@@ -127,44 +180,44 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         ejection_max=h.ejection_max,
         max_ejected_fraction=h.max_ejected_fraction,
     )
-    slo = config.file.slo
-    strategy = STRATEGIES[dispatch.strategy](
-        stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
-    )
-    if isinstance(strategy, LeastTime):
-        strategy.decode = dispatch.least_time_decode
-    scheduler = Scheduler(specs, strategy, limits, policy)
-    dispatcher = Dispatcher(scheduler, metrics)
-    metrics.watch(scheduler, dispatcher.clock)
-    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
-    await upstream.start()
-    targets = {
+    return specs, limits, policy
+
+
+def targets_of(config: Config) -> dict[str, Target]:
+    """Each instance as the proxy sends to it, by name."""
+    return {
         i.label: Target(i.label, i.url, _instance_headers(config, i.api_key_env))
         for i in config.instances
     }
-    checker = HealthChecker(
-        [ProbeTarget(t.name, t.url, _probe_headers(t.headers)) for t in targets.values()],
-        upstream,
-        dispatcher,
-        interval=dispatch.health_check_interval,
-        probe_timeout=h.probe_timeout,
+
+
+def probe_targets(targets: dict[str, Target]) -> list[ProbeTarget]:
+    return [ProbeTarget(t.name, t.url, _probe_headers(t.headers)) for t in targets.values()]
+
+
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    settings = app[CONFIG].file.shared
+    assert settings.redis_url is not None
+    shared = SharedState(
+        settings.redis_url.get_secret_value(),
+        app[DISPATCHER],
+        app[PROXY].budget,
+        interval=settings.publish_interval,
+        ttl=settings.ttl,
+        namespace=settings.namespace,
     )
-    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
-    counter = _token_counter(config, upstream, dispatcher, targets)
-    app[METRICS] = metrics
-    app[DISPATCHER] = dispatcher
-    app[HEALTH] = checker
-    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
-    # Verdicts before the first request, so start-up does not send traffic blind.
-    await checker.run_round()
-    task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    app[SHARED] = shared
+    app[METRICS].registry.register(SharedStateCollector(shared))
+    await shared.run_round()  # join the view before the first request, if Redis answers
+    task = asyncio.create_task(shared.run_forever(), name="shared-state")
     try:
         yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await upstream.close()
+        await shared.close()
 
 
 def retry_after_503(config: Config) -> float:
@@ -229,6 +282,8 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     except errors.GatewayError as exc:
         response = exc.response({request_id.HEADER: request_id.of(request)})
         response.force_close()
+        prefixes = request.app[CONFIG].route_prefixes
+        recorder.record_refusal(request.app[PROXY], request, response, prefixes)
         return response
     if request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -279,6 +334,8 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
     scheduler = request.app[DISPATCHER].scheduler
     now = request.app[DISPATCHER].clock()
     scores = score_all(scheduler.states, now, scheduler.limits.metrics_stale_after)
+    # The long lane is named by [prefill].tag here too, as in metrics and logs.
+    lane_names = {lane.value: name for lane, name in request.app[METRICS].lane_names.items()}
     instances: list[dict[str, Any]] = []
     for state in scheduler.states:
         report = state.report
@@ -291,9 +348,11 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "ejected_for_s": round(state.ejected_until - now, 1)
                 if state.ejected_until and state.ejected_until > now
                 else None,
-                "lane": state.spec.lane,
+                "lane": lane_names.get(state.spec.lane, state.spec.lane),
                 # The lane it serves now: its static lane, or the one the split gave it.
-                "current_lane": scheduler.lanes.lane(state),
+                "current_lane": lane_names.get(
+                    scheduler.lanes.lane(state), scheduler.lanes.lane(state)
+                ),
                 "weight": state.spec.weight,
                 "slots": state.spec.slots,
                 "models": None if state.models is None else sorted(state.models),
@@ -326,7 +385,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "recent_errors": list(state.recent_errors),
             }
         )
-    queues = {lane.value: scheduler.queue_length(lane) for lane in Lane}
+    queues = {lane_names[lane.value]: scheduler.queue_length(lane) for lane in Lane}
     body = {
         "strategy": scheduler.strategy.name,
         "inflight": scheduler.inflight,

@@ -1,7 +1,8 @@
 """`gateway`: validate the configuration, then serve (optionally before simulated vLLM).
 
     gateway [--config config.toml] [--settings settings.json] [--check] [--simulate]
-            [--host H] [--port P] [--open] [--log-level info] [--version]
+            [--host H] [--port P] [--open] [--log-level info]
+            [--log-format json|console] [--version]
 
 Without --config it uses the defaults embedded in the package (two instances on
 127.0.0.1:8000-8001, key from GATEWAY_API_KEY), which suit --simulate.
@@ -19,23 +20,80 @@ from pathlib import Path
 from . import __version__, log, preflight
 from .config import Config, ConfigError, load
 
+_EPILOG = """\
+environment:
+  GATEWAY_API_KEY   the gateway's key (comma-separated keys for rotation); the variable
+                    is named by [gateway] api_key_env (default GATEWAY_API_KEY) and
+                    channel.api_key_env in settings.json; channel.api_key may hold keys too
+  ${VAR}            expanded from the environment in every string of config.toml and
+                    settings.json; an unset VAR is a configuration error
+  ${VAR:-default}   the default when VAR is unset or empty
+  an instance's api_key_env names the variable with the key sent to that instance
+
+signals:
+  SIGHUP            reload config.toml and settings.json (a bad file keeps the old ones)
+  SIGTERM, SIGINT   drain: /readyz 503 for drain_delay s, then close the listener and give
+                    requests drain_timeout s; a second signal ends the drain at once
+
+exit status: 0 ok, 1 cannot listen, 2 configuration error
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default, except where there is none to show (the help says why)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gateway", description="OpenAI-compatible dispatch gateway for vLLM fleets"
+        prog="gateway",
+        description="OpenAI-compatible dispatch gateway for vLLM fleets",
+        epilog=_EPILOG,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--config", help="config.toml (default: the built-in one)")
-    p.add_argument("--settings", help="settings.json (default: beside the config file)")
-    p.add_argument("--check", action="store_true", help="validate the configuration and exit")
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="config.toml (default: the built-in one: two instances on 127.0.0.1:8000-8001)",
+    )
+    p.add_argument(
+        "--settings", metavar="PATH", help="settings.json (default: beside the config file)"
+    )
+    p.add_argument(
+        "--check", action="store_true", help="validate the configuration and exit (default: off)"
+    )
     p.add_argument(
         "--simulate",
         action="store_true",
-        help="start a simulated vLLM instance on each configured (loopback) URL first",
+        help="start a simulated vLLM instance on each configured (loopback) URL first "
+        "(default: off)",
     )
-    p.add_argument("--host", help="listen address (overrides [gateway].host)")
-    p.add_argument("--port", type=int, help="listen port (overrides [gateway].port)")
-    p.add_argument("--open", action="store_true", help="run without an API key (no auth)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--host", help="listen address (default: [gateway] host, itself 127.0.0.1 by default)"
+    )
+    p.add_argument(
+        "--port", type=int, help="listen port (default: [gateway] port, itself 8080 by default)"
+    )
+    p.add_argument(
+        "--open", action="store_true", help="run without an API key, no auth (default: off)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log events written (default: %(default)s; debug adds the access "
+        "lines of successful probes and scrapes)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="json: one JSON object a line; console: readable lines (default: console on a "
+        "terminal, json otherwise; json forces it under e.g. `docker run -t`)",
+    )
     p.add_argument("--version", action="version", version=f"gateway {__version__}")
     return p
 
@@ -80,7 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{config.gateway.host}:{config.gateway.port}"
         )
         return 0
-    log.configure(args.log_level)
+    log.configure(
+        args.log_level, json=None if args.log_format is None else args.log_format == "json"
+    )
     for warning in warnings:
         log.get("gateway.cli").warning("config_warning", problem=warning)
     from .server import serve

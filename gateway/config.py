@@ -49,6 +49,8 @@ class Config(Frozen):
     api_keys: tuple[SecretStr, ...]
     config_path: str
     settings_path: str
+    # --host/--port, kept so that a reload of the files applies them again.
+    listen_override: tuple[str | None, int | None] = (None, None)
 
     @property
     def gateway(self) -> GatewaySection:
@@ -89,12 +91,14 @@ class Config(Frozen):
             changes["port"] = port
         if not changes:
             return self
+        override = (host, port)
         try:
             gateway = GatewaySection.model_validate({**self.gateway.model_dump(), **changes})
         except ValidationError as exc:
             problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
             raise ConfigError(f"command line: --host/--port: {problems}") from None
-        return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
+        file = self.file.model_copy(update={"gateway": gateway})
+        return self.model_copy(update={"file": file, "listen_override": override})
 
 
 def load(

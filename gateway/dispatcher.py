@@ -19,12 +19,16 @@ from . import errors
 from .dispatch import (
     Assigned,
     Decision,
+    HealthPolicy,
+    InstanceSpec,
     Lane,
+    Limits,
     LoadReport,
     Outcome,
     Queued,
     Rejected,
     Scheduler,
+    SharedView,
     Ticket,
 )
 from .metrics import Metrics
@@ -131,6 +135,8 @@ class Dispatcher:
 
     def probe(self, name: str, ok: bool) -> bool:
         """Record a health probe; return whether the verdict changed."""
+        if not self.scheduler.has(name):
+            return False  # removed by a reload while its probe was out
         before = self.scheduler.state(name).up
         self._settle(self.scheduler.probe(name, ok, self.clock(), self.rng))
         return self.scheduler.state(name).up != before
@@ -147,6 +153,10 @@ class Dispatcher:
         report = LoadReport(running, waiting, kv, self.clock(), prefix_queries, prefix_hits)
         self.scheduler.report_load(name, report)
 
+    def apply_shared(self, view: SharedView) -> None:
+        """The other gateway processes' load, queues and speeds (shared.py)."""
+        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
+
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""
         self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
@@ -156,6 +166,10 @@ class Dispatcher:
         moves, decisions = self.scheduler.update_lanes(self.clock(), self.rng)
         self._settle(decisions)
         return moves
+
+    def reconfigure(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
+        """A reloaded instance list and limits; queued requests may be placed or refused."""
+        self._settle(self.scheduler.reconfigure(specs, limits, policy, self.clock(), self.rng))
 
     def close(self) -> None:
         """Shutting down: every queued request gets 503 now."""

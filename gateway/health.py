@@ -8,6 +8,7 @@ instances concurrently; verdicts go to the scheduler through the dispatcher.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -99,6 +100,15 @@ class HealthChecker:
         self.rng = rng or random.Random()
         self.models: dict[str, list[dict[str, Any]]] = {}
         self.rounds = 0
+        self._wake = asyncio.Event()
+
+    def reconfigure(self, targets: list[Target], probe_timeout: float) -> None:
+        """A reloaded instance list: probe it now, so new instances get a verdict soon."""
+        self.targets = targets
+        self.probe_timeout = probe_timeout
+        names = {t.name for t in targets}
+        self.models = {k: v for k, v in self.models.items() if k in names}
+        self._wake.set()
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self._check(t) for t in self.targets))
@@ -107,9 +117,9 @@ class HealthChecker:
             state = self.dispatcher.scheduler.state(name)
             _log.warning(
                 "instance_slow" if slow else "instance_speed_recovered",
-                instance=name,
-                prefill_tokens_per_s=state.speed.prefill.value,
-                tpot_s=state.speed.tpot.value,
+                server=name,
+                prefill_tokens_per_s=state.speed.prefill_rate,
+                tpot_s=state.speed.tpot_value,
             )
         if moves := self.dispatcher.update_lanes():
             split = self.dispatcher.scheduler.lanes
@@ -121,7 +131,10 @@ class HealthChecker:
 
     async def run_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.interval * self.rng.uniform(0.9, 1.1))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval * self.rng.uniform(0.9, 1.1)):
+                    await self._wake.wait()
+            self._wake.clear()
             await self.run_round()
 
     async def _check(self, target: Target) -> None:
@@ -129,7 +142,7 @@ class HealthChecker:
         if self.dispatcher.probe(target.name, ok):
             # Coming up is good news (and every start-up's first verdict): info, not warning.
             log_at = _log.info if ok else _log.warning
-            log_at("instance_up" if ok else "instance_down", instance=target.name)
+            log_at("instance_up" if ok else "instance_down", server=target.name)
         if ok:
             await asyncio.gather(self._scrape(target), self._models(target))
 

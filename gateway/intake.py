@@ -35,11 +35,15 @@ class Intake:
     def __init__(
         self, config: Config, keys: KeyChecker, scheduler: Scheduler, metrics: Metrics
     ) -> None:
-        self.keys = keys
         self.scheduler = scheduler
         self.metrics = metrics
+        self.max_body = config.gateway.max_body_bytes  # the app's own limit: fixed at start
+        self.reconfigure(config, keys)
+
+    def reconfigure(self, config: Config, keys: KeyChecker) -> None:
+        """A reloaded configuration: the keys, default tag and body timeout it names."""
+        self.keys = keys
         self.default_tag = config.channel.headers.get("X-Request-Tag", "")
-        self.max_body = config.gateway.max_body_bytes
         self.body_timeout = config.gateway.body_timeout
 
     def authorize(self, request: web.Request) -> None:

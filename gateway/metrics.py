@@ -4,17 +4,28 @@ Request-path metrics are counters and histograms updated once per request. Every
 that describes current state (queue depths, in-flight, up/down, scraped vLLM load) is
 read from the scheduler at scrape time by `StateCollector`, so the hot path pays nothing
 for it.
+
+Conventions (what a Prometheus user expects): the vLLM instance is the label `server`
+(`instance` and `job` are Prometheus' own target labels), 0..1 gauges end in `_ratio`,
+`status` holds HTTP codes only, and there are no `_created` series. Labelled series whose
+label values are known at start are created at zero then (`start_series`), so `rate()`
+sees their first increase.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import platform
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import get_args, get_type_hints
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .dispatch import Lane, Scheduler, score_all
+from . import __version__
+from .dispatch import GiveUp, Lane, Rejected, Scheduler, score_all
+from .dispatch.retry import RetryReason
 
 # TTFT spans a cached short prompt (tens of ms) to a long prefill behind a queue (a minute).
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
@@ -22,7 +33,34 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 
 OTHER_TAG = "other"
+NONE = "none"  # the label value of what a request never had (a lane, a model, a tag)
 CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle_timeout", "over_limit")
+# Label values known in advance, each series created at zero by `start_series`.
+ERROR_KINDS = ("connect", "timeout", "bad_response")  # an attempt that got no usable answer
+RETRY_REASONS = (*get_args(RetryReason), "bad_response")
+RETRY_REFUSALS: tuple[str, ...] = get_args(get_type_hints(GiveUp)["why"])
+REJECTIONS: tuple[str, ...] = get_args(get_type_hints(Rejected)["reason"])
+STREAM_ABORT_SIDES = ("client", "upstream", "shutdown")
+# What an instance answers that the gateway acts on: success, and the retryable statuses.
+INSTANCE_STATUSES = ("200", "429", "502", "503", "504")
+# Statuses of inference requests that were placed in a lane (answered by an instance, or
+# turned away by the gateway: queue full / no instance / upstream error or timeout).
+PLACED_STATUSES = ("200", "429", "502", "503", "504")
+
+
+class Registry(CollectorRegistry):
+    """A registry that leaves out `_created` series.
+
+    prometheus_client's own switch (`disable_created_metrics()`) is process-global state;
+    this keeps the choice on the app's registry. `_created` doubles the series of every
+    counter and histogram and no dashboard here reads it.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
 
 
 class Metrics:
@@ -39,15 +77,22 @@ class Metrics:
         self._tags: set[str] = set()
         self.requests = Counter(
             "gateway_requests",
-            "Requests answered, by route, status, lane, model (those the fleet serves; others "
-            "fold into 'other') and (capped) X-Request-Tag.",
+            "Requests answered, by route (unknown paths: 'other'), status, lane, model (those "
+            "the fleet serves; others fold into 'other') and (capped) X-Request-Tag.",
             ["route", "status", "lane", "model", "tag"],
             registry=registry,
         )
         self.instance_requests = Counter(
             "gateway_instance_requests",
-            "Attempts sent to each instance, by the status it answered (or the error).",
-            ["instance", "status"],
+            "Attempts each instance answered, by the HTTP status it answered.",
+            ["server", "status"],
+            registry=registry,
+        )
+        self.instance_errors = Counter(
+            "gateway_instance_errors",
+            "Attempts that got no usable answer from an instance, by kind "
+            "(connect, timeout, bad_response).",
+            ["server", "kind"],
             registry=registry,
         )
         self.retries = Counter(
@@ -74,26 +119,26 @@ class Metrics:
         self.slo = Counter(
             "gateway_slo_requests",
             "Streamed requests by whether they met their lane's TTFT / TPOT objective.",
-            ["lane", "instance", "objective", "result"],
+            ["lane", "server", "objective", "result"],
             registry=registry,
         )
         self.goodput = Counter(
             "gateway_goodput_requests",
             "Streamed requests that met both objectives of their lane (rate() = goodput).",
-            ["lane", "instance"],
+            ["lane", "server"],
             registry=registry,
         )
         self.ttft = Histogram(
             "gateway_ttft_seconds",
             "Time to first token (first streamed chunk), from arrival at the gateway.",
-            ["lane"],
+            ["lane", "server"],
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
         self.tpot = Histogram(
             "gateway_tpot_seconds",
             "Time per output token after the first, of streamed answers.",
-            ["lane"],
+            ["lane", "server"],
             buckets=_TPOT_BUCKETS,
             registry=registry,
         )
@@ -123,8 +168,82 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
-        for reason in CONNECTION_CUTS:  # every series exists at 0 from the start
+        Gauge(
+            "gateway_build_info",
+            "Always 1: the gateway's version and what it runs on, as labels.",
+            ["version", "python", "aiohttp"],
+            registry=registry,
+        ).labels(__version__, platform.python_version(), aiohttp.__version__).set(1)
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, _resident_memory_bytes...
+        # Every series whose labels do not depend on the fleet exists at 0 from the start.
+        for reason in CONNECTION_CUTS:
             self.client_connections_closed.labels(reason)
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for why in RETRY_REFUSALS:
+            self.retries_refused.labels(why)
+        for reason in REJECTIONS:
+            self.rejections.labels(reason)
+        for side in STREAM_ABORT_SIDES:
+            self.stream_aborts.labels(side)
+        for lane in self.lane_names.values():
+            self.duration.labels(lane)
+            self.queue_wait.labels(lane)
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "SIGHUP reloads of config.toml and settings.json, by result (applied or failed).",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("applied", "failed"):
+            self.config_reloads.labels(result)
+        self.config_last_reload_successful = Gauge(
+            "gateway_config_last_reload_successful",
+            "1 if the last reload applied (or none was tried), 0 if it failed: the files on "
+            "disk are not what the gateway runs.",
+            registry=registry,
+        )
+        self.config_last_reload_successful.set(1)
+
+    def start_series(
+        self,
+        servers: Sequence[str],
+        *,
+        placed_routes: Iterable[str] = (),
+        keyed_routes: Iterable[str] = (),
+        models: Iterable[str] = (),
+        tag: str = "",
+    ) -> None:
+        """Create at zero the series whose labels the fleet and the routes decide.
+
+        Per server: its answers by status (200 and the retryable ones), its error kinds, and
+        TTFT, TPOT, SLO and goodput for each lane. Per route: 401 for each route that takes
+        a key, 404 for unknown paths ('other'), and for each route that places requests in a
+        lane, the statuses of PLACED_STATUSES by lane for each model known now (or none).
+        """
+        lanes = list(self.lane_names.values())
+        for server in servers:
+            for status in INSTANCE_STATUSES:
+                self.instance_requests.labels(server, status)
+            for kind in ERROR_KINDS:
+                self.instance_errors.labels(server, kind)
+            for lane in lanes:
+                self.ttft.labels(lane, server)
+                self.tpot.labels(lane, server)
+                self.goodput.labels(lane, server)
+                for objective in ("ttft", "tpot"):
+                    for result in ("met", "missed"):
+                        self.slo.labels(lane, server, objective, result)
+        self.requests.labels("other", "404", NONE, NONE, NONE)
+        for route in keyed_routes:
+            self.requests.labels(route, "401", NONE, NONE, NONE)
+        tag_label = self.tag_label(tag or NONE)
+        known_models = list(models) or [NONE]
+        for route in placed_routes:
+            for lane in lanes:
+                for model in known_models:
+                    for status in PLACED_STATUSES:
+                        self.requests.labels(route, status, lane, model, tag_label)
 
     def tag_label(self, tag: str) -> str:
         """The tag itself while fewer than `max_tags` distinct tags were seen, else 'other'."""
@@ -159,91 +278,91 @@ class StateCollector(Collector):
                 "gateway_instance_queue_depth",
                 "Requests waiting at each instance beyond its running slots: the larger of "
                 "the gateway's own count and the instance's fresh vllm:num_requests_waiting.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "inflight": GaugeMetricFamily(
                 "gateway_instance_inflight",
                 "Requests this gateway has in flight on each instance.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "up": GaugeMetricFamily(
                 "gateway_instance_up",
                 "1 if the instance takes traffic (probes pass, not ejected), else 0.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "score": GaugeMetricFamily(
                 "gateway_instance_score",
                 "The least_busy score of each instance (lower takes the next request).",
-                labels=["instance"],
+                labels=["server"],
             ),
             "running": GaugeMetricFamily(
                 "gateway_instance_vllm_running",
                 "vllm:num_requests_running at the last scrape (NaN if never or stale).",
-                labels=["instance"],
+                labels=["server"],
             ),
             "waiting": GaugeMetricFamily(
                 "gateway_instance_vllm_waiting",
                 "vllm:num_requests_waiting at the last scrape (NaN if never or stale).",
-                labels=["instance"],
+                labels=["server"],
             ),
             "prefill_rate": GaugeMetricFamily(
                 "gateway_instance_prefill_rate_tokens_per_second",
                 "Learned prefill throughput of each instance (NaN before any streamed answer).",
-                labels=["instance"],
+                labels=["server"],
             ),
             "tpot": GaugeMetricFamily(
                 "gateway_instance_tpot_estimate_seconds",
                 "Learned time per output token of each instance (NaN before any).",
-                labels=["instance"],
+                labels=["server"],
             ),
             "slow": GaugeMetricFamily(
                 "gateway_instance_slow",
                 "1 while the instance's learned speed is well below the fleet median.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "kv": GaugeMetricFamily(
-                "gateway_instance_vllm_kv_cache_usage",
+                "gateway_instance_vllm_kv_cache_usage_ratio",
                 "vllm:kv_cache_usage_perc at the last scrape, 0..1 (NaN if unknown).",
-                labels=["instance"],
+                labels=["server"],
             ),
         }
         prefix: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "index": GaugeMetricFamily(
                 "gateway_prefix_index_blocks",
                 "Prompt blocks (64 tokens) the gateway remembers sending to each instance.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "queries": CounterMetricFamily(
                 "gateway_prefix_query_tokens",
                 "Prompt tokens sent to each instance with a prefix estimate.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "hits": CounterMetricFamily(
                 "gateway_prefix_estimated_hit_tokens",
                 "Of those, the tokens the gateway estimated were in the instance's prefix cache.",
-                labels=["instance"],
+                labels=["server"],
             ),
             "vllm_queries": CounterMetricFamily(
                 "gateway_instance_vllm_prefix_cache_query_tokens",
                 "vllm:prefix_cache_queries_total at the instance's last scrape (its own count).",
-                labels=["instance"],
+                labels=["server"],
             ),
             "vllm_hits": CounterMetricFamily(
                 "gateway_instance_vllm_prefix_cache_hit_tokens",
                 "vllm:prefix_cache_hits_total at the instance's last scrape (its own count).",
-                labels=["instance"],
+                labels=["server"],
             ),
         }
         current_lane = GaugeMetricFamily(
             "gateway_instance_lane",
             "1 for the lane each instance serves now (static, or given by the split between "
             "the lanes), 0 for the other; both 1 on a shared instance with the split off.",
-            labels=["instance", "lane"],
+            labels=["server", "lane"],
         )
         ejections = CounterMetricFamily(
             "gateway_instance_ejections",
             "Passive ejections of each instance after consecutive failures.",
-            labels=["instance"],
+            labels=["server"],
         )
         for state in sched.states:
             name = [state.name]
@@ -262,7 +381,7 @@ class StateCollector(Collector):
             for lane in Lane:
                 on = serves in (lane.value, "any")
                 current_lane.add_metric([state.name, self.lane_names[lane]], 1.0 if on else 0.0)
-            rate, tpot = state.speed.prefill.value, state.speed.tpot.value
+            rate, tpot = state.speed.prefill_rate, state.speed.tpot_value
             families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)
             families["tpot"].add_metric(name, float("nan") if tpot is None else tpot)
             families["slow"].add_metric(name, 1.0 if state.speed.slow else 0.0)

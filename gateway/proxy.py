@@ -39,8 +39,8 @@ from .dispatch import (
 from .dispatch.affinity import prompt_blocks, prompt_text
 from .dispatcher import Dispatcher
 from .intake import Intake, max_tokens_of
-from .metrics import Metrics
-from .recorder import Recorder
+from .metrics import ERROR_KINDS, Metrics
+from .recorder import EXCHANGE, Recorder
 from .relay import Exchange, Relay, Retryable
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
@@ -80,33 +80,23 @@ class Proxy:
         targets: dict[str, Target],
         counter: TokenCounter,
     ) -> None:
-        self.config = config
         self.dispatcher = dispatcher
         self.upstream = upstream
         self.metrics = metrics
-        self.keys = keys
         self.targets = targets
         self.counter = counter
-        channel = config.channel
-        self.default_model = channel.default_model
         self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
-        self.threshold = config.prefill.long_input_threshold
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
-        self.request_timeout = config.gateway.request_timeout
-        self.retry = channel.retry
-        self.ttft_allowance = {
-            Lane.SHORT: channel.timeout.read,
-            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
-        }
-        self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
+        self.budget = RetryBudget(ratio=config.channel.retry.budget_ratio)
         self.affinity = config.dispatch.prefix_index_blocks > 0
         self.clock = dispatcher.clock
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.relay = Relay(metrics, dispatcher, channel.timeout.write)
+        self.relay = Relay(metrics, dispatcher, config.channel.timeout.write)
+        self.reconfigure(config, keys, targets)
         slo = config.file.slo
         self.recorder = Recorder(
             metrics,
@@ -115,6 +105,30 @@ class Proxy:
                 self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
             },
         )
+
+    def reconfigure(self, config: Config, keys: KeyChecker, targets: dict[str, Target]) -> None:
+        """Take a (reloaded) configuration: what is read per request changes from here on.
+
+        Requests in progress keep what they read at their start. Targets of removed
+        instances stay known, so a request still on one finishes normally.
+        """
+        self.config = config
+        self.keys = keys
+        self.targets.update(targets)
+        channel = config.channel
+        self.default_model = channel.default_model
+        self.threshold = config.prefill.long_input_threshold
+        self.counter.threshold = self.threshold  # where an exact count is worth asking for
+        self.request_timeout = config.gateway.request_timeout
+        self.retry = channel.retry
+        self.ttft_allowance = {
+            Lane.SHORT: channel.timeout.read,
+            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
+        }
+        self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
+        self.relay.write_timeout = channel.timeout.write
+        self.upstream.timeouts = channel.timeout
+        self.intake.reconfigure(config, keys)
 
     @property
     def aborting(self) -> bool:
@@ -143,8 +157,8 @@ class Proxy:
     # ------------------------------------------------------------ handler
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
-        started = self.clock()
-        ex = Exchange(route.name, request_id.current(), started)
+        ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
+        ex.route = route.name  # the middleware records it (recorder.py)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
@@ -204,7 +218,6 @@ class Proxy:
                 self._tasks.discard(task)
                 if not self._tasks:
                     self._idle.set()
-            self.recorder.record(ex, self.clock() - ex.started)
 
     async def _forward(
         self,
@@ -224,14 +237,17 @@ class Proxy:
             ex.attempts += 1
             if tried:
                 ticket = self.dispatcher.retry_ticket(ticket, tried)
+            queued = self.clock()
             try:
                 instance = await self.dispatcher.acquire(ticket)
             except errors.GatewayError:
                 if last_failure is None:
                     raise
                 return self._give_up(last_failure, ex, headers)  # nowhere left to retry
+            finally:
+                ex.queue_wait += self.clock() - queued
             ex.instance = instance
-            structlog.contextvars.bind_contextvars(instance=instance)
+            structlog.contextvars.bind_contextvars(server=instance)
             try:
                 return await self._attempt(
                     request, route, body, lane, stream, ex, headers, ticket.id, deadline
@@ -294,7 +310,6 @@ class Proxy:
                 )
             except AttemptFailed as failed:
                 outcome, error = Outcome.FAILURE, failed.kind
-                self.metrics.instance_requests.labels(ex.instance, failed.kind).inc()
                 raise Retryable(failed.kind, self._attempt_error(failed)) from None
             status = response.status
             self.metrics.instance_requests.labels(ex.instance, str(status)).inc()
@@ -319,6 +334,8 @@ class Proxy:
         except Retryable as failed:
             if error is None:  # failed before commit while reading the first chunk
                 outcome, error = Outcome.FAILURE, failed.reason
+            if failed.reason in ERROR_KINDS:  # no usable answer (not a retryable status)
+                self.metrics.instance_errors.labels(ex.instance, failed.reason).inc()
             raise
         finally:
             if response is not None:

@@ -42,7 +42,7 @@ Decode = Callable[[bytes], bytes]
 class Exchange:
     """What one request did, for its access-log line and metrics."""
 
-    route: str
+    route: str  # a bounded name: the route's, or "other" for a path no route serves
     request_id: str
     started: float
     tag: str = ""
@@ -56,6 +56,13 @@ class Exchange:
     tokens: int | None = None
     prompt_tokens: int = 0
     max_tokens: int = 0
+    # For the access log only (never labels: unbounded, or chosen by the client).
+    method: str = ""
+    path: str = ""
+    client: str = ""  # the peer address (proxy headers are not trusted)
+    user_agent: str = ""
+    queue_wait: float = 0.0  # seconds in the gateway queue, all attempts together
+    bytes_sent: int = 0
 
 
 @dataclass
@@ -286,7 +293,6 @@ class Relay:
         result = await self._finish(out, ex, Outcome.SUCCESS, None)
         if result[1] is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
             ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
-            self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
             self.dispatcher.observe_tpot(ex.instance, ex.tpot)
         return result
 

@@ -38,6 +38,9 @@ class GatewaySection(Frozen):
     # Long-lane prompts are tens of KiB; base64 images are MiBs. 16 MiB covers both.
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM, /readyz answers 503 this long while everything is still served, so
+    # a load balancer or Kubernetes' endpoint controller sees it before the listener closes.
+    drain_delay: float = Field(5.0, ge=0)
     # Client connections (nginx's client_header_timeout / client_body_timeout /
     # keepalive_timeout, HAProxy's maxconn). Headers are a few hundred bytes: 10 s is
     # generous for any real client and short for a slowloris.
@@ -144,11 +147,41 @@ class SloSection(Frozen):
     long_tpot: float = Field(0.1, gt=0)
 
 
+class SharedSection(Frozen):
+    """The shared view across workers and replicas; without `redis_url`, one process alone."""
+
+    redis_url: SecretStr | None = None  # may hold a password: never logged
+    publish_interval: float = Field(0.25, gt=0, le=5)
+    ttl: float = Field(3.0, gt=0, le=60)  # a process's entries vanish this long after it died
+    namespace: str = Field("gateway", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+
+    @model_validator(mode="after")
+    def _ttl_covers_publishing(self) -> SharedSection:
+        if self.ttl < 2 * self.publish_interval:
+            raise ValueError(
+                f"ttl ({self.ttl:g} s) must be at least twice publish_interval "
+                f"({self.publish_interval:g} s), or live processes would vanish between writes"
+            )
+        return self
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            scheme = value.get_secret_value().partition("://")[0]
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ValueError(
+                    f"expected a redis://, rediss:// or unix:// URL, got {scheme!r}://"
+                )
+        return value
+
+
 class ConfigFile(Frozen):
     gateway: GatewaySection = GatewaySection()
     dispatch: DispatchSection = DispatchSection()
     prefill: PrefillSection = PrefillSection()
     slo: SloSection = SloSection()
+    shared: SharedSection = SharedSection()
 
 
 # -------------------------------------------------------------- settings.json

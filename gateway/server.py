@@ -1,8 +1,11 @@
-"""Runs the gateway: bind, serve, and drain on SIGINT/SIGTERM; SIGHUP is logged and ignored.
+"""Runs the gateway: bind, serve, reload on SIGHUP, and drain on SIGINT/SIGTERM.
 
-Shutdown order: readiness turns 503 and the listening socket closes; requests still
-queued in the gateway get 503 with Retry-After; streams already started get up to
-`drain_timeout` seconds to finish; then resources close.
+Shutdown order: readiness turns 503 for `drain_delay` seconds while everything is still
+served and new connections are still accepted; then the listening socket closes,
+requests still queued in the gateway get 503 with Retry-After, and requests in progress
+get up to `drain_timeout` seconds to finish; then resources close. A second SIGTERM or
+SIGINT during the drain ends it at once (what is still running is ended as at the
+deadline).
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import signal
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from aiohttp import web
+
 from . import log
 from .app import DISPATCHER, LIFECYCLE, PROXY, build_app
 from .config import Config
-from .runner import make_runner
+from .reload import reload_on_signal
+from .runner import GatewayRunner, make_runner
 
 _log = log.get("gateway.server")
 
@@ -45,8 +51,8 @@ async def start_simulated(config: Config) -> list[object]:
     return list(await start_fleet(configs, ports=ports))
 
 
-def _sighup_ignored() -> None:
-    _log.warning("sighup_ignored", reason="reload is not supported yet; SIGTERM stops")
+def _too_early() -> None:
+    _log.warning("reload_skipped", reason="SIGHUP before the gateway finished starting")
 
 
 async def serve(
@@ -61,18 +67,20 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    # SIGHUP's default action kills the process mid-stream. Until it reloads the
-    # configuration, a terminal closing or a stray `kill -HUP` must change nothing.
+    # SIGHUP's default action kills the process: handle it from the start, and reload
+    # once there is something to reload.
+    on_hup: list[Callable[[], None]] = [_too_early]
     hup = getattr(signal, "SIGHUP", None)  # absent on Windows
     if hup is not None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(hup, _sighup_ignored)
+            loop.add_signal_handler(hup, lambda: on_hup[0]())
     sims = await start_simulated(config) if simulate else []
     for sim in sims:
         _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
     app = build_app(config)
     runner = make_runner(app, config.gateway.drain_timeout)
     await runner.setup()
+    on_hup[0] = reload_on_signal(app)
     try:
         host, port = await runner.listen(config.gateway.host, config.gateway.port)
         url = f"http://{host}:{port}"
@@ -80,16 +88,54 @@ async def serve(
         if on_ready:
             on_ready(url)
         await stop.wait()
-        _log.info("draining", drain_timeout_s=config.gateway.drain_timeout)
-        app[LIFECYCLE].draining = True
-        runner.stop_listening()  # no new connections; open ones finish their requests
-        app[DISPATCHER].close()
-        ended = await app[PROXY].drain(config.gateway.drain_timeout)
-        _log.info("drained", ended_at_deadline=ended)
+        await _drain(app, runner, stop)
     finally:
+        on_hup[0] = _too_early
         await runner.cleanup()
         if sims:
             from loadtest.fleet import stop_fleet
 
             await stop_fleet(sims)  # type: ignore[arg-type]
         _log.info("stopped")
+
+
+async def _drain(app: web.Application, runner: GatewayRunner, stop: asyncio.Event) -> None:
+    """The drain after the first stop signal; a second one ends it at once.
+
+    For `drain_delay` s only readiness changes (503), so a load balancer stops sending
+    before anything is refused; then the listener closes, queued requests get 503, and
+    requests in progress get `drain_timeout` s.
+    """
+    gateway = app[PROXY].config.gateway  # as reloaded: the drain times may have changed
+    stop.clear()  # from here on, a second SIGTERM or SIGINT means "now"
+    _log.info("draining", drain_delay_s=gateway.drain_delay, drain_timeout_s=gateway.drain_timeout)
+    app[LIFECYCLE].draining = True
+    forced = await _set_within(stop, gateway.drain_delay)
+    runner.stop_listening()  # no new connections; open ones finish their requests
+    _log.info("listener_closed")
+    app[DISPATCHER].close()
+    proxy = app[PROXY]
+    if not forced:
+        drained = asyncio.create_task(proxy.drain(gateway.drain_timeout))
+        second = asyncio.create_task(stop.wait())
+        await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
+        second.cancel()
+        forced = not drained.done()
+        if not forced:
+            _log.info("drained", ended_at_deadline=drained.result())
+            return
+        drained.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drained
+    _log.warning("drain_forced", reason="a second stop signal")
+    _log.info("drained", ended_at_deadline=await proxy.drain(0))
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether `event` is set within `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

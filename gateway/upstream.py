@@ -77,7 +77,11 @@ class Upstream:
         """
         try:
             async with asyncio.timeout(timeout):
-                return await self.session.request(method, url, data=body, headers=headers)
+                # Per request: a reload may change the connect timeout.
+                connect = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect)
+                return await self.session.request(
+                    method, url, data=body, headers=headers, timeout=connect
+                )
         except TimeoutError:
             raise AttemptFailed("timeout", f"no response headers within {timeout:.1f}s") from None
         except aiohttp.ClientConnectorError as exc:

@@ -181,9 +181,12 @@ def gateway_files(
     dispatch: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
     slo: dict[str, Any] | None = None,
-    prefill: dict[str, Any] | None = None,
+    extra: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Path, Path]:
-    """Write the config.toml and settings.json a scenario's gateway runs with."""
+    """Write the config.toml and settings.json a scenario's gateway runs with.
+
+    `extra`: more sections (e.g. `shared`), written as they are.
+    """
     sections: dict[str, dict[str, Any]] = {
         "gateway": {"host": "127.0.0.1", "port": port, **(gateway or {})},
         "dispatch": {
@@ -195,8 +198,7 @@ def gateway_files(
     }
     if slo:  # the operator's objectives, as the load generator judges them
         sections["slo"] = slo
-    if prefill:
-        sections["prefill"] = prefill
+    sections.update(extra or {})
     lines = []
     for name, values in sections.items():
         lines.append(f"[{name}]")
@@ -260,7 +262,7 @@ async def gateway_process(
     gateway: dict[str, Any] | None = None,
     source: Path | None = None,
     slo: dict[str, Any] | None = None,
-    prefill: dict[str, Any] | None = None,
+    extra: dict[str, dict[str, Any]] | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
@@ -279,7 +281,7 @@ async def gateway_process(
             dispatch=dispatch,
             gateway=gateway,
             slo=slo,
-            prefill=prefill,
+            extra=extra,
         )
         log = folder / "gateway.log"
         env = {**os.environ, "GATEWAY_API_KEY": KEY}

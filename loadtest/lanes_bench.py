@@ -95,7 +95,7 @@ async def _gateway_run(
                     "long_ttft": common.ttft_slo,
                     "long_tpot": common.tpot_slo,
                 },
-                prefill={"lane_split": "shared" not in flags},
+                extra={"prefill": {"lane_split": "shared" not in flags}},
                 dispatch={"least_time_decode": "over_objective"}
                 if "over_objective" in flags
                 else None,

@@ -50,6 +50,9 @@ class SimConfig:
     # vLLM's automatic prefix cache (sim_prefix_cache.py): capacity in blocks; 0 turns it off.
     prefix_cache_blocks: int = 0
     block_size: int = 16  # tokens per KV block, vLLM's default
+    # LoRA adapters loaded beside the base model (vLLM --lora-modules): listed in
+    # /v1/models with the base model as parent, and accepted as a request's `model`.
+    lora_adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -60,10 +63,17 @@ class SimConfig:
             raise ValueError("max_waiting must be >= 0")
         if self.prefix_cache_blocks < 0 or self.block_size < 1:
             raise ValueError("prefix_cache_blocks must be >= 0 and block_size >= 1")
+        if self.model in self.lora_adapters:
+            raise ValueError("a LoRA adapter cannot share the base model's name")
 
     @property
     def prefix_caching(self) -> bool:
         return self.prefix_cache_blocks > 0
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The names a request's `model` may take: the base model and its adapters."""
+        return (self.model, *self.lora_adapters)
 
 
 @dataclass
@@ -155,6 +165,7 @@ class Faults:
     health_status: int = 200
     hang_before_headers: bool = False
     die_after_chunks: int | None = None
+    models_status: int = 200  # not 200: /v1/models answers that, as behind a proxy hiding it
 
 
 class ApiError(Exception):

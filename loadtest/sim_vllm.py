@@ -208,7 +208,7 @@ class SimInstance:
         if not isinstance(body, dict):
             raise ApiError(400, "Request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.config.model:
+        if model is not None and model not in self.config.served_models:
             raise ApiError(404, f"The model `{model}` does not exist.")
         return body
 
@@ -281,10 +281,12 @@ class SimInstance:
         max_tokens = parse_max_tokens(body, self.config.default_max_tokens, prompt_tokens)
         stream, include_usage = parse_stream(body)
         prefix = "chatcmpl-" if chat else "cmpl-"
+        # vLLM names the adapter that answered, or else the base model.
+        model = body.get("model")
         gen = Generation(
             id=prefix + self._request_id(request),
             created=int(time.time()),
-            model=self.config.model,
+            model=model if model in self.config.lora_adapters else self.config.model,
             chat=chat,
             prompt_tokens=prompt_tokens,
         )
@@ -390,6 +392,8 @@ class SimInstance:
     # --- other routes -----------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
+        if self.faults.models_status != 200:
+            return _json({"detail": "Not Found"}, status=self.faults.models_status)
         model = self.config.model
         card = {
             "id": model,
@@ -400,7 +404,12 @@ class SimInstance:
             "parent": None,
             "max_model_len": MAX_MODEL_LEN,
         }
-        return _json({"object": "list", "data": [card]})
+        # vLLM lists each LoRA adapter as a model of its own, its base model as parent.
+        adapters = [
+            {**card, "id": name, "root": f"/adapters/{name}", "parent": model}
+            for name in self.config.lora_adapters
+        ]
+        return _json({"object": "list", "data": [card, *adapters]})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=self.faults.health_status)

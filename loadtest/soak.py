@@ -191,7 +191,7 @@ def _summarize_log(text: str) -> dict[str, Any]:
         if event.get("event") == "request":
             statuses[str(event.get("status"))] += 1
             if int(event.get("status") or 0) >= 500 and len(failures) < 10:
-                keep = ("status", "route", "lane", "instance", "attempts", "duration_ms")
+                keep = ("status", "route", "lane", "server", "attempts", "duration_ms")
                 failures.append(json.dumps({k: event.get(k) for k in keep}))
         elif event.get("level") in ("warning", "error", "critical"):
             events[f"{event.get('level')}:{event.get('event')}"] += 1

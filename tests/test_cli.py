@@ -337,7 +337,7 @@ def test_start_logs_each_warning_as_config_warning(
 ) -> None:
     """Serving (not only `--check`) logs a `config_warning` event for each preflight warning."""
     monkeypatch.setattr(preflight, "_getaddrinfo", lambda name: ["10.9.8.7"])
-    monkeypatch.setattr(log, "configure", lambda level: None)  # keep structlog as the test has it
+    monkeypatch.setattr(log, "configure", lambda *a, **k: None)  # keep structlog as the test has it
     served: list[Config] = []
 
     async def serve(config: Config, *, simulate: bool) -> None:
@@ -351,3 +351,99 @@ def test_start_logs_each_warning_as_config_warning(
     (warning,) = [e for e in events if e["event"] == "config_warning"]
     assert warning["log_level"] == "warning"
     assert "both reach 10.9.8.7" in warning["problem"]
+
+
+@pytest.mark.usefixtures("keyed")
+@pytest.mark.parametrize(
+    ("flags", "level", "as_json"),
+    [
+        ([], "info", None),
+        (["--log-format", "json", "--log-level", "debug"], "debug", True),
+        (["--log-format", "console"], "info", False),
+    ],
+)
+def test_log_flags_choose_the_level_and_format(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    level: str,
+    as_json: bool | None,
+) -> None:
+    """--log-level and --log-format reach log.configure; without --log-format it decides."""
+    calls: list[tuple[str, bool | None]] = []
+    monkeypatch.setattr(log, "configure", lambda lvl, *, json=None: calls.append((lvl, json)))
+
+    async def serve(config: Config, *, simulate: bool) -> None:
+        return None
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert main(["--config", str(write(tmp_path)), *flags]) == 0
+    assert calls == [(level, as_json)]
+
+
+def test_help_shows_the_log_flags_and_their_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gateway --help` lists --log-format's choices and --log-level's default."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--log-format {json,console}" in out
+    assert "default: info" in out
+    assert "default: console on a terminal, json otherwise" in out
+
+
+class _Terminal:
+    """A stream that says it is a terminal (as under `docker run -t`) and keeps what it got."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("as_json", [True, None])
+def test_json_log_format_is_json_even_on_a_terminal(as_json: bool | None) -> None:
+    """json=True writes JSON lines to a terminal; left to decide, a terminal gets console lines."""
+    terminal = _Terminal()
+    try:
+        log.configure("info", stream=terminal, json=as_json)  # type: ignore[arg-type]
+        structlog.get_logger("test").info("hello", answer=42)
+    finally:
+        structlog.reset_defaults()
+    text = "".join(terminal.lines)
+    if as_json:
+        event = json.loads(text)
+        assert (event["event"], event["answer"], event["level"]) == ("hello", 42, "info")
+    else:
+        assert "hello" in text
+        assert not text.lstrip().startswith("{")
+
+
+def test_help_names_the_environment_variables_and_every_flag_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gateway --help` names the key variable, ${VAR} expansion, the signals, and every flag
+    with a default."""
+    from gateway.cli import _parser
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("GATEWAY_API_KEY", "${VAR}", "${VAR:-default}", "SIGHUP", "SIGTERM"):
+        assert needle in text, needle
+    flat = " ".join(text.split())
+    for action in _parser()._actions:
+        if action.dest in ("help", "version"):
+            continue
+        flag = action.option_strings[-1]
+        assert flag in text, flag
+        shown = flat.split(flag, 2)[-1].split(" --", 1)[0]  # the flag's own help entry
+        assert "default" in shown, (flag, shown)

@@ -13,14 +13,18 @@ from .model import (
     Lane,
     Limits,
     LoadReport,
+    LocalShare,
     Outcome,
+    PeerLoad,
     Queued,
     Rejected,
+    SharedView,
     Ticket,
 )
 from .retry import GiveUp, RetryAfter, RetryBudget, plan_retry, reason_for_status
 from .scheduler import Scheduler, UnknownTicket
 from .select import STRATEGIES, Score, score_all
+from .speed import PeerSpeed
 
 __all__ = [
     "STRATEGIES",
@@ -33,13 +37,17 @@ __all__ = [
     "Lane",
     "Limits",
     "LoadReport",
+    "LocalShare",
     "Outcome",
+    "PeerLoad",
+    "PeerSpeed",
     "Queued",
     "Rejected",
     "RetryAfter",
     "RetryBudget",
     "Scheduler",
     "Score",
+    "SharedView",
     "Ticket",
     "UnknownTicket",
     "plan_retry",

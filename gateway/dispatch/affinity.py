@@ -22,6 +22,8 @@ chain are a leading run. That makes `match` a binary search.
 
 from __future__ import annotations
 
+import array
+import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -76,28 +78,44 @@ def prompt_text(payload: Mapping[str, Any]) -> bytes:
     if isinstance(prompt, str):
         return prompt.encode("utf-8", "surrogatepass")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        # Token ids: 4 bytes each, so a block is still BLOCK_TOKENS of them.
-        return b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt)
+        # Token ids: 4 bytes each, so a block is still BLOCK_TOKENS of them. Ids that are
+        # not 32-bit ints (array "i" is a C int, 4 bytes) are the instance's to refuse;
+        # they get no affinity, not a 500.
+        try:
+            ids = array.array("i", prompt)
+        except (TypeError, OverflowError):
+            return b""
+        if sys.byteorder == "big":
+            ids.byteswap()  # little-endian everywhere, so replicas agree
+        return ids.tobytes()
     return b""
 
 
 class PrefixIndex:
-    """The prompt blocks recently sent to one instance, at most `capacity` of them (LRU)."""
+    """The prompt blocks recently sent to one instance, at most `capacity` of them (LRU).
+
+    A block is *settled* once a request that carried it has had its first token there:
+    only then is it surely in the instance's cache. Until then it still attracts requests
+    of the same prefix (they would queue behind it and find it computed), but it does not
+    make a long prompt cheap (`settled=True` in `match`).
+    """
 
     def __init__(self, capacity: int = DEFAULT_INDEX_BLOCKS) -> None:
         self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int, bool] = OrderedDict()  # block -> settled
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, blocks: Sequence[int]) -> int:
-        """How many of `blocks`' leading blocks the index holds (binary search on the run)."""
+    def match(self, blocks: Sequence[int], *, settled: bool = False) -> int:
+        """How many of `blocks`' leading blocks the index holds (binary search on the run);
+        with `settled`, only blocks whose prefill is known to be done."""
         held = self._blocks
         lo, hi = 0, len(blocks)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if blocks[mid - 1] in held:
+            found = held.get(blocks[mid - 1])
+            if found is not None and (found or not settled):
                 lo = mid
             else:
                 hi = mid - 1
@@ -109,10 +127,17 @@ class PrefixIndex:
             return
         held = self._blocks
         for block in reversed(blocks):
-            held[block] = None
+            held[block] = held.get(block, False)
             held.move_to_end(block)
         while len(held) > self.capacity:
             held.popitem(last=False)
+
+    def settle(self, blocks: Sequence[int]) -> None:
+        """A request carrying `blocks` had its first token: they are computed there now."""
+        held = self._blocks
+        for block in blocks:
+            if block in held:
+                held[block] = True
 
     def clear(self) -> None:
         self._blocks.clear()

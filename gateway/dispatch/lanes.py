@@ -92,6 +92,17 @@ class LaneSplit:
         self._streak = 0
         self._bulk: dict[str, float] = {}  # prefill rates from bulk samples, tokens/s
 
+    def set_fleet(self, states: Iterable[InstanceState], enabled: bool) -> None:
+        """A reloaded instance list: shared instances that stay keep their lane and rates,
+        new ones start short, removed (or now static) ones are forgotten."""
+        self.enabled = enabled
+        states = list(states)
+        names = {s.name for s in states}
+        shared = [s.name for s in states if s.spec.lane == "any"]
+        self._held = {name: self._held.get(name, Lane.SHORT) for name in shared}
+        self._bulk = {n: r for n, r in self._bulk.items() if n in names}
+        self._pending, self._streak = None, 0
+
     # ------------------------------------------------------------ queries
 
     def lane(self, state: InstanceState) -> InstanceLane:
@@ -189,7 +200,7 @@ class LaneSplit:
 
 def _free(state: InstanceState) -> bool:
     """Whether it has a running slot free of our requests (one more would not queue)."""
-    return state.inflight < state.spec.slots
+    return state.fleet_inflight < state.spec.slots
 
 
 def capacities(
@@ -200,7 +211,7 @@ def capacities(
     weight; with no bulk rate anywhere, the same from the learned rates; with nothing
     learned, its weight."""
     rates = bulk or {}
-    learned = {s.name: v for s in states if (v := s.speed.prefill.value) is not None}
+    learned = {s.name: v for s in states if (v := s.speed.prefill_rate) is not None}
     if not rates:
         rates = learned
     median = speed.median(rates.values()) or 1.0
@@ -225,12 +236,12 @@ def work(
     one engine step's share of a sequence costs, tpot / slots, in prefill tokens."""
     rates = capacities(states, caps)
     median = speed.median(rates.values()) or 1.0
-    learned = bool(caps) or any(s.speed.prefill.value is not None for s in states)
+    learned = bool(caps) or any(s.speed.prefill_rate is not None for s in states)
     rate = median if learned else PRIOR_PREFILL  # nothing learned: rates are bare weights
     # The least interfered decode (on the instance whose steps carry the least prefill),
     # scaled to a median-speed card.
     tpot = min(
-        (v * rates[s.name] / median for s in states if (v := s.speed.tpot.value) is not None),
+        (v * rates[s.name] / median for s in states if (v := s.speed.tpot_value) is not None),
         default=PRIOR_TPOT,
     )
     slots = speed.median(float(s.spec.slots) for s in states) or 1.0

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .affinity import BLOCK_TOKENS, DEFAULT_INDEX_BLOCKS, PrefixIndex
-from .speed import Speed
+from .speed import PeerSpeed, Speed
 
 InstanceLane = Literal["short", "long", "any"]
 
@@ -54,6 +55,35 @@ class LoadReport:
     # vLLM's own prefix-cache counters (tokens), where the instance exports them.
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    """What the other gateway processes (workers, replicas) hold on one instance, as the
+    shared view last said: requests in flight there, and their uncached prompt tokens
+    still in prefill there."""
+
+    inflight: int = 0
+    pending_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SharedView:
+    """Everything the other gateway processes said, summed over them (shared.py builds it)."""
+
+    loads: Mapping[str, PeerLoad] = field(default_factory=dict)
+    speeds: Mapping[str, Sequence[PeerSpeed]] = field(default_factory=dict)
+    queued: Mapping[Lane, int] = field(default_factory=dict)  # their gateway queues
+    peers: int = 0  # how many other processes contributed
+
+
+@dataclass(frozen=True)
+class LocalShare:
+    """What this process publishes for the others (per instance, and its queues)."""
+
+    loads: Mapping[str, PeerLoad]
+    speeds: Mapping[str, PeerSpeed]
+    queued: Mapping[Lane, int]
 
 
 @dataclass(frozen=True)
@@ -155,7 +185,10 @@ class InstanceState:
     prefix_query_tokens: int = 0  # prompt tokens sent, and of those the estimated cached
     prefix_hit_tokens: int = 0
     speed: Speed = field(default_factory=Speed.new)
-    # What the instance itself reported; `inflight_at_report` lets us subtract our share.
+    # The other gateway processes' load here (zero without a shared view).
+    peers: PeerLoad = field(default_factory=PeerLoad)
+    # What the instance itself reported; `inflight_at_report` lets us subtract the
+    # gateways' share (ours and the peers') from it.
     report: LoadReport | None = None
     inflight_at_report: int = 0
     # Totals for the operator.
@@ -167,6 +200,11 @@ class InstanceState:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def fleet_inflight(self) -> int:
+        """Requests every gateway process has in flight here: ours exactly, peers' as shared."""
+        return self.inflight + self.peers.inflight
 
     def available(self, now: float) -> bool:
         """Up by its probes and not ejected for passive failures."""
@@ -188,11 +226,12 @@ class InstanceState:
         models = self.models
         return model is None or models is None or model in models
 
-    def cached_tokens(self, ticket: Ticket) -> int:
-        """The estimated prompt tokens of `ticket` already in its prefix cache."""
+    def cached_tokens(self, ticket: Ticket, *, settled: bool = False) -> int:
+        """The estimated prompt tokens of `ticket` in its prefix cache (or, with `settled`,
+        only those surely computed there already)."""
         if not ticket.prefix:
             return 0
-        return min(ticket.tokens, self.cache.match(ticket.prefix) * BLOCK_TOKENS)
+        return min(ticket.tokens, self.cache.match(ticket.prefix, settled=settled) * BLOCK_TOKENS)
 
     def fresh_report(self, now: float, stale_after: float) -> LoadReport | None:
         """The last scrape, if it is recent enough to trust; else None (unknown)."""
@@ -202,7 +241,7 @@ class InstanceState:
     def queue_depth(self, report: LoadReport | None = None) -> float:
         """Requests waiting at the instance beyond its running slots: ours, or what a
         fresh scrape (`fresh_report`) says is waiting there, whichever is larger."""
-        own = max(0, self.inflight - self.spec.slots)
+        own = max(0, self.fleet_inflight - self.spec.slots)
         return own if report is None else max(own, report.waiting)
 
     @property

@@ -48,6 +48,10 @@ class RetryBudget:
         self._requests = [0] * window
         self._retries = [0] * window
         self._stamp = [-1] * window
+        # The other gateway processes' requests and retries in their last window, as
+        # shared: with them the budget holds fleet-wide.
+        self.peer_requests = 0
+        self.peer_retries = 0
 
     def _bucket(self, now: float) -> int:
         second = int(now)
@@ -58,7 +62,15 @@ class RetryBudget:
             self._retries[index] = 0
         return index
 
+    def own_totals(self, now: float) -> tuple[int, int]:
+        """This process's requests and retries in the window (what it shares)."""
+        return self._own_totals(now)
+
     def _totals(self, now: float) -> tuple[int, int]:
+        requests, retries = self._own_totals(now)
+        return requests + self.peer_requests, retries + self.peer_retries
+
+    def _own_totals(self, now: float) -> tuple[int, int]:
         oldest = int(now) - self.window
         requests = retries = 0
         for i in range(self.window):

@@ -27,11 +27,12 @@ the strategies' costs, and only its uncached part counts as prefill work.
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from . import admission, health, speed
-from .affinity import PrefixIndex
+from .fleet import Fleet
 from .lanes import LaneSplit
 from .model import (
     Assigned,
@@ -42,13 +43,18 @@ from .model import (
     Lane,
     Limits,
     LoadReport,
+    LocalShare,
     Outcome,
+    PeerLoad,
     Queued,
     Rejected,
+    SharedView,
     Ticket,
 )
 from .queues import WaitQueues
 from .select import Strategy
+
+MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
 class UnknownTicket(KeyError):
@@ -67,7 +73,7 @@ class _Held:
     long_place: bool = False  # holds one of the instance's max_long_per_instance places
 
 
-class Scheduler:
+class Scheduler(Fleet):
     def __init__(
         self,
         specs: Sequence[InstanceSpec],
@@ -75,31 +81,41 @@ class Scheduler:
         limits: Limits = Limits(),
         health_policy: HealthPolicy = HealthPolicy(),
     ) -> None:
-        if not specs:
-            raise ValueError("a scheduler needs at least one instance")
-        self.states = [InstanceState(spec) for spec in specs]
-        for state in self.states:
-            state.cache = PrefixIndex(limits.prefix_index_blocks)
+        super().__init__(specs, limits, health_policy)
         self.strategy = strategy
-        self.limits = limits
-        self.health_policy = health_policy
         self.closed = False
-        self._by_name = {s.name: s for s in self.states}
-        # Where a lane has no dedicated or shared instance, it may use any.
-        self._pool = {
-            lane: [s for s in self.states if s.serves(lane)] or self.states for lane in Lane
-        }
         # Which lane holds each shared instance now (lanes.py); re-sized by `update_lanes`.
         self.lanes = LaneSplit(self.states, limits.lane_split)
         self._queues = WaitQueues()
+        self._shared = SharedView()  # the other gateway processes, as last heard
+        # Prompts placed where they were not (all) cached yet, for the other processes'
+        # prefix indexes; the newest `MAX_PLACEMENTS` only, taken each publish round.
+        self._placements: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
         self._holding: dict[int, _Held] = {}
         # Departures per lane and model: each model's instances drain its own queue.
         self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
 
-    # ------------------------------------------------------------ queries
+    def reconfigure(
+        self,
+        specs: Sequence[InstanceSpec],
+        limits: Limits,
+        health_policy: HealthPolicy,
+        now: float,
+        rng: random.Random,
+    ) -> list[Decision]:
+        """A reloaded configuration: a new instance list, limits and health policy.
 
-    def state(self, name: str) -> InstanceState:
-        return self._by_name[name]
+        Instances that stay (by name) keep their state: health, in-flight requests,
+        learned speed, prefix index. New ones start unknown until probed. Removed ones
+        take no new request; those they hold finish and `release` as usual. Queued
+        requests may now fit (more room) or have nowhere left to go (rejected).
+        """
+        departed = {h.state.name: h.state for h in self._holding.values()}
+        self.set_fleet(specs, limits, health_policy, departed)
+        self.lanes.set_fleet(self.states, limits.lane_split)
+        return self._drain(now, rng)
+
+    # ------------------------------------------------------------ queries
 
     @property
     def inflight(self) -> int:
@@ -108,16 +124,16 @@ class Scheduler:
     def queue_length(self, lane: Lane) -> int:
         return self._queues.length(lane)
 
-    def any_available(self, now: float) -> bool:
-        return any(s.available(now) for s in self.states)
-
     def ahead(self, lane: Lane, model: str | None = None) -> int:
         """Requests that start before a new `lane` request for `model` would: queued for
         the same, and waiting at its instances beyond their running slots."""
         at_instances = sum(
-            max(0, s.inflight - s.spec.slots) for s in self._pool[lane] if s.serves_model(model)
+            max(0, s.fleet_inflight - s.spec.slots)
+            for s in self._pool[lane]
+            if s.serves_model(model)
         )
-        return self._queues.length_for(lane, model) + at_instances
+        peers_queued = self._shared.queued.get(lane, 0)
+        return self._queues.length_for(lane, model) + peers_queued + at_instances
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
@@ -143,18 +159,6 @@ class Scheduler:
     def _untried_alive(self, ticket: Ticket, now: float) -> bool:
         return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model)
 
-    def model_served(self, model: str) -> bool:
-        """Whether any instance, up or down, may serve `model` (unknown lists count as yes)."""
-        return any(s.serves_model(model) for s in self.states)
-
-    def knows_model(self, model: str) -> bool:
-        """Whether some instance is known to serve `model` (bounds the metrics' model label)."""
-        return any(s.models is not None and model in s.models for s in self.states)
-
-    def served_models(self) -> list[str]:
-        """Every model some instance is known to serve, sorted."""
-        return sorted({m for s in self.states for m in s.models or ()})
-
     # ------------------------------------------------------------ requests
 
     def submit(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
@@ -172,7 +176,8 @@ class Scheduler:
             candidates = self._candidates(ticket, now)
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
-        if self._queues.fifo_length(ticket.lane) >= self.limits.gateway_queue_size:
+        queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
+        if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
             wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
@@ -229,14 +234,16 @@ class Scheduler:
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
+        held.state.cache.settle(held.ticket.prefix)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
         return self._drain(now, rng) if held.long_place else []
 
     def observe_tpot(self, name: str, seconds: float) -> None:
-        """A streamed answer's time per output token on `name`."""
-        self._by_name[name].speed.observe_tpot(seconds)
+        """A streamed answer's time per output token on `name` (if still in the fleet)."""
+        if name in self._by_name:
+            self._by_name[name].speed.observe_tpot(seconds)
 
     def update_slow_flags(self) -> dict[str, bool]:
         """Re-evaluate which instances are slow cards; return the flags that changed."""
@@ -265,6 +272,8 @@ class Scheduler:
             raise UnknownTicket(ticket_id) from None
         if held.prefilling:
             self._end_prefill(held, now)
+        if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
+            held.state.cache.settle(held.ticket.prefix)
         if not self._departs_at_prefill(held):
             self._departures(held.ticket.lane, held.ticket.model).record(now)
         held.state.inflight -= 1
@@ -292,8 +301,10 @@ class Scheduler:
     # ------------------------------------------------------------ instances
 
     def probe(self, name: str, ok: bool, now: float, rng: random.Random) -> list[Decision]:
-        """An active health probe answered (or failed)."""
-        state = self._by_name[name]
+        """An active health probe answered (or failed); ignored for a removed instance."""
+        state = self._by_name.get(name)
+        if state is None:
+            return []
         was_up = state.up
         changed = health.apply_probe(state, ok, self.health_policy)
         if changed and state.up and was_up is False:
@@ -305,18 +316,64 @@ class Scheduler:
         self, name: str, models: frozenset[str], now: float, rng: random.Random
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
-        state = self._by_name[name]
-        if state.observed_models == models:
+        state = self._by_name.get(name)
+        if state is None or state.observed_models == models:
             return []
         if state.observed_models is not None:
             state.cache.clear()  # another model now: nothing it cached still applies
         state.observed_models = models
         return self._drain(now, rng)
 
+    def apply_shared(self, view: SharedView, now: float, rng: random.Random) -> list[Decision]:
+        """What the other gateway processes hold now (load, queues, learned speeds).
+
+        Their load counts toward every instance's limit and score; their speeds blend
+        with ours, so every process judges a slow card alike. An empty view (no shared
+        store, or it is away) is the local view alone.
+        """
+        self._shared = view
+        for state in self.states:
+            state.peers = view.loads.get(state.name, PeerLoad())
+            state.speed.blend(view.speeds.get(state.name, ()))
+        # Peers may have let go of places: waiting requests may fit now.
+        return self._drain(now, rng) if self._queues else []
+
+    def share(self) -> LocalShare:
+        """What this process tells the others: its own load, queues and learned speeds."""
+        return LocalShare(
+            loads={s.name: PeerLoad(s.inflight, s.pending_prefill_tokens) for s in self.states},
+            speeds={s.name: s.speed.own() for s in self.states},
+            queued={lane: self._queues.length(lane) for lane in Lane},
+        )
+
+    def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The prompts placed since the last call (instance, block hashes), to publish."""
+        out = list(self._placements)
+        self._placements.clear()
+        return out
+
+    def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Another process placed these prompts: they are (about to be) cached there too,
+        so every process agrees where a prefix lives."""
+        for name, blocks in placements:
+            state = self._by_name.get(name)
+            if state is not None:
+                state.cache.insert(blocks)
+
     def report_load(self, name: str, report: LoadReport) -> None:
-        state = self._by_name[name]
+        state = self._by_name.get(name)
+        if state is None:
+            return
+        last = state.report
+        if (
+            last is not None
+            and last.prefix_queries is not None
+            and report.prefix_queries is not None
+            and report.prefix_queries < last.prefix_queries
+        ):
+            state.cache.clear()  # its counters went back: it restarted, with a cold cache
         state.report = report
-        state.inflight_at_report = state.inflight
+        state.inflight_at_report = state.fleet_inflight
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -326,11 +383,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ internals
 
-    def _alive(self, lane: Lane, model: str | None, now: float) -> bool:
-        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
-
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
-        if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+        if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
         if (
             state.spec.lane == "any"
@@ -346,7 +400,9 @@ class Scheduler:
         instances only)."""
         if ticket.lane is not Lane.LONG:
             return False
-        cached = state.cached_tokens(ticket)
+        # Only blocks already computed there count: a burst of long prompts sharing one
+        # document would otherwise all skip the cap while the first is still prefilling.
+        cached = state.cached_tokens(ticket, settled=True)
         return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
 
     def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:
@@ -386,6 +442,8 @@ class Scheduler:
         if held.long_place:
             state.long_prefilling += 1
         if ticket.prefix:
+            if state.cache.match(ticket.prefix) < len(ticket.prefix):
+                self._placements.append((state.name, ticket.prefix))  # new there: tell peers
             state.cache.insert(ticket.prefix)
             state.prefix_query_tokens += ticket.tokens
             state.prefix_hit_tokens += cached

@@ -6,10 +6,11 @@ with room under their limits. A strategy only ranks them.
 `least_busy` scores each instance (lower is better):
 
     own      = requests this gateway has in flight there (exact, instant)
+    peers    = requests the other gateway processes have there (the shared view, if any)
     others   = running + waiting that the instance reported in its last /metrics scrape,
-               minus the requests of ours it was running then (traffic that bypasses us)
+               minus the gateways' requests it was running then (traffic that bypasses us)
     kv       = its reported KV-cache usage, 0..1
-    score    = (own + others) / weight + kv + failures - affinity
+    score    = (own + peers + others) / weight + kv + failures - affinity
     affinity = AFFINITY x the share of the prompt estimated cached there (0..1)
 
 A report older than `metrics_stale_after` (or none yet) is unknown, not idle: its
@@ -39,6 +40,7 @@ AFFINITY = 1.0
 @dataclass(frozen=True)
 class Score:
     own: int
+    peers: int
     others: float
     kv: float
     failures: int
@@ -47,7 +49,7 @@ class Score:
 
     @property
     def total(self) -> float:
-        return (self.own + self.others) / self.weight + self.kv + self.failures
+        return (self.own + self.peers + self.others) / self.weight + self.kv + self.failures
 
 
 def _fresh_load(state: InstanceState, now: float, stale_after: float) -> tuple[float, float] | None:
@@ -70,6 +72,7 @@ def score_all(states: Sequence[InstanceState], now: float, stale_after: float) -
         others, kv = load if load is not None else (worst_others, worst_kv)
         scores[s.name] = Score(
             own=s.inflight,
+            peers=s.peers.inflight,
             others=others,
             kv=kv,
             failures=s.consecutive_failures,
@@ -199,17 +202,21 @@ class LeastTime:
         ticket: Ticket,
         now: float,
     ) -> dict[str, float]:
-        prefill_median = speed.median(s.speed.prefill.value for s in fleet) or self.PRIOR_PREFILL
-        tpot_median = speed.median(s.speed.tpot.value for s in fleet) or self.PRIOR_TPOT
+        prefill_median = speed.median(s.speed.prefill_rate for s in fleet) or self.PRIOR_PREFILL
+        tpot_median = speed.median(s.speed.tpot_value for s in fleet) or self.PRIOR_TPOT
         objective = self.tpot_objectives.get(ticket.lane, self.DEFAULT_TPOT_OBJECTIVE)
         loads = score_all(fleet, now, self.stale_after)
         out: dict[str, float] = {}
         for state in candidates:
-            rate = state.speed.prefill.value or prefill_median
-            tpot = state.speed.tpot.value or tpot_median
-            ahead = state.pending_prefill_tokens + loads[state.name].others * ticket.tokens
+            rate = state.speed.prefill_rate or prefill_median
+            tpot = state.speed.tpot_value or tpot_median
+            ahead = (
+                state.pending_prefill_tokens
+                + state.peers.pending_prefill_tokens
+                + loads[state.name].others * ticket.tokens
+            )
             ttft = (ahead + ticket.tokens - state.cached_tokens(ticket)) / rate
-            queued = state.inflight - state.spec.slots
+            queued = state.fleet_inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
             if self.decode == "full":

@@ -429,3 +429,24 @@ def test_a_move_to_long_lets_waiting_long_requests_go() -> None:
 def assigned_to(decision: object) -> str:
     assert isinstance(decision, Assigned), decision
     return decision.instance
+
+
+def test_a_reload_keeps_the_split_of_the_instances_that_stay() -> None:
+    """On reconfigure, shared instances that stay keep their lane, a new one starts short,
+    one made static serves its static lane, and a removed one is forgotten."""
+    rng = random.Random(0)
+    sched = scheduler(1, 1, 0.4)
+    settle_split(sched, rng)
+    assert [sched.lanes.lane(s) for s in sched.states] == ["long", "long", "short"]
+    specs = [
+        InstanceSpec("i0", slots=2),
+        InstanceSpec("i2", lane="long", slots=2),
+        InstanceSpec("i3", slots=2),
+    ]
+    sched.reconfigure(specs, sched.limits, sched.health_policy, 30.0, rng)
+    assert {s.name: sched.lanes.lane(s) for s in sched.states} == {
+        "i0": "long",
+        "i2": "long",
+        "i3": "short",
+    }
+    assert sched.lanes.held() == {"i0": Lane.LONG, "i3": Lane.SHORT}

@@ -46,15 +46,17 @@ async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
 
 
 async def metric(gw: Gateway, name: str, **labels: str) -> float | None:
+    """The sum of `name` over the series whose labels include `labels` (None if none)."""
     async with aiohttp.ClientSession() as s:
         text = await (await s.get(gw.url + "/metrics")).text()
+    values = []
     for line in text.splitlines():
         if not line.startswith(name + "{"):
             continue
         found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
         if all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+            values.append(float(line.rsplit(" ", 1)[1]))
+    return sum(values) if values else None
 
 
 async def slow_card_share(strategy: str) -> float:
@@ -143,10 +145,10 @@ async def test_queue_depth_metric_shows_requests_waiting_at_an_instance() -> Non
     ):
         tasks = [asyncio.create_task(chat(gw, max_tokens=20)) for _ in range(5)]
         await eventually(lambda: gw.dispatcher.scheduler.inflight == 5)
-        assert await metric(gw, "gateway_instance_queue_depth", instance="card0") == 3.0
-        assert await metric(gw, "gateway_instance_inflight", instance="card0") == 5.0
+        assert await metric(gw, "gateway_instance_queue_depth", server="card0") == 3.0
+        assert await metric(gw, "gateway_instance_inflight", server="card0") == 5.0
         await asyncio.gather(*tasks)
-        assert await metric(gw, "gateway_instance_queue_depth", instance="card0") == 0.0
+        assert await metric(gw, "gateway_instance_queue_depth", server="card0") == 0.0
 
 
 async def test_killed_instance_loses_traffic_and_regains_it_after_return() -> None:

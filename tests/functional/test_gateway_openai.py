@@ -260,8 +260,8 @@ async def test_health_ready_and_metrics_are_served_without_key(gw: Gateway) -> N
         assert (await ready.json())["instances_up"] == 2
         text = await (await s.get(gw.url + "/metrics")).text()
     assert (
-        'gateway_requests_total{lane="short",model="sim-model",route="completions",status="200"'
-        in text
+        'gateway_requests_total{lane="short",model="sim-model",route="completions",status="200",'
+        'tag="none"} 1.0' in text
     )
     assert "gateway_instance_queue_depth{" in text
 

@@ -179,6 +179,17 @@ async def test_deeply_nested_prompt_is_never_a_500(gw: Gateway, field: str) -> N
     assert_openai_error(answer)
 
 
+@pytest.mark.parametrize("prompt", [[1, 2**40], [1, "x"], [1, None], [7, [8]]])
+async def test_odd_token_id_prompt_goes_to_the_instance_not_a_500(
+    gw: Gateway, prompt: list[object]
+) -> None:
+    """Token ids out of range or not ints are the instance's to judge: never a 500 here."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+    status, _, answer = await send(gw, Bad(400, "", body=body, path="/v1/completions"))
+    assert status < 500, answer
+    assert forwarded(gw) == 1
+
+
 # ---------------------------------------------------------------- what aiohttp will not send
 
 

@@ -61,7 +61,7 @@ async def test_a_card_that_slows_down_is_flagged_and_loses_share() -> None:
                 await asyncio.sleep(0.05)
         async with aiohttp.ClientSession() as s:
             text = await (await s.get(gw.url + "/metrics")).text()
-        assert f'gateway_instance_slow{{instance="{slow}"}} 1.0' in text
+        assert f'gateway_instance_slow{{server="{slow}"}} 1.0' in text
         share_before = before[slow] / 60
         share_after = after[slow] / 90
         assert share_after < share_before * 0.6, (before, after)

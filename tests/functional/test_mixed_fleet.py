@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.sim_vllm import SimConfig
 
@@ -83,10 +84,21 @@ async def test_short_requests_avoid_the_instances_busy_with_long_prefills() -> N
             admin = await (await s.get(gw.url + "/admin/instances", headers=headers)).json()
             text = await (await s.get(gw.url + "/metrics")).text()
         current = {i["name"]: i["current_lane"] for i in admin["instances"]}
-        assert current == {s.name: lanes.lane(s) for s in states}
+        # The long lane is named by [prefill].tag there, as in metrics and logs.
+        tag = {"long": "prefill"}
+        assert current == {s.name: tag.get(lanes.lane(s), lanes.lane(s)) for s in states}
+        shown = {
+            (sample.labels["server"], sample.labels["lane"]): sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "gateway_instance_lane"
+            for sample in family.samples
+        }
         for name in long:
-            assert f'gateway_instance_lane{{instance="{name}",lane="prefill"}} 1.0' in text
-            assert f'gateway_instance_lane{{instance="{name}",lane="short"}} 0.0' in text
+            assert shown[name, "prefill"] == 1.0
+            assert shown[name, "short"] == 0.0
+        for name in short:
+            assert shown[name, "prefill"] == 0.0
+            assert shown[name, "short"] == 1.0
 
 
 async def test_with_the_split_off_both_lanes_share_every_instance() -> None:

@@ -4,7 +4,9 @@ One scenario runs once for the module (a subprocess start and a drain cost secon
 simulated instances in this process, each taking 20 of the gateway's requests; 20 short
 streams that can finish within `drain_timeout`, 20 long ones that cannot, and 10 more
 waiting in the gateway queue. Once all 40 have streamed their first token and 10 wait,
-the gateway gets SIGTERM. The tests then read what every client saw.
+the gateway gets SIGTERM. For `drain_delay` it still serves and accepts connections while
+/readyz answers 503; then the listener closes and the drain proper starts. The tests then
+read what every client saw.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from faultproxy import eventually
 from loadtest.sim_vllm import SimConfig, SimInstance
 
 DRAIN = 3.0
+DELAY = 0.5  # drain_delay: shorter than what the short streams have left
 PER_INSTANCE = 20
-SHORT_TOKENS = 30  # about 1.2 s at 30 ms a token with 20 sequences batched
+SHORT_TOKENS = 60  # about 2 s at 30 ms a token: still running when the listener closes
 LONG_TOKENS = 1000  # about 40 s: still running at the drain deadline
 QUEUED = 10
 SIM = SimConfig(decode_s_per_token=0.03, prefill_tokens_per_s=1e6, max_num_seqs=64)
@@ -67,6 +70,7 @@ class Drain:
     sigterm_at: float
     refused_after: float | None  # seconds from SIGTERM until a new connection was refused
     readyz_after_sigterm: list[int]  # statuses /readyz answered after SIGTERM
+    served_after_sigterm: int  # status of GET /v1/models sent just after SIGTERM
     exit_code: int | None
     exited_after: float | None
     log: str
@@ -117,7 +121,7 @@ async def _probe_after_sigterm(url: str, statuses: list[int]) -> float | None:
     """Ask /readyz until the listener refuses; return when that happened (from now)."""
     started = time.monotonic()
     host, port = url.removeprefix("http://").split(":")
-    while time.monotonic() - started < DRAIN + 5:
+    while time.monotonic() - started < DELAY + DRAIN + 5:
         try:
             _, writer = await asyncio.open_connection(host, int(port))
         except OSError:
@@ -143,7 +147,7 @@ async def _scenario(folder: Path) -> Drain:
             folder,
             [{"url": s.url, "max_num_seqs": PER_INSTANCE} for s in sims],
             sections={
-                "gateway": {"drain_timeout": DRAIN, "request_timeout": 60},
+                "gateway": {"drain_timeout": DRAIN, "drain_delay": DELAY, "request_timeout": 60},
                 "dispatch": {"max_queue_per_instance": 0, "health_check_interval": 60},
             },
         )
@@ -184,9 +188,12 @@ async def _drive(proc: asyncio.subprocess.Process, url: str, log: Path) -> Drain
         sigterm_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         statuses: list[int] = []
-        refused_after = await _probe_after_sigterm(url, statuses)
+        probing = asyncio.create_task(_probe_after_sigterm(url, statuses))
+        await asyncio.sleep(0.2)
+        served = await client.models.with_raw_response.list()
+        refused_after = await probing
         try:
-            async with asyncio.timeout(DRAIN + 10):
+            async with asyncio.timeout(DELAY + DRAIN + 10):
                 await asyncio.gather(*tasks)
                 exit_code = await proc.wait()
             exited_after: float | None = time.monotonic() - sigterm_at
@@ -196,7 +203,14 @@ async def _drive(proc: asyncio.subprocess.Process, url: str, log: Path) -> Drain
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     return Drain(
-        outcomes, sigterm_at, refused_after, statuses, exit_code, exited_after, await _read(log)
+        outcomes,
+        sigterm_at,
+        refused_after,
+        statuses,
+        served.status_code,
+        exit_code,
+        exited_after,
+        await _read(log),
     )
 
 
@@ -227,17 +241,22 @@ def _of(drain: Drain, kind: str) -> list[Outcome]:
 
 
 def test_process_exits_0_soon_after_the_drain_deadline(drain: Drain) -> None:
-    """After SIGTERM the process exits 0, no later than shortly after drain_timeout."""
+    """After SIGTERM the process exits 0, soon after drain_delay + drain_timeout."""
     assert drain.exit_code == 0, drain.log[-3000:]
     assert drain.exited_after is not None
-    assert drain.exited_after < DRAIN + 3
+    assert drain.exited_after < DELAY + DRAIN + 3
 
 
-def test_listener_closes_and_readiness_never_says_ready(drain: Drain) -> None:
-    """After SIGTERM new connections are refused within a second, and /readyz never answers 200."""
+def test_readiness_says_503_for_drain_delay_while_serving_then_the_listener_closes(
+    drain: Drain,
+) -> None:
+    """For drain_delay after SIGTERM, new connections are taken, /readyz answers 503 and
+    requests are served; then new connections are refused."""
     assert drain.refused_after is not None
-    assert drain.refused_after < 1.0
-    assert 200 not in drain.readyz_after_sigterm
+    assert DELAY - 0.1 < drain.refused_after < DELAY + 1.0
+    assert drain.readyz_after_sigterm
+    assert set(drain.readyz_after_sigterm) == {503}
+    assert drain.served_after_sigterm == 200
 
 
 def test_queued_requests_get_503_with_retry_after(drain: Drain) -> None:
@@ -245,7 +264,7 @@ def test_queued_requests_get_503_with_retry_after(drain: Drain) -> None:
     queued = _of(drain, "queued")
     assert [o.status for o in queued] == [503] * QUEUED, [o.error for o in queued]
     assert all(o.retry_after and int(o.retry_after) >= 1 for o in queued)
-    assert all(o.ended_at is not None and o.ended_at - drain.sigterm_at < 1.0 for o in queued)
+    assert all(o.ended_at is not None and o.ended_at - drain.sigterm_at < DELAY + 1 for o in queued)
 
 
 def test_started_streams_that_can_finish_end_with_done(drain: Drain) -> None:
@@ -261,7 +280,8 @@ def test_streams_still_running_at_the_deadline_end_with_an_in_band_error(drain: 
     long = _of(drain, "long")
     assert all(o.in_band_error for o in long), [(o.error, o.lines[-2:]) for o in long][:3]
     assert all(
-        o.ended_at is not None and DRAIN - 0.5 < o.ended_at - drain.sigterm_at < DRAIN + 2
+        o.ended_at is not None
+        and DELAY + DRAIN - 0.5 < o.ended_at - drain.sigterm_at < DELAY + DRAIN + 2
         for o in long
     )
 
@@ -296,32 +316,28 @@ def test_bad_config_exits_2_without_binding_its_port(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", port))
 
 
-# ------------------------------------------------------------------------ SIGHUP
-
-HUP_STREAMS = 10
-HUP_TOKENS = 60  # about 2 s at 30 ms a token: SIGHUP lands in the middle of every stream
+# ------------------------------------------------------------ a second signal
 
 
 @dataclass
-class Hangup:
-    outcomes: list[Outcome]
-    alive_after: bool  # the process had not exited once every stream ended
-    healthz_after: int  # /healthz status after SIGHUP
-    completion_after: int  # status of a new request after SIGHUP
-    exit_code: int | None  # after the SIGTERM that ends the scenario
+class Forced:
+    stream: Outcome
+    readyz_before: int  # /readyz after the first SIGTERM
+    exit_code: int | None
+    exited_after: float | None  # seconds from the second SIGTERM
     log: str
 
 
-async def _hangup_scenario(folder: Path) -> Hangup:
+async def _forced_scenario(folder: Path) -> Forced:
     sim = SimInstance(SIM)
     await sim.start()
     log = folder / "gateway.log"
     try:
         config = write_config(
             folder,
-            [{"url": sim.url, "max_num_seqs": HUP_STREAMS + 1}],
+            [sim.url],
             sections={
-                "gateway": {"drain_timeout": DRAIN},
+                "gateway": {"drain_timeout": 60, "drain_delay": 60},
                 "dispatch": {"health_check_interval": 60},
             },
         )
@@ -335,60 +351,34 @@ async def _hangup_scenario(folder: Path) -> Hangup:
             url = await _listening_url(log, proc)
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
             async with client:
-                outcomes = [Outcome("hup") for _ in range(HUP_STREAMS)]
-                tasks = [asyncio.create_task(_stream(client, o, HUP_TOKENS)) for o in outcomes]
-                await eventually(lambda: all(o.first_token_at for o in outcomes), timeout=20)
-                proc.send_signal(signal.SIGHUP)
-                async with asyncio.timeout(30):
-                    await asyncio.gather(*tasks)
-                await asyncio.sleep(0.2)  # a killed process is reaped within this
-                alive = proc.returncode is None
-                healthz = completion = 0
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with aiohttp.ClientSession() as s, s.get(url + "/healthz") as resp:
-                        healthz = resp.status
-                with contextlib.suppress(openai.APIError):
-                    after = await client.chat.completions.with_raw_response.create(
-                        model="sim-model", messages=[{"role": "user", "content": "still?"}]
-                    )
-                    completion = after.status_code
-            if proc.returncode is None:
+                out = Outcome("long")
+                task = asyncio.create_task(_stream(client, out, LONG_TOKENS))
+                await eventually(lambda: out.first_token_at is not None, timeout=20)
                 proc.send_signal(signal.SIGTERM)
-            async with asyncio.timeout(DRAIN + 10):
-                exit_code = await proc.wait()
+                await asyncio.sleep(0.5)
+                async with aiohttp.ClientSession() as s, s.get(url + "/readyz") as resp:
+                    readyz = resp.status
+                second = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                async with asyncio.timeout(10):
+                    exit_code = await proc.wait()
+                    exited_after: float | None = time.monotonic() - second
+                    await task
         finally:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
     finally:
         await sim.stop()
-    return Hangup(outcomes, alive, healthz, completion, exit_code, await _read(log))
+    return Forced(out, readyz, exit_code, exited_after, await _read(log))
 
 
-@pytest.fixture(scope="module")
-def hangup(tmp_path_factory: pytest.TempPathFactory) -> Hangup:
-    return asyncio.run(_hangup_scenario(tmp_path_factory.mktemp("sighup")))
-
-
-def test_sighup_leaves_every_stream_intact(hangup: Hangup) -> None:
-    """Streams running when SIGHUP arrives all finish with every token and `[DONE]`."""
-    broken = [(o.error, o.lines[-2:]) for o in hangup.outcomes if not o.done or o.in_band_error]
-    assert not broken, (broken[:3], hangup.log[-2000:])
-    tokens = [len([ln for ln in o.lines if ln.startswith('data: {"id"')]) for o in hangup.outcomes]
-    assert min(tokens) >= HUP_TOKENS, tokens
-
-
-def test_sighup_leaves_the_gateway_serving(hangup: Hangup) -> None:
-    """After SIGHUP the process is still alive and answers /healthz and new requests."""
-    assert hangup.alive_after, hangup.log[-2000:]
-    assert hangup.healthz_after == 200
-    assert hangup.completion_after == 200
-    assert hangup.exit_code == 0
-
-
-def test_sighup_is_logged_once(hangup: Hangup) -> None:
-    """SIGHUP leaves one `sighup_ignored` event in the log."""
-    events = [json.loads(ln) for ln in hangup.log.splitlines() if ln.startswith("{")]
-    ignored = [e for e in events if e.get("event") == "sighup_ignored"]
-    assert len(ignored) == 1, hangup.log[-2000:]
-    assert ignored[0]["level"] in ("info", "warning")
+def test_a_second_sigterm_ends_the_drain_at_once(tmp_path: Path) -> None:
+    """A second SIGTERM during a long drain exits 0 at once; the stream ends in-band."""
+    forced = asyncio.run(_forced_scenario(tmp_path))
+    assert forced.readyz_before == 503
+    assert forced.exit_code == 0, forced.log[-2000:]
+    assert forced.exited_after is not None
+    assert forced.exited_after < 3.0
+    assert forced.stream.in_band_error, forced.stream.lines[-3:]
+    assert '"drain_forced"' in forced.log

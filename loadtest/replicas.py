@@ -1,0 +1,361 @@
+"""`python -m loadtest.replicas`: several gateway replicas, sharing a view through Redis or not.
+
+The scale-out issue's benchmark. One seeded workload (the seed's slow-card fleet: speeds
+1, 1, 1, 0.4; half 200-token, half 6,000-token prompts; 32 output tokens; Poisson at 75%
+of capacity) goes, side by side in one run, through
+
+    1 replica                     the baseline
+    N replicas, shared            each with `[shared] redis_url` on one real Redis
+    N replicas, not shared        what running several copies did before
+
+for each strategy. The clients spread requests over the replicas round robin, as an L4
+balancer would. Every setup gets a fresh fleet, fresh gateways (all pinned to the
+gateway core, so N replicas get no more CPU than one) and a fresh Redis. The targets:
+shared p99 TTFT at most 1.15x one replica's, output tokens/s at least 0.97x.
+
+A second part runs the shared-prefix workload (32 groups of 4,000-token prefixes, the
+simulator's prefix cache on, `least_time`) through 1 and N shared replicas and compares
+the fleet's prefix-cache hit rate (target: N replicas at least 0.95x one's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import shutil
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest import harness, report
+from loadtest.compare import capacity
+from loadtest.loadgen import Client, Mix, RequestSpec, make_workload, run_open, session
+from loadtest.scenarios import (
+    Common,
+    cores,
+    fleet_names,
+    pin_self,
+    plot_path,
+    relabel,
+    say,
+    summarize,
+    write_json,
+)
+from loadtest.sim_engine import SimConfig
+from loadtest.workloads import PrefixMix, make_prefix_workload
+
+SEED_MIX = Mix(
+    long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)
+)
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    strategies: tuple[str, ...] = ("least_busy", "least_time")
+    replicas: int = 4
+    speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
+    max_num_seqs: int = 16
+    load: float = 0.75
+    duration: float = 30.0
+    mix: Mix = field(default_factory=lambda: SEED_MIX)
+    prefix: bool = True  # also the shared-prefix part
+    prefix_duration: float = 30.0
+
+
+@contextlib.asynccontextmanager
+async def redis_process() -> AsyncIterator[str]:
+    """A throwaway redis-server on a free loopback port; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    port = harness.free_port()
+    proc = await asyncio.create_subprocess_exec(
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            await asyncio.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def _fleet_hit_rate(urls: Sequence[str]) -> dict[str, float | None]:
+    """Each instance's prefix-cache hit rate from its own counters, and the fleet's."""
+    totals: dict[str, tuple[float, float]] = {}
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+            queries = hits = 0.0
+            for line in text.splitlines():
+                if line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+            totals[url] = (queries, hits)
+    out: dict[str, float | None] = {u: (h / q if q else None) for u, (q, h) in totals.items()}
+    queries = sum(q for q, _ in totals.values())
+    out["fleet"] = sum(h for _, h in totals.values()) / queries if queries else None
+    return out
+
+
+async def _one_setup(
+    label: str,
+    specs: Sequence[RequestSpec],
+    *,
+    strategy: str,
+    replicas: int,
+    shared: bool,
+    opts: ReplicaOptions,
+    common: Common,
+    prefix_cache_blocks: int = 0,
+) -> tuple[report.Summary, dict[str, float | None]]:
+    gw_core, fleet_core = cores(common)
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await stack.enter_async_context(
+            harness.fleet_process(
+                opts.speeds,
+                max_num_seqs=opts.max_num_seqs,
+                seed=common.seed,
+                core=fleet_core,
+                prefix_cache_blocks=prefix_cache_blocks,
+            )
+        )
+        extra: dict[str, dict[str, Any]] = {}
+        if shared:
+            url = await stack.enter_async_context(redis_process())
+            extra["shared"] = {"redis_url": url, "namespace": "bench"}
+        gateways = [
+            await stack.enter_async_context(
+                harness.gateway_process(
+                    fleet.urls,
+                    strategy=strategy,
+                    max_num_seqs=opts.max_num_seqs,
+                    core=gw_core,
+                    source=common.gateway_dir,
+                    slo={
+                        "ttft": common.ttft_slo,
+                        "tpot": common.tpot_slo,
+                        "long_ttft": common.ttft_slo,
+                        "long_tpot": common.tpot_slo,
+                    },
+                    extra=extra,
+                )
+            )
+            for _ in range(replicas)
+        ]
+        if shared:
+            await asyncio.sleep(1.0)  # a few publish rounds: every replica sees the others
+        turn = itertools.cycle([gw.base_url for gw in gateways])
+        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        run = await run_open(
+            client, specs, lambda spec, worker: next(turn), label=label, limit=common.limit
+        )
+        hits = await _fleet_hit_rate(fleet.urls) if prefix_cache_blocks else {}
+        return relabel(summarize(run, common), fleet_names(fleet.urls, opts.speeds)), hits
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
+    pin_self(common)
+    cap = capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
+    rate = opts.load * cap
+    count = max(1, round(rate * opts.duration))
+    specs = make_workload(count, opts.mix, common.seed, rate=rate, clients=16)
+    say(
+        f"capacity {cap:.1f} req/s; open loop at {opts.load:.0%}: "
+        f"{rate:.1f} req/s, {count} requests"
+    )
+    n = opts.replicas
+    slow_card: dict[str, dict[str, Any]] = {}
+    for strategy in opts.strategies:
+        runs: dict[str, report.Summary] = {}
+        for label, replicas_, shared in (
+            ("1 replica", 1, False),
+            (f"{n} replicas shared", n, True),
+            (f"{n} replicas not shared", n, False),
+        ):
+            name = f"{strategy}: {label}"
+            runs[label], _ = await _one_setup(
+                name,
+                specs,
+                strategy=strategy,
+                replicas=replicas_,
+                shared=shared,
+                opts=opts,
+                common=common,
+            )
+        one, many = runs["1 replica"], runs[f"{n} replicas shared"]
+        slow_card[strategy] = {
+            "runs": runs,
+            "p99_ttft_shared_over_one": _ratio(many["ttft_s"]["p99"], one["ttft_s"]["p99"]),
+            "tok_s_shared_over_one": _ratio(
+                many["output_tokens_per_s"], one["output_tokens_per_s"]
+            ),
+            "p99_ttft_unshared_over_one": _ratio(
+                runs[f"{n} replicas not shared"]["ttft_s"]["p99"], one["ttft_s"]["p99"]
+            ),
+            "tok_s_unshared_over_one": _ratio(
+                runs[f"{n} replicas not shared"]["output_tokens_per_s"], one["output_tokens_per_s"]
+            ),
+        }
+    body: dict[str, Any] = {
+        "options": asdict(opts),
+        "capacity_req_per_s": cap,
+        "slow_card": slow_card,
+    }
+    if opts.prefix:
+        body["prefix"] = await _prefix_part(opts, common)
+    say(f"wrote {write_json(common, 'replicas', body)}")
+    _print(body, n)
+    if plot_path(common, "replicas.png"):
+        _plot(body, n, common.out / "replicas.png")
+    return body
+
+
+async def _prefix_part(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
+    mix = PrefixMix(groups=32, prefix_tokens=4000, suffix_tokens=200)
+    equal = tuple(1.0 for _ in opts.speeds)
+    sim = SimConfig(max_num_seqs=opts.max_num_seqs)
+    # Each cache holds half of the 32 groups' prefixes (16 x 4,000 tokens, 16-token blocks).
+    blocks = 16 * 4000 // 16
+    per_request = (mix.mean_prompt_tokens() - mix.prefix_tokens) / sim.prefill_tokens_per_s
+    per_request += mix.mean_max_tokens() * sim.decode_s_per_token * 1.3 / sim.max_num_seqs
+    rate = 0.5 * len(equal) / per_request
+    count = max(1, round(rate * opts.prefix_duration))
+    specs = make_prefix_workload(count, mix, common.seed, rate=rate)
+    say(f"shared-prefix part: {rate:.1f} req/s, {count} requests")
+    prefix_opts = ReplicaOptions(speeds=equal, max_num_seqs=opts.max_num_seqs)
+    out: dict[str, Any] = {}
+    for label, replicas_ in (("1 replica", 1), (f"{opts.replicas} replicas shared", opts.replicas)):
+        summary, hits = await _one_setup(
+            f"least_time prefix: {label}",
+            specs,
+            strategy="least_time",
+            replicas=replicas_,
+            shared=replicas_ > 1,
+            opts=prefix_opts,
+            common=common,
+            prefix_cache_blocks=blocks,
+        )
+        out[label] = {"summary": summary, "hit_rate": hits}
+    one, many = out["1 replica"], out[f"{opts.replicas} replicas shared"]
+    out["hit_rate_shared_over_one"] = _ratio(many["hit_rate"]["fleet"], one["hit_rate"]["fleet"])
+    out["p99_ttft_shared_over_one"] = _ratio(
+        many["summary"]["ttft_s"]["p99"], one["summary"]["ttft_s"]["p99"]
+    )
+    return out
+
+
+def _print(body: dict[str, Any], n: int) -> None:
+    for strategy, part in body["slow_card"].items():
+        say(f"\n== slow-card fleet, {strategy} ==")
+        say(report.seed_table(list(part["runs"].values())))
+        say(
+            f"{n} shared / 1: p99 TTFT {part['p99_ttft_shared_over_one']:.2f}x (target <= 1.15), "
+            f"tok/s {part['tok_s_shared_over_one']:.2f}x (target >= 0.97); "
+            f"not shared: {part['p99_ttft_unshared_over_one']:.2f}x, "
+            f"{part['tok_s_unshared_over_one']:.2f}x"
+        )
+    prefix = body.get("prefix")
+    if prefix:
+        say("\n== shared-prefix workload, least_time ==")
+        say(
+            report.seed_table(
+                [p["summary"] for k, p in prefix.items() if isinstance(p, dict) and "summary" in p]
+            )
+        )
+        say(
+            f"fleet hit rate {n} shared / 1: {prefix['hit_rate_shared_over_one']:.3f}x "
+            f"(target >= 0.95); p99 TTFT {prefix['p99_ttft_shared_over_one']:.2f}x (target <= 1.15)"
+        )
+
+
+def _plot(body: dict[str, Any], n: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strategies = list(body["slow_card"])
+    labels = ["1 replica", f"{n} replicas shared", f"{n} replicas not shared"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.25
+    for i, label in enumerate(labels):
+        p99 = [body["slow_card"][s]["runs"][label]["ttft_s"]["p99"] * 1000 for s in strategies]
+        tok = [body["slow_card"][s]["runs"][label]["output_tokens_per_s"] for s in strategies]
+        xs = [x + i * width for x in range(len(strategies))]
+        axes[0].bar(xs, p99, width, label=label)
+        axes[1].bar(xs, tok, width, label=label)
+    for ax, title in zip(axes, ("p99 TTFT, ms", "output tokens/s"), strict=True):
+        ax.set_xticks([x + width for x in range(len(strategies))], strategies)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"slow-card fleet, 75% of capacity: 1 vs {n} replicas (same CPU core)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.replicas", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--replicas", type=int, default=4, help="replicas in the shared setups (default: 4)"
+    )
+    p.add_argument(
+        "--strategies", default="least_busy,least_time", help="(default: least_busy,least_time)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=30.0, help="seconds of arrivals per setup (default: 30)"
+    )
+    p.add_argument("--load", type=float, default=0.75, help="share of capacity (default: 0.75)")
+    p.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix part")
+    p.add_argument("--seed", type=int, default=1, help="(default: 1)")
+    p.add_argument(
+        "--out", type=Path, default=Path("loadtest/results"), help="(default: loadtest/results)"
+    )
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
+    p.add_argument("--gateway-ref", help="run the gateway as committed at this git ref")
+    args = p.parse_args(argv)
+    opts = ReplicaOptions(
+        strategies=tuple(s for s in args.strategies.split(",") if s),
+        replicas=args.replicas,
+        load=args.load,
+        duration=args.duration,
+        prefix=not args.no_prefix,
+        prefix_duration=args.duration,
+    )
+    with harness.exported_gateway(args.gateway_ref) as folder:
+        common = Common(
+            seed=args.seed,
+            out=args.out,
+            pin=not args.no_pin,
+            gateway_ref=args.gateway_ref,
+            gateway_dir=folder,
+        )
+        common.out.mkdir(parents=True, exist_ok=True)
+        asyncio.run(replicas(opts, common))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

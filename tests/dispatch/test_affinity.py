@@ -1,0 +1,498 @@
+"""Prefix affinity in the pure core: the index, prompt hashing, and how the cost uses them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.dispatch import (
+    STRATEGIES,
+    Assigned,
+    InstanceSpec,
+    InstanceState,
+    Lane,
+    Limits,
+    LoadReport,
+    Outcome,
+    Queued,
+    Rejected,
+    Scheduler,
+    Ticket,
+)
+from gateway.dispatch.affinity import (
+    BLOCK_BYTES,
+    BLOCK_TOKENS,
+    PrefixIndex,
+    prompt_blocks,
+    prompt_text,
+)
+from gateway.dispatch.select import LeastTime
+
+FAR = 1e9  # a deadline no test reaches
+SMALL_BLOCK = 4  # bytes: tiny blocks make shared prefixes and evictions common
+
+
+def make(
+    *specs: InstanceSpec | str, strategy: str = "least_time", limits: Limits | None = None
+) -> Scheduler:
+    """A scheduler over `specs` with every instance probed up once."""
+    limits = limits or Limits()
+    sched = Scheduler(
+        [s if isinstance(s, InstanceSpec) else InstanceSpec(s) for s in specs],
+        STRATEGIES[strategy](limits.metrics_stale_after),
+        limits,
+    )
+    rng = random.Random(0)
+    for state in sched.states:
+        sched.probe(state.name, True, 0.0, rng)
+    return sched
+
+
+def text(seed: int, size: int) -> bytes:
+    """`size` bytes of prompt text, different for each seed from the first byte on."""
+    return random.Random(seed).randbytes(size)
+
+
+def tk(
+    i: int,
+    prompt: bytes = b"",
+    *,
+    tokens: int | None = None,
+    lane: Lane = Lane.SHORT,
+    model: str | None = None,
+) -> Ticket:
+    """A ticket for `prompt` (its tokens at the gateway's 4 bytes a token unless given)."""
+    return Ticket(
+        i,
+        lane,
+        FAR,
+        tokens=len(prompt) // 4 if tokens is None else tokens,
+        model=model,
+        prefix=prompt_blocks(prompt),
+    )
+
+
+def placed(decision: object) -> str:
+    assert isinstance(decision, Assigned), decision
+    return decision.instance
+
+
+def held(index: PrefixIndex, block: int) -> bool:
+    """Whether `index` holds `block` (a one-block chain matches iff it is held)."""
+    return index.match((block,)) == 1
+
+
+# Prompts built from a few 4-byte pieces share prefixes of every length.
+pieces = st.sampled_from([b"aaaa", b"bbbb", b"cccc"])
+chains = st.lists(pieces, min_size=0, max_size=8).map(b"".join)
+
+
+# ------------------------------------------------------------------ the index
+
+
+@given(st.binary(max_size=4 * BLOCK_BYTES), st.integers(1, 64))
+def test_match_after_insert_is_the_full_length(prompt: bytes, capacity: int) -> None:
+    """A prompt just inserted matches all its blocks, as far as the capacity holds them."""
+    index = PrefixIndex(capacity)
+    blocks = prompt_blocks(prompt)
+    index.insert(blocks)
+    assert index.match(blocks) == min(len(blocks), capacity)
+    assert len(index) <= capacity
+
+
+@given(st.binary(min_size=BLOCK_BYTES, max_size=3 * BLOCK_BYTES), st.integers(0, BLOCK_BYTES - 1))
+def test_a_different_first_block_matches_nothing(prompt: bytes, at: int) -> None:
+    """Two prompts that differ in their first block share no block: the hashes chain."""
+    other = bytearray(prompt)
+    other[at] ^= 0xFF
+    index = PrefixIndex()
+    index.insert(prompt_blocks(prompt))
+    assert index.match(prompt_blocks(bytes(other))) == 0
+
+
+@settings(max_examples=300)
+@given(st.lists(chains, max_size=30), st.integers(1, 12), chains)
+def test_blocks_held_along_a_chain_are_a_leading_run(
+    inserted: list[bytes], capacity: int, probe: bytes
+) -> None:
+    """After any inserts, a chain's held blocks are a leading run, so binary search is exact."""
+    index = PrefixIndex(capacity)
+    for prompt in inserted:
+        index.insert(prompt_blocks(prompt, SMALL_BLOCK))
+        assert len(index) <= capacity
+    for prompt in [*inserted, probe]:
+        blocks = prompt_blocks(prompt, SMALL_BLOCK)
+        present = [held(index, b) for b in blocks]
+        run = present.index(False) if False in present else len(present)
+        assert not any(present[run:]), present  # nothing held past the first gap
+        assert index.match(blocks) == run
+
+
+@given(chains, st.lists(chains, min_size=1, max_size=10), st.integers(1, 12))
+def test_an_evicted_prefix_is_gone_after_capacity_of_other_blocks(
+    prompt: bytes, others: list[bytes], capacity: int
+) -> None:
+    """Once `capacity` other blocks went in after a prompt, none of its blocks is left."""
+    index = PrefixIndex(capacity)
+    mine = prompt_blocks(prompt, SMALL_BLOCK)
+    index.insert(mine)
+    # Others that start with a different piece share no block with `prompt`.
+    foreign = [b"dddd" + o for o in others]
+    fresh = {b for o in foreign for b in prompt_blocks(o, SMALL_BLOCK)}
+    for other in foreign:
+        index.insert(prompt_blocks(other, SMALL_BLOCK))
+    if len(fresh) >= capacity:
+        assert index.match(mine) == 0
+        assert not any(held(index, b) for b in mine)
+
+
+@given(
+    st.lists(st.binary(max_size=3 * BLOCK_BYTES), max_size=6),
+    st.binary(max_size=6 * BLOCK_BYTES),
+    st.integers(0, 10_000),
+)
+def test_estimates_never_exceed_the_prompt(sent: list[bytes], prompt: bytes, tokens: int) -> None:
+    """The cached estimate is at most the prompt's tokens (whatever the token count says)."""
+    state = InstanceState(InstanceSpec("a"))
+    for other in [*sent, prompt]:
+        state.cache.insert(prompt_blocks(other))
+    ticket = tk(1, prompt, tokens=tokens)
+    cached = state.cached_tokens(ticket)
+    assert 0 <= cached <= tokens
+    assert cached <= len(ticket.prefix) * BLOCK_TOKENS
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=20), st.integers(0, 3))
+def test_uncached_work_is_never_negative(sizes: list[int], seed: int) -> None:
+    """Through the scheduler, prefill work left on an instance never goes below zero."""
+    sched = make("a", "b")
+    rng = random.Random(seed)
+    shared = text(seed, 2 * BLOCK_BYTES)
+    for i, size in enumerate(sizes):
+        # The token count may undercount the text: the estimate must still not exceed it.
+        sched.submit(tk(i, shared + text(i, size * 100), tokens=size), 0.0, rng)
+        for state in sched.states:
+            assert state.pending_prefill_tokens >= 0
+    for i in range(len(sizes)):
+        sched.prefill_done(i, 1.0, rng)
+    assert [s.pending_prefill_tokens for s in sched.states] == [0, 0]
+
+
+# ------------------------------------------------------------------ prompt text
+
+
+def test_chat_prompt_text_puts_roles_and_contents_in_order() -> None:
+    """A chat's prompt text holds each message's role then content, in message order."""
+    payload = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+            {"role": "assistant", "content": "Hi."},
+        ]
+    }
+    got = prompt_text(payload)
+    order = [b"system", b"You are terse.", b"user", b"Hello", b"assistant", b"Hi."]
+    positions = [got.find(part) for part in order]
+    assert -1 not in positions
+    assert positions == sorted(positions)
+    swapped = {"messages": [{**m, "role": "user"} for m in payload["messages"]]}
+    assert prompt_text(swapped) != got  # the roles are part of what the instance sees
+
+
+@given(
+    st.lists(st.text(max_size=300), min_size=1, max_size=4),
+    st.text(max_size=300),
+    st.text(max_size=300),
+)
+def test_chats_sharing_their_first_messages_share_leading_blocks(
+    history: list[str], reply: str, question: str
+) -> None:
+    """A chat that re-sends another's messages and adds some keeps all its full blocks."""
+    first = [{"role": "user" if i % 2 else "system", "content": c} for i, c in enumerate(history)]
+    later = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+    before = prompt_blocks(prompt_text({"messages": first}))
+    after = prompt_blocks(prompt_text({"messages": later}))
+    assert after[: len(before)] == before
+    index = PrefixIndex()
+    index.insert(before)
+    assert index.match(after) == len(before)
+
+
+def test_chats_with_one_long_system_prompt_share_its_blocks() -> None:
+    """Two chats with the same long system prompt and different questions share its blocks."""
+    system = {"role": "system", "content": "Answer from the manual. " * 200}
+    one = prompt_blocks(prompt_text({"messages": [system, {"role": "user", "content": "a?"}]}))
+    two = prompt_blocks(prompt_text({"messages": [system, {"role": "user", "content": "b?"}]}))
+    full_system_blocks = len(str(system["content"])) // BLOCK_BYTES
+    assert full_system_blocks >= 15
+    index = PrefixIndex()
+    index.insert(one)
+    assert index.match(two) >= full_system_blocks
+
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5)
+
+
+@given(st.integers(), st.lists(json_scalars | st.lists(json_scalars, max_size=2), max_size=6))
+def test_a_token_id_prompt_of_any_values_never_raises(first: int, rest: list[object]) -> None:
+    """Token ids out of 32-bit range or not ints at all give no prompt text, not an error."""
+    prompt = [first, *rest]
+    got = prompt_text({"prompt": prompt})
+    if all(isinstance(t, int) and -(2**31) <= t < 2**31 for t in prompt):
+        assert len(got) == 4 * len(prompt)
+    else:
+        assert got == b""
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=200))
+def test_token_id_prompts_are_four_little_endian_bytes_each(ids: list[int]) -> None:
+    """Valid token ids hash as 4 little-endian bytes each, the same on every replica."""
+    expected = b"".join(t.to_bytes(4, "little", signed=True) for t in ids)
+    assert prompt_text({"prompt": ids}) == expected
+
+
+# ------------------------------------------------------------------ the cost
+
+
+def test_a_cached_prefix_attracts_and_an_evicted_one_stops() -> None:
+    """least_time prefers where a prefix is cached, and stops once other prompts evicted it."""
+    sched = make("a", "b", limits=Limits(prefix_index_blocks=16))
+    strategy = sched.strategy
+    assert isinstance(strategy, LeastTime)
+    rng = random.Random(1)
+    prompt = text(0, 8 * BLOCK_BYTES)
+    home = placed(sched.submit(tk(0, prompt), 0.0, rng))
+    sched.prefill_done(0, 0.0, rng)
+    sched.release(0, Outcome.SUCCESS, 0.0, rng)
+    for i in range(1, 6):  # the same prompt keeps going home
+        assert placed(sched.submit(tk(i, prompt), 0.0, rng)) == home
+        sched.prefill_done(i, 0.0, rng)
+        sched.release(i, Outcome.SUCCESS, 0.0, rng)
+    # Other prompts, each 8 blocks, fill both indexes several times over.
+    for i in range(100, 140):
+        sched.submit(tk(i, text(i, 8 * BLOCK_BYTES)), 0.0, rng)
+        sched.prefill_done(i, 0.0, rng)
+        sched.release(i, Outcome.SUCCESS, 0.0, rng)
+    assert sched.state(home).cache.match(prompt_blocks(prompt)) == 0
+    costs = strategy.costs(sched.states, sched.states, tk(999, prompt), 0.0)
+    assert costs["a"] == costs["b"]
+    homes = set()
+    for seed in range(20):
+        homes.add(strategy.choose(sched.states, sched.states, tk(999, prompt), 0.0, rng).name)
+        rng = random.Random(seed)
+    assert homes == {"a", "b"}
+
+
+def test_a_hot_prefix_spreads_under_load_with_least_time() -> None:
+    """Requests sharing a cached prefix pile on its instance only until the work queued there
+    outweighs what the cache saves; then they go elsewhere too."""
+    sched = make("a", "b", "c")
+    rng = random.Random(2)
+    shared = text(0, 4000 * 4)  # a 4,000-token system prompt
+    home = placed(sched.submit(tk(0, shared + text(0, 200 * 4)), 0.0, rng))
+    sched.prefill_done(0, 0.5, rng)
+    sched.release(0, Outcome.SUCCESS, 1.0, rng)
+    # A burst: none of these finishes its prefill, so the work queues up where they go.
+    where = [placed(sched.submit(tk(i, shared + text(i, 200 * 4)), 1.0, rng)) for i in range(1, 61)]
+    assert where[:10] == [home] * 10  # the cache wins while the queue there is short
+    assert set(where) == {"a", "b", "c"}  # and then the prefix spreads
+    assert where.count(home) < 60 * 0.75
+    # Where it spread to, it is cached now too.
+    for name in ("a", "b", "c"):
+        assert sched.state(name).cache.match(prompt_blocks(shared)) == len(prompt_blocks(shared))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_least_busy_affinity_decides_ties_but_never_overrides_an_imbalance(seed: int) -> None:
+    """least_busy sends a cached prompt home at equal loads, elsewhere when home is busier."""
+    sched = make("a", "b", strategy="least_busy")
+    rng = random.Random(seed)
+    shared = text(0, 2000 * 4)
+    home = placed(sched.submit(tk(0, shared + b"q0"), 0.0, rng))
+    other = ({"a", "b"} - {home}).pop()
+    sched.release(0, Outcome.SUCCESS, 0.0, rng)
+    # Equal loads: the cache decides, every time (no coin toss).
+    assert placed(sched.submit(tk(1, shared + b"q1"), 0.0, rng)) == home
+    # Home now has one more in flight: even a 99%-cached prompt goes elsewhere.
+    assert placed(sched.submit(tk(2, shared + b"q2"), 0.0, rng)) == other
+
+
+def test_learned_prefill_speed_counts_only_uncached_tokens() -> None:
+    """A cache hit's fast first token is not read as a fast card: the rate uses uncached tokens."""
+    sched = make("a")
+    rng = random.Random(4)
+    prompt = text(0, 4000 * 4)
+    sched.submit(tk(0, prompt), 0.0, rng)
+    sched.prefill_done(0, 1.0, rng, ttft=0.8)  # 4,000 tokens in 0.8 s: 5,000 tokens/s
+    sched.release(0, Outcome.SUCCESS, 1.0, rng)
+    first = sched.state("a").speed.prefill.value
+    assert first == 4000 / 0.8
+    # The same prompt again: all but a few tokens cached, first token in 10 ms.
+    ticket = tk(1, prompt)
+    uncached = ticket.tokens - sched.state("a").cached_tokens(ticket)
+    assert uncached < BLOCK_TOKENS
+    sched.submit(ticket, 2.0, rng)
+    sched.prefill_done(1, 2.01, rng, ttft=0.01)
+    after = sched.state("a").speed.prefill.value
+    assert after is not None
+    assert after <= max(first, uncached / 0.01)
+    assert after < first  # 4,000 tokens / 10 ms would have read as a 400k tokens/s card
+
+
+@given(st.floats(0.001, 5.0), st.integers(1, 60))
+def test_a_cache_hit_never_raises_the_prefill_rate_past_its_uncached_work(
+    ttft: float, prefix_blocks: int
+) -> None:
+    """Whatever the hit's TTFT, the rate moves toward uncached tokens / TTFT, not the prompt's."""
+    sched = make("a")
+    rng = random.Random(5)
+    prefix = text(0, prefix_blocks * BLOCK_BYTES)
+    sched.submit(tk(0, prefix), 0.0, rng)
+    sched.prefill_done(0, 1.0, rng, ttft=1.0)
+    sched.release(0, Outcome.SUCCESS, 1.0, rng)
+    first = sched.state("a").speed.prefill.value
+    assert first is not None
+    ticket = tk(1, prefix + text(1, 3 * BLOCK_BYTES))
+    uncached = ticket.tokens - sched.state("a").cached_tokens(ticket)
+    sched.submit(ticket, 2.0, rng)
+    sched.prefill_done(1, 2.0 + ttft, rng, ttft=ttft)
+    after = sched.state("a").speed.prefill.value
+    assert after is not None
+    assert min(first, uncached / ttft) - 1e-6 <= after <= max(first, uncached / ttft) + 1e-6
+
+
+def test_a_long_request_mostly_cached_takes_no_long_place() -> None:
+    """A long prompt cached but for a short tail takes no long place; an uncached one waits."""
+    limits = Limits(max_long_per_instance=1, long_input_threshold=4096)
+    sched = make("a", limits=limits)
+    rng = random.Random(6)
+    document = text(0, 20_000 * 4)
+    assert placed(sched.submit(tk(0, document, lane=Lane.LONG), 0.0, rng)) == "a"
+    sched.prefill_done(0, 1.0, rng)  # the document is in a's cache now
+    sched.release(0, Outcome.SUCCESS, 2.0, rng)
+    # Another long prompt, still in prefill, holds a's one long place.
+    assert placed(sched.submit(tk(1, text(1, 20_000 * 4), lane=Lane.LONG), 3.0, rng)) == "a"
+    assert sched.state("a").long_prefilling == 1
+    # The document with a new 1,000-token question: 1,000 tokens to compute, a short job.
+    cheap = tk(2, document + text(2, 1000 * 4), lane=Lane.LONG)
+    assert placed(sched.submit(cheap, 3.0, rng)) == "a"
+    assert sched.state("a").long_prefilling == 1
+    # A different long prompt is real long work: it waits for the place.
+    assert isinstance(sched.submit(tk(3, text(3, 20_000 * 4), lane=Lane.LONG), 3.0, rng), Queued)
+
+
+def test_a_long_request_whose_uncached_tail_is_long_still_takes_a_long_place() -> None:
+    """A cached prefix does not exempt a long request whose uncached part is itself long."""
+    limits = Limits(max_long_per_instance=1, long_input_threshold=4096)
+    sched = make("a", limits=limits)
+    rng = random.Random(6)
+    document = text(0, 20_000 * 4)
+    sched.submit(tk(0, document, lane=Lane.LONG), 0.0, rng)
+    sched.prefill_done(0, 1.0, rng)
+    sched.release(0, Outcome.SUCCESS, 2.0, rng)
+    assert placed(sched.submit(tk(1, text(1, 20_000 * 4), lane=Lane.LONG), 3.0, rng)) == "a"
+    tail = tk(2, document + text(2, 5000 * 4), lane=Lane.LONG)
+    assert isinstance(sched.submit(tail, 3.0, rng), Queued)
+
+
+# ------------------------------------------------------------------ models and queues
+
+
+def test_fifo_is_per_lane_and_model() -> None:
+    """A queued model-a request does not hold up model-b; model-a requests keep their order."""
+    limits = Limits(max_queue_per_instance=0)
+    sched = make(
+        InstanceSpec("a", slots=1, models=frozenset({"model-a"})),
+        InstanceSpec("b", slots=1, models=frozenset({"model-b"})),
+        limits=limits,
+    )
+    rng = random.Random(7)
+    assert placed(sched.submit(tk(1, model="model-a"), 0.0, rng)) == "a"
+    assert isinstance(sched.submit(tk(2, model="model-a"), 0.0, rng), Queued)
+    third = sched.submit(tk(3, model="model-a"), 0.0, rng)
+    assert isinstance(third, Queued)
+    assert third.position == 2
+    assert placed(sched.submit(tk(4, model="model-b"), 0.0, rng)) == "b"
+    [next_a] = sched.release(1, Outcome.SUCCESS, 1.0, rng)
+    assert isinstance(next_a, Assigned)
+    assert (next_a.ticket.id, next_a.instance) == (2, "a")
+    [last_a] = sched.release(2, Outcome.SUCCESS, 2.0, rng)
+    assert isinstance(last_a, Assigned)
+    assert (last_a.ticket.id, last_a.instance) == (3, "a")
+
+
+def test_set_models_drains_requests_waiting_for_a_model_that_appeared() -> None:
+    """A request queued for a model goes as soon as an idle instance starts listing it."""
+    limits = Limits(max_queue_per_instance=0)
+    sched = make(InstanceSpec("a", slots=1), InstanceSpec("b", slots=1), limits=limits)
+    rng = random.Random(8)
+    assert sched.set_models("b", frozenset({"model-b"}), 0.0, rng) == []
+    # a's models are not known yet: it may serve model-x, but it is full.
+    assert placed(sched.submit(tk(1, model="model-x"), 0.0, rng)) == "a"
+    assert isinstance(sched.submit(tk(2, model="model-x"), 0.0, rng), Queued)
+    [moved] = sched.set_models("b", frozenset({"model-b", "model-x"}), 1.0, rng)
+    assert isinstance(moved, Assigned)
+    assert (moved.ticket.id, moved.instance) == (2, "b")
+
+
+def test_set_models_turns_away_requests_for_a_model_nobody_serves_any_more() -> None:
+    """Requests queued for a model that its only instance stops listing are rejected at once."""
+    limits = Limits(max_queue_per_instance=0)
+    sched = make(InstanceSpec("a", slots=1), limits=limits)
+    rng = random.Random(9)
+    assert placed(sched.submit(tk(1, model="model-x"), 0.0, rng)) == "a"
+    assert isinstance(sched.submit(tk(2, model="model-x"), 0.0, rng), Queued)
+    [gone] = sched.set_models("a", frozenset({"model-y"}), 1.0, rng)
+    assert isinstance(gone, Rejected)
+    assert (gone.ticket.id, gone.reason) == (2, "no_instance")
+
+
+def test_a_new_model_list_forgets_the_instances_cached_prefixes() -> None:
+    """An instance that changed models has a cold cache: its prefix index is emptied."""
+    sched = make("a")
+    rng = random.Random(10)
+    sched.set_models("a", frozenset({"model-a"}), 0.0, rng)
+    prompt = text(0, 4 * BLOCK_BYTES)
+    sched.submit(tk(1, prompt, model="model-a"), 0.0, rng)
+    assert sched.state("a").cache.match(prompt_blocks(prompt)) == 4
+    sched.set_models("a", frozenset({"model-a"}), 1.0, rng)  # the same list: nothing changes
+    assert sched.state("a").cache.match(prompt_blocks(prompt)) == 4
+    sched.set_models("a", frozenset({"model-c"}), 2.0, rng)
+    assert len(sched.state("a").cache) == 0
+
+
+def test_a_burst_sharing_a_long_document_waits_for_the_first_prefill() -> None:
+    """Long prompts sharing a document that is still being prefilled each take a long place;
+    once the first prefill is done, the rest are cheap there and skip the cap."""
+    rng = random.Random(0)
+    sched = Scheduler(
+        [InstanceSpec("a", slots=64)],
+        STRATEGIES["least_time"](30.0),
+        Limits(max_long_per_instance=1, long_input_threshold=4096),
+    )
+    sched.probe("a", True, 0.0, rng)
+    document = prompt_blocks(b"d" * 4 * 20_000)  # 20k tokens, the same for all
+    tickets = [Ticket(i, Lane.LONG, 1e9, tokens=20_000, prefix=document) for i in (1, 2, 3)]
+    assert isinstance(sched.submit(tickets[0], 0.0, rng), Assigned)
+    assert isinstance(sched.submit(tickets[1], 0.0, rng), Queued)  # not computed yet
+    placed = sched.prefill_done(1, 1.0, rng, ttft=1.0)
+    assert [type(d) for d in placed] == [Assigned]  # now cached: no long place needed
+    assert isinstance(sched.submit(tickets[2], 1.0, rng), Assigned)
+    assert sched.state("a").long_prefilling == 0
+
+
+def test_an_instance_whose_prefix_counters_go_back_restarted_with_a_cold_cache() -> None:
+    """vLLM's prefix-cache counters falling between scrapes mean a restart: the index empties."""
+    rng = random.Random(0)
+    sched = Scheduler([InstanceSpec("a")], STRATEGIES["least_time"](30.0))
+    sched.probe("a", True, 0.0, rng)
+    blocks = prompt_blocks(b"p" * BLOCK_BYTES * 4)
+    sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4 * BLOCK_TOKENS, prefix=blocks), 0.0, rng)
+    sched.report_load("a", LoadReport(1, 0, 0.1, 1.0, prefix_queries=5000, prefix_hits=100))
+    sched.report_load("a", LoadReport(1, 0, 0.1, 2.0, prefix_queries=6000, prefix_hits=900))
+    assert sched.state("a").cache.match(blocks) == 4
+    sched.report_load("a", LoadReport(0, 0, 0.0, 3.0, prefix_queries=40, prefix_hits=0))
+    assert sched.state("a").cache.match(blocks) == 0

@@ -1,0 +1,122 @@
+"""The shared view in the core: the other processes' load, queues, speeds and retries count."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.dispatch import (
+    STRATEGIES,
+    Assigned,
+    InstanceSpec,
+    Lane,
+    Limits,
+    PeerLoad,
+    PeerSpeed,
+    Queued,
+    Rejected,
+    RetryBudget,
+    Scheduler,
+    SharedView,
+    Ticket,
+    score_all,
+)
+from gateway.dispatch.speed import BLEND_CAP
+
+FAR = 1e9
+
+
+def make(*specs: InstanceSpec, strategy: str = "least_busy", **limits: int) -> Scheduler:
+    sched = Scheduler(list(specs), STRATEGIES[strategy](30.0), Limits(**limits))  # type: ignore[arg-type]
+    for state in sched.states:
+        sched.probe(state.name, True, 0.0, random.Random(0))
+    return sched
+
+
+def test_peers_in_flight_count_toward_the_per_instance_limit() -> None:
+    """An instance full with the other processes' requests takes none of ours: it overflows."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=2), InstanceSpec("b", slots=2), max_queue_per_instance=0)
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=2)}, peers=1), 0.0, rng)
+    for i in range(2):
+        decision = sched.submit(Ticket(i, Lane.SHORT, FAR), 0.0, rng)
+        assert isinstance(decision, Assigned)
+        assert decision.instance == "b"
+    assert isinstance(sched.submit(Ticket(9, Lane.SHORT, FAR), 0.0, rng), Queued)
+
+
+def test_peers_load_enters_the_score_and_an_empty_view_restores_our_own() -> None:
+    """least_busy counts the peers' requests; an empty view (Redis away) forgets them."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=5)}, peers=1), 0.0, rng)
+    scores = score_all(sched.states, 0.0, 30.0)
+    assert scores["a"].peers == 5
+    assert scores["a"].total > scores["b"].total
+    sched.apply_shared(SharedView(), 0.0, rng)
+    assert (
+        score_all(sched.states, 0.0, 30.0)["a"].total
+        == score_all(sched.states, 0.0, 30.0)["b"].total
+    )
+
+
+def test_least_time_counts_the_peers_prefill_work() -> None:
+    """Tokens the peers have in prefill on an instance make it slower to reach for us."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"), strategy="least_time")
+    view = SharedView(loads={"a": PeerLoad(inflight=1, pending_prefill_tokens=50_000)}, peers=1)
+    sched.apply_shared(view, 0.0, rng)
+    decision = sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=1000), 0.0, rng)
+    assert isinstance(decision, Assigned)
+    assert decision.instance == "b"
+
+
+def test_the_gateway_queue_bound_holds_across_processes() -> None:
+    """The peers' queued requests fill the lane's bound: ours is refused queue_full."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0, gateway_queue_size=3)
+    sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng)
+    sched.apply_shared(SharedView(queued={Lane.SHORT: 3}, peers=1), 0.0, rng)
+    refused = sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng)
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "queue_full"
+    assert isinstance(sched.submit(Ticket(3, Lane.LONG, FAR), 0.0, rng), Queued)  # other lane
+
+
+def test_speeds_blend_by_samples_capped() -> None:
+    """Our estimate and the peers' blend, each weighted by its samples up to BLEND_CAP."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"))
+    speed = sched.state("a").speed
+    for _ in range(BLEND_CAP * 2):
+        speed.observe_tpot(0.01)
+    peers = [PeerSpeed(tpot=0.03, tpot_samples=BLEND_CAP * 5)]
+    sched.apply_shared(SharedView(speeds={"a": peers}, peers=1), 0.0, rng)
+    assert speed.tpot_value == pytest.approx(0.02)  # both capped: equal weights
+    assert speed.tpot.value == pytest.approx(0.01)  # our own stays ours
+    assert sched.share().speeds["a"].tpot == pytest.approx(0.01)  # and is what we publish
+
+
+def test_share_publishes_only_our_own_load() -> None:
+    """What a process publishes is its own load and queues, never the peers' it heard."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0)
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=0)}, peers=1), 0.0, rng)
+    sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=300), 0.0, rng)
+    sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng)
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=7)}, peers=1), 0.0, rng)
+    share = sched.share()
+    assert share.loads["a"] == PeerLoad(inflight=1, pending_prefill_tokens=300)
+    assert share.queued[Lane.SHORT] == 1
+
+
+def test_the_retry_budget_counts_the_peers_retries() -> None:
+    """With peers' retries in the window, the fleet-wide budget runs out sooner."""
+    budget = RetryBudget(ratio=0.1, min_retries=1)
+    for _ in range(100):
+        budget.record_request(0.0)
+    budget.peer_requests, budget.peer_retries = 100, 19
+    assert budget.try_spend(0.0)  # 20 of 200 allowed: the 20th is ours
+    assert not budget.try_spend(0.0)
+    assert budget.own_totals(0.0) == (100, 1)

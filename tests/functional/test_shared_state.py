@@ -1,0 +1,191 @@
+"""Several gateway processes share one view of the fleet through a real Redis on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from fakes import KEY, Gateway, fleet, gateway_with
+from redis_server import RedisServer, redis_server
+
+from gateway.app import SHARED
+from gateway.dispatch import Lane
+from gateway.dispatch.affinity import prompt_blocks, prompt_text
+from loadtest.sim_vllm import SimConfig, SimInstance
+
+ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
+
+
+def sections(redis: RedisServer) -> dict[str, dict[str, object]]:
+    return {
+        "dispatch": {"max_num_seqs": 1, "max_queue_per_instance": 0, "max_queue_wait": 30},
+        "shared": {"redis_url": redis.url, "publish_interval": 0.05, "ttl": 0.5},
+    }
+
+
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+async def stream(gw: Gateway, max_tokens: int) -> tuple[int, str]:
+    """One streamed completion read to its end: status and the instance that served it."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            gw.url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": max_tokens, "stream": True},
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as resp,
+    ):
+        await resp.read()
+        return resp.status, resp.headers.get("X-Gateway-Instance", "")
+
+
+@contextlib.asynccontextmanager
+async def two_gateways(
+    redis: RedisServer, sims: list[SimInstance]
+) -> AsyncIterator[tuple[Gateway, Gateway]]:
+    async with (
+        gateway_with(sims, sections=sections(redis)) as a,
+        gateway_with(sims, sections=sections(redis)) as b,
+    ):
+        await until(lambda: a.app[SHARED].peers == 1 and b.app[SHARED].peers == 1)
+        yield a, b
+
+
+async def test_the_per_instance_limit_holds_across_gateways() -> None:
+    """One slot, two gateways: while A's stream holds it, B's request waits in B's queue."""
+    with redis_server() as redis:
+        async with fleet(ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
+            name = a.names()[0]
+            held = asyncio.create_task(stream(a, max_tokens=150))
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1)
+            waiting = asyncio.create_task(stream(b, max_tokens=2))
+            await until(lambda: b.dispatcher.scheduler.queue_length(Lane.SHORT) == 1)
+            assert not held.done()
+            assert sims[0].stats.waiting == 0  # the instance never queued a second request
+            assert (await held)[0] == 200
+            assert (await waiting)[0] == 200
+
+
+async def test_gateways_spread_over_the_fleet_by_each_others_load() -> None:
+    """B sends its request to the instance A is not using, though B itself holds nothing."""
+    with redis_server() as redis:
+        async with fleet(ONE_SLOT, ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
+            held = asyncio.create_task(stream(a, max_tokens=150))
+            await until(lambda: sum(s.peers.inflight for s in b.dispatcher.scheduler.states) == 1)
+            busy = next(s.name for s in b.dispatcher.scheduler.states if s.peers.inflight)
+            status, served_by = await stream(b, max_tokens=2)
+            assert status == 200
+            assert served_by != busy
+            await held
+
+
+async def test_redis_away_fails_no_request_and_the_view_returns_with_it() -> None:
+    """Redis killed mid-run: every request still succeeds on the local view; back, it rejoins."""
+    with redis_server() as redis:
+        async with fleet(ONE_SLOT, ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
+            redis.stop()
+            await until(lambda: a.app[SHARED].up is False and b.app[SHARED].up is False)
+            assert a.app[SHARED].peers == 0
+            results = await asyncio.gather(*(stream(gw, 3) for gw in (a, b, a, b)))
+            assert [status for status, _ in results] == [200] * 4
+            text = await metrics_text(a)
+            assert "gateway_shared_state_up 0.0" in text
+            redis.start()
+            await until(lambda: a.app[SHARED].peers == 1 and b.app[SHARED].peers == 1, 15)
+            assert "gateway_shared_state_up 1.0" in await metrics_text(a)
+
+
+async def test_a_process_that_stops_publishing_leaves_the_view_within_the_ttl() -> None:
+    """A process that dies (stops writing, no goodbye) has its load gone from the others' view."""
+    with redis_server() as redis:
+        async with fleet(ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
+            name = a.names()[0]
+            held = asyncio.create_task(stream(a, max_tokens=300))
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1)
+            for task in asyncio.all_tasks():  # A's publisher dies as in a SIGKILL
+                if task.get_name() == "shared-state" and _belongs_to(task, a):
+                    task.cancel()
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 0, 3)
+            assert b.app[SHARED].peers == 0
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+
+
+async def test_learned_speeds_are_shared() -> None:
+    """What A learned of an instance's speed reaches B's view, blended with B's own."""
+    with redis_server() as redis:
+        async with fleet(ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
+            name = a.names()[0]
+            for _ in range(3):
+                assert (await stream(a, max_tokens=5))[0] == 200
+            own = a.dispatcher.scheduler.state(name).speed
+            assert own.tpot.value is not None
+            learned = own.tpot.value
+            peer_view = b.dispatcher.scheduler.state(name).speed
+            await until(  # within a publish interval or two
+                lambda: (
+                    peer_view.tpot_value is not None
+                    and math.isclose(peer_view.tpot_value, learned, rel_tol=1e-9)
+                )
+            )
+            assert peer_view.tpot.value is None  # B itself saw no streamed answer there
+
+
+async def metrics_text(gw: Gateway) -> str:
+    async with aiohttp.ClientSession() as session:
+        return await (await session.get(gw.url + "/metrics")).text()
+
+
+def _belongs_to(task: asyncio.Task[object], gw: Gateway) -> bool:
+    coro = task.get_coro()
+    frame_self = getattr(coro, "cr_frame", None)
+    owner = frame_self.f_locals.get("self") if frame_self is not None else None
+    return owner is gw.app[SHARED]
+
+
+async def test_replicas_agree_where_a_prefix_lives() -> None:
+    """A prompt A placed is in B's prefix index within a round, so B sends the prefix there too."""
+    with redis_server() as redis:
+        fast = SimConfig(max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
+        sections_ = sections(redis)
+        sections_["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        async with (
+            fleet(fast, fast) as sims,
+            gateway_with(sims, sections=sections_) as a,
+            gateway_with(sims, sections=sections_) as b,
+        ):
+            document = "shared system prompt and document " * 400  # about 3,400 tokens
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            state = b.dispatcher.scheduler.state(placed_on)
+            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            await until(lambda: state.cache.match(blocks) > 40)
+            for question in ("two", "three", "four"):
+                status, served_by = await chat(b, document + f"question {question}")
+                assert status == 200
+                assert served_by == placed_on
+
+
+def user(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+async def chat(gw: Gateway, content: str) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            gw.url + "/v1/chat/completions",
+            json={"messages": [user(content)], "max_tokens": 2},
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as resp,
+    ):
+        await resp.read()
+        return resp.status, resp.headers.get("X-Gateway-Instance", "")

@@ -1,0 +1,61 @@
+"""`reload.merge`: which reloaded settings apply live, and which wait for a restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gateway.config import Config, load
+from gateway.reload import merge
+
+
+def _load(folder: Path, toml: str, settings: dict[str, Any]) -> Config:
+    (folder / "config.toml").write_text(toml)
+    (folder / "settings.json").write_text(json.dumps(settings))
+    return load(folder / "config.toml")
+
+
+BASE = {"channel": {"api_key": "k1"}, "vllm": {"instances": ["http://127.0.0.1:9001"]}}
+
+
+def test_live_settings_apply_and_restart_only_ones_keep_the_running_value(tmp_path: Path) -> None:
+    """Timeouts, retry, keys and instances change; port, strategy and SLOs keep their value."""
+    old = _load(tmp_path, "[gateway]\nport = 8080\nrequest_timeout = 30\n", BASE)
+    new = _load(
+        tmp_path,
+        '[gateway]\nport = 9090\nrequest_timeout = 60\n[dispatch]\nstrategy = "round_robin"\n'
+        "[slo]\nttft = 9\n",
+        {
+            "channel": {"api_key": "k2", "retry": {"max_attempts": 5}, "timeout": {"read": 7}},
+            "vllm": {"instances": ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]},
+        },
+    )
+    config, live, restart = merge(old, new)
+    assert restart == ["dispatch.strategy", "gateway.port", "slo.ttft"]
+    assert config.gateway.port == 8080
+    assert config.dispatch.strategy == "least_busy"
+    assert config.file.slo.ttft == old.file.slo.ttft
+    assert config.gateway.request_timeout == 60
+    assert config.channel.retry.max_attempts == 5
+    assert config.channel.timeout.read == 7
+    assert [k.get_secret_value() for k in config.api_keys] == ["k2"]
+    assert len(config.instances) == 2
+    assert "channel.api_key" in live
+    assert "vllm.instances" in live
+
+
+def test_an_unchanged_file_changes_nothing(tmp_path: Path) -> None:
+    """Reloading the same files reports no change at all."""
+    old = _load(tmp_path, "", BASE)
+    config, live, restart = merge(old, _load(tmp_path, "", BASE))
+    assert (live, restart) == ([], [])
+    assert config == old
+
+
+def test_command_line_listen_address_survives_a_reload(tmp_path: Path) -> None:
+    """A --port given at start is still the port after a reload of a file that names another."""
+    old = _load(tmp_path, "[gateway]\nport = 8080\n", BASE).with_listen(None, 7000)
+    config, live, restart = merge(old, _load(tmp_path, "[gateway]\nport = 9090\n", BASE))
+    assert config.gateway.port == 7000
+    assert (live, restart) == ([], [])
