@@ -183,6 +183,7 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
     cap = compare.capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
     say(f"capacity estimate {cap:.1f} req/s")
     loads: dict[str, dict[str, report.Summary]] = {}
+    body = {"options": asdict(opts), "capacity_req_per_s": cap, "loads": loads}
     for load in opts.loads:
         rate = load * cap
         count = max(1, round(rate * opts.duration))
@@ -193,9 +194,9 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
             summary = await _one(setup, specs, opts, common)
             if summary is not None:
                 runs[setup] = summary
-        loads[f"{load:g}"] = runs
+                loads[f"{load:g}"] = runs
+                write_json(common, opts.name, body)  # what is done so far survives a stop
         say(table(runs))
-    body = {"options": asdict(opts), "capacity_req_per_s": cap, "loads": loads}
     say(f"wrote {write_json(common, opts.name, body)}")
     if plot_path(common, f"{opts.name}.png"):
         plot_cdf(loads, common.out / f"{opts.name}.png", opts)
