@@ -28,8 +28,8 @@ weight); with no bulk sample anywhere, the learned rates; with nothing learned, 
 Hysteresis: one evaluation per health round proposes at most one move (one instance to
 the other lane, or two swapped between the lanes), and only if it cuts the busier lane's
 load by `MARGIN`; the same proposal must come `CONFIRM` evaluations in a row before it
-is made. Since every move
-strictly lowers a fixed objective, a steady mix never flaps: a move back would raise it.
+is made. Since every move strictly lowers a fixed objective, a steady mix never flaps: a
+move back would raise it.
 A lane with traffic never gives up its last available instance (its load would be
 infinite); a lane without traffic in the window gives its instances to the other one,
 one per confirmation. Before any traffic, every shared instance is held by the short
