@@ -6,8 +6,10 @@ so its time to first token and each of its decode steps pay for a long prefill. 
 the prefill/decode interference DistServe is about. `max_long_per_instance` bounds the
 damage but spreads it over the whole fleet. Instead, each `lane = "any"` instance is
 held by one lane at a time: short requests go to the short-held ones, long requests to
-the long-held ones, and either spills to the other lane's instances only when none of
-its own has a free running slot and one of theirs has (`prefer`).
+the long-held ones. A long request spills to a short-held instance only when no
+long-held one has room (and `max_long_per_instance` caps it there); a short request
+spills to a long-held one when none of its own has a free running slot and that one
+has (`prefer`).
 
 How the split is sized: the work each lane asked for over the last `WINDOW` seconds
 (uncached prompt tokens, plus its output tokens counted at what a decode token costs in
@@ -114,12 +116,14 @@ class LaneSplit:
     def prefer(self, pool: Sequence[InstanceState], lane: Lane) -> list[InstanceState]:
         """Where a `lane` request may go, of the instances in `pool` (all with room).
 
-        Its own lane's instances while one of them has a free running slot; else the other
-        lane's that have one (it runs at once there, beside their prompts, rather than
-        queue at its own); else its own again (it queues there); else any of `pool`.
+        Its own lane's instances, if any has room. A short request also spills when none
+        of its own has a free running slot and one of the long lane's has: it runs at once
+        there, and its short prefill costs the long prompts little. A long request never
+        spills while its own lane can queue it: its prefill would stall every short
+        sequence on a short-held instance.
         """
         own = [s for s in pool if self.lane(s) in (lane.value, "any")]
-        if not own or len(own) == len(pool) or any(_free(s) for s in own):
+        if lane is Lane.LONG or not own or len(own) == len(pool) or any(_free(s) for s in own):
             return own or list(pool)
         return [s for s in pool if s not in own and _free(s)] or own
 

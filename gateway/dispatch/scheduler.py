@@ -13,8 +13,9 @@ Limits an instance holds:
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
   still in prefill, so short requests never wait behind a wall of long ones; with the
   split on (`lanes.py`), each shared instance is held by one lane, a request prefers its
-  own lane's instances and spills to the other's only when none of its own has a free
-  running slot, and the cap binds only where the long lane does not hold the instance.
+  own lane's instances and spills to the other's only when none of its own can take it
+  (a short one: has a free running slot), and the cap binds only where the long lane
+  does not hold the instance.
 When no instance has room, the request waits in a bounded FIFO queue of its lane (and
 model), for at most its lane's `max_queue_wait` and never past its deadline; one whose
 predicted wait is already longer is refused at arrival (see `admission.py`).
@@ -419,7 +420,7 @@ class Scheduler(Fleet):
         # answer "busy".
         untried = [s for s in pool if s.name not in ticket.exclude] if ticket.exclude else pool
         fresh = [s for s in untried if not s.busy(now)]
-        # Its own lane's instances first: it spills only when none of them has a free slot.
+        # Its own lane's instances first; when it spills, see LaneSplit.prefer.
         return self.lanes.prefer(fresh or untried, ticket.lane)
 
     def _assign(

@@ -388,6 +388,21 @@ def test_a_request_spills_to_a_free_slot_rather_than_queue_at_its_own_lane() -> 
     assert assigned_to(sched.submit(ticket(7, Lane.SHORT), now, rng)) == "i2"
 
 
+def test_a_long_request_queues_in_its_own_lane_before_it_spills() -> None:
+    """A long request waits at a long-held card rather than prefill on the short one (it
+    would stall every short sequence there); only with no room left in its lane does it
+    spill, under max_long_per_instance."""
+    rng = random.Random(0)
+    sched = scheduler(1, 1, 0.4, limits=Limits(max_long_per_instance=1, max_queue_per_instance=2))
+    settle_split(sched, rng)
+    now = 20.0
+    # Two slots and two queue places on each long card: eight long requests stay there.
+    for i in range(1, 9):
+        assert assigned_to(sched.submit(ticket(i, Lane.LONG), now, rng)) in {"i0", "i1"}
+    assert assigned_to(sched.submit(ticket(9, Lane.LONG), now, rng)) == "i2"
+    assert isinstance(sched.submit(ticket(10, Lane.LONG), now, rng), Queued)
+
+
 def test_a_long_request_spilling_to_a_short_held_card_is_capped() -> None:
     """Spilling onto the short-held card, long requests still respect max_long_per_instance."""
     rng = random.Random(0)

@@ -270,11 +270,12 @@ class Harness:
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
         if self.serves_now(chosen) not in (lane.value, "any"):
-            # It spilled to the other lane: none of its own lane's instances had a free
-            # running slot (a busy one of its own may lose to a fresh one of the other lane).
+            # It spilled to the other lane: none of its own lane's instances had room (a
+            # short request: a free running slot); a busy one of its own may lose to a
+            # fresh one of the other lane.
             assert not any(
                 self.has_room(s, lane)
-                and s.inflight < s.spec.slots
+                and (lane is Lane.LONG or s.inflight < s.spec.slots)
                 and s.name not in exclude
                 and self.serves_now(s) in (lane.value, "any")
                 and (chosen.busy(self.now) or not s.busy(self.now))
