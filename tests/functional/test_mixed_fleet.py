@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import aiohttp
+import structlog
 from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -112,12 +113,18 @@ async def test_with_the_split_off_both_lanes_share_every_instance() -> None:
 
 async def test_the_slow_card_serves_the_short_lane() -> None:
     """On a fleet with one card at 40% speed and a mix whose work is mostly long prefill,
-    the split gives the fast cards to the long lane and the slow card to the short one."""
+    the split gives the fast cards to the long lane and the slow card to the short one,
+    and logs each move as a lane_split event."""
     async with _mixed_fleet(True, 1.0, 1.0, 1.0, 0.4) as gw:
         lanes = gw.dispatcher.scheduler.lanes
         states = gw.dispatcher.scheduler.states
         slow = gw.names()[3]
-        async with asyncio.timeout(30):
-            while [lanes.lane(s) for s in states] != ["long", "long", "long", "short"]:
-                await _mixed(gw, 6)
+        with structlog.testing.capture_logs() as events:
+            async with asyncio.timeout(30):
+                while [lanes.lane(s) for s in states] != ["long", "long", "long", "short"]:
+                    await _mixed(gw, 6)
         assert lanes.lane(gw.dispatcher.scheduler.state(slow)) == "short"
+        splits = [e for e in events if e["event"] == "lane_split"]
+        assert splits, "no lane_split event"
+        assert splits[-1]["lanes"] == {s.name: lanes.lane(s) for s in states}
+        assert all(len(e["moved"]) in (1, 2) for e in splits)
