@@ -34,7 +34,8 @@ from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics
-from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
+from .proxy import Proxy, Route, Target
+from .routes import mount, summary
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
 
@@ -62,13 +63,9 @@ def build_app(config: Config) -> web.Application:
     app[CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
     app.cleanup_ctx.append(_resources)
+    for path, route in mount(config.route_prefixes):
+        app.router.add_post(path, _openai_route(route), expect_handler=_expect)
     for prefix in config.route_prefixes:
-        for path, route in (
-            ("/chat/completions", CHAT),
-            ("/completions", COMPLETIONS),
-            ("/embeddings", EMBEDDINGS),
-        ):
-            app.router.add_post(prefix + path, _openai_route(route), expect_handler=_expect)
         app.router.add_get(prefix + "/models", _models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -338,10 +335,7 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
     except errors.GatewayError as exc:
         return exc.response()
     except web.HTTPNotFound:
-        return errors.NotFound(
-            f"no route {request.method} {request.path}: the OpenAI routes are "
-            "POST /v1/chat/completions, /v1/completions, /v1/embeddings and GET /v1/models"
-        ).response()
+        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return errors.MethodNotAllowed(

@@ -22,7 +22,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from . import errors, log, request_id
+from . import errors, log, request_id, trace_context
 from .auth import KeyChecker
 from .body import InvalidField, wants_stream
 from .config import Config
@@ -42,22 +42,14 @@ from .intake import Intake, max_tokens_of
 from .metrics import Metrics
 from .recorder import Recorder
 from .relay import Exchange, Relay, Retryable
+from .routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
 
 _log = log.get("gateway.proxy")
 
 
-@dataclass(frozen=True)
-class Route:
-    name: str  # label in metrics and logs
-    upstream_path: str
-    streams: bool
-
-
-CHAT = Route("chat.completions", "/v1/chat/completions", streams=True)
-COMPLETIONS = Route("completions", "/v1/completions", streams=True)
-EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Proxy", "Route", "Target"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +136,9 @@ class Proxy:
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = self.clock()
-        ex = Exchange(route.name, request_id.current(), started)
+        ex = Exchange(route.name, request_id.current(), started, sse_done=route.sse_done)
+        ex.trace = trace_context.from_headers(request.headers) or trace_context.fresh()
+        structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
@@ -158,8 +152,12 @@ class Proxy:
             if ex.tag:
                 headers["X-Request-Tag"] = ex.tag
                 structlog.contextvars.bind_contextvars(tag=ex.tag)
-            body, payload = await self.intake.json_body(request)
-            if payload.get("model") is None and self.default_model:
+            ex.forward = self.intake.passthrough(request)
+            if route.form:  # an upload goes on byte for byte: its model is not filled in
+                body, payload = await self.intake.form_body(request)
+            else:
+                body, payload = await self.intake.json_body(request)
+            if payload.get("model") is None and self.default_model and not route.form:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
             try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
@@ -273,7 +271,14 @@ class Proxy:
     ) -> web.StreamResponse:
         target = self.targets[ex.instance]
         send_headers = dict(target.headers)
+        send_headers.update(ex.forward)
+        if route.form:  # its boundary is in it
+            send_headers["Content-Type"] = request.headers["Content-Type"]
         send_headers["X-Request-Id"] = ex.request_id
+        if ex.trace is not None:
+            send_headers["traceparent"] = ex.trace.traceparent()
+            if ex.trace.state:
+                send_headers["tracestate"] = ex.trace.state
         if ex.tag:
             send_headers["X-Request-Tag"] = ex.tag
         remaining = deadline - self.clock()

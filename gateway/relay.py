@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +27,7 @@ from . import errors, log, sse
 from .dispatch import Outcome
 from .dispatcher import Dispatcher
 from .metrics import Metrics
+from .trace_context import TraceContext
 
 _log = log.get("gateway.proxy")
 
@@ -56,6 +57,9 @@ class Exchange:
     tokens: int | None = None
     prompt_tokens: int = 0
     max_tokens: int = 0
+    trace: TraceContext | None = None
+    forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
+    sse_done: bool = True  # its stream, if any, ends with `data: [DONE]`
 
 
 @dataclass
@@ -273,8 +277,8 @@ class Relay:
                         quiet.reschedule(loop.time() + silence)
         except TimeoutError:
             broken = f"sent no data event for {silence:g}s"
-        if framer.done:  # the client has the whole answer: what follows [DONE] is moot
-            broken = None
+        if framer.done or (not ex.sse_done and sse.responses_finished(framer.last_head)):
+            broken = None  # the client has the whole answer: what follows is moot
         ex.tokens = self._stream_tokens(framer, chat=ex.route == "chat.completions")
         if broken is not None:
             self.metrics.stream_aborts.labels("upstream").inc()
