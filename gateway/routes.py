@@ -73,5 +73,8 @@ def mount(prefixes: Iterable[str]) -> list[tuple[str, Route]]:
 
 def summary() -> str:
     """The routes there are, for the 404 of a path that is none of them."""
-    posts = ", ".join(dict.fromkeys(r.client_path for r in ROUTES))
-    return f"the routes are POST {posts} (under /v1, bare, or base_url's path) and GET /v1/models"
+    posts = ", ".join(dict.fromkeys(r.upstream_path for r in ROUTES))
+    return (
+        f"the routes are POST {posts} (each also bare, under /v1 and under base_url's path) "
+        "and GET /v1/models"
+    )

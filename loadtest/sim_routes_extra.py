@@ -10,8 +10,11 @@ gateway's tests to see a request reach an instance serving its model; no engine 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
+from email.parser import BytesParser
+from email.policy import HTTP
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -48,6 +51,21 @@ def _similarity(a: str, b: str, seed: int) -> float:
     """A deterministic relevance in 0..1 (cosine of the two texts' embeddings, rescaled)."""
     va, vb = embedding_vector(f"{seed}:{a}"), embedding_vector(f"{seed}:{b}")
     return round((1 + sum(x * y for x, y in zip(va, vb, strict=True))) / 2, 6)
+
+
+def _form_fields(content_type: str, raw: bytes) -> dict[str, bytes]:
+    """The parts of a multipart/form-data body by name (the first of each), as bytes."""
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+    message = BytesParser(policy=HTTP).parsebytes(head + raw)
+    if not message.is_multipart():
+        raise ApiError(400, "the body is not multipart/form-data")
+    fields: dict[str, bytes] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        payload = part.get_payload(decode=True)
+        if isinstance(name, str) and isinstance(payload, bytes):
+            fields.setdefault(name, payload)
+    return fields
 
 
 class ExtraRoutes:
@@ -145,18 +163,19 @@ class ExtraRoutes:
         await self.sim._apply_faults()
         if request.content_type != "multipart/form-data":
             raise ApiError(400, "Expected multipart/form-data")
-        form = await request.post()
-        model = form.get("model")
-        if isinstance(model, str) and model != self.sim.config.model:
+        raw = await request.read()
+        self.sim.stats.last_upload = hashlib.sha256(raw).hexdigest()
+        form = _form_fields(request.headers["Content-Type"], raw)
+        model = form["model"].decode() if "model" in form else None
+        if model is not None and model != self.sim.config.model:
             raise ApiError(404, f"The model `{model}` does not exist.")
-        upload = form.get("file")
-        if not isinstance(upload, web.FileField):
+        if "file" not in form:
             raise ApiError(400, "file: field required")
-        size = len(upload.file.read())
+        size = len(form["file"])
         seconds = max(1, size // 32000)  # 16 kHz, 16-bit mono
         text = "".join(VOCAB[i % len(VOCAB)] for i in range(seconds * 3)).strip()
         self._done(seconds * 25, count_tokens(text))
-        if str(form.get("stream", "false")).lower() not in ("true", "1", "yes", "on"):
+        if form.get("stream", b"false").decode().lower() not in ("true", "1", "yes", "on"):
             return _json({"text": text, "usage": {"type": "duration", "seconds": seconds}})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await out.prepare(request)
