@@ -203,11 +203,14 @@ class ExtraRoutes:
         if not isinstance(query, str) or not documents:
             raise ApiError(400, "query and documents are required")
         seed = self.sim.config.seed
+        scores = sorted(
+            ((i, d, _similarity(query, d, seed)) for i, d in enumerate(documents)),
+            key=lambda r: -r[2],
+        )
         results = [
-            {"index": i, "document": {"text": d}, "relevance_score": _similarity(query, d, seed)}
-            for i, d in enumerate(documents)
+            {"index": i, "document": {"text": d}, "relevance_score": score}
+            for i, d, score in scores
         ]
-        results.sort(key=lambda r: -float(r["relevance_score"]))
         top_n = body.get("top_n")
         if isinstance(top_n, int) and top_n > 0:
             results = results[:top_n]
