@@ -180,8 +180,7 @@ class SimInstance:
         is_v1 = request.path.startswith("/v1/")
         if request.method == "POST":
             self.stats.paths[request.path] += 1
-        if is_v1 or (request.method == "POST" and request.path != "/tokenize"):
-            # /tokenize is also the gateway's own token counter: its headers are not a client's.
+        if is_v1 or request.method == "POST":
             self.stats.requests += is_v1 and request.method == "POST"
             self.stats.last_headers = {k.lower(): v for k, v in request.headers.items()}
             if request_id := request.headers.get("X-Request-Id"):
