@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
@@ -45,6 +45,9 @@ from .relay import Exchange, Relay, Retryable
 from .routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
+
+if TYPE_CHECKING:
+    from .tracing import Span, Spans
 
 _log = log.get("gateway.proxy")
 
@@ -94,6 +97,11 @@ class Proxy:
         self.budget = RetryBudget(ratio=channel.retry.budget_ratio)
         self.affinity = config.dispatch.prefix_index_blocks > 0
         self.clock = dispatcher.clock
+        self.spans: Spans | None = None
+        if config.otlp_traces_url:
+            from . import tracing  # the otel extra is imported only by a gateway that traces
+
+            self.spans = tracing.start(config.otlp_traces_url, config.file.tracing.service_name)
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
@@ -137,8 +145,7 @@ class Proxy:
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = self.clock()
         ex = Exchange(route.name, request_id.current(), started, sse_done=route.sse_done)
-        ex.trace = trace_context.from_headers(request.headers) or trace_context.fresh()
-        structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
+        self._start_trace(request, ex)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
@@ -203,6 +210,31 @@ class Proxy:
                 if not self._tasks:
                     self._idle.set()
             self.recorder.record(ex, self.clock() - ex.started)
+            if ex.span is not None:
+                ex.span.end(
+                    ex.status,
+                    lane=ex.lane,
+                    model=ex.model,
+                    instance=ex.instance,
+                    attempts=ex.attempts,
+                    request_id=ex.request_id,
+                )
+
+    def _start_trace(self, request: web.Request, ex: Exchange) -> None:
+        """The request's trace: the client's, continued, or a new one; its id is logged."""
+        client = trace_context.from_headers(request.headers)
+        if self.spans is None:
+            ex.trace = client or trace_context.fresh()
+        else:
+            ex.span = self.spans.request(request.path, request.method, client)
+            ex.trace = trace_context.TraceContext(
+                ex.span.trace_id,
+                ex.span.span_id,
+                ex.span.flags,
+                client.state if client is not None else None,
+                from_client=client is not None,
+            )
+        structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
 
     async def _forward(
         self,
@@ -275,8 +307,11 @@ class Proxy:
         if route.form:  # its boundary is in it
             send_headers["Content-Type"] = request.headers["Content-Type"]
         send_headers["X-Request-Id"] = ex.request_id
-        if ex.trace is not None:
-            send_headers["traceparent"] = ex.trace.traceparent()
+        span: Span | None = None
+        if self.spans is not None and ex.span is not None:
+            span = self.spans.attempt(ex.span, ex.attempts, ex.instance)
+        if ex.trace is not None:  # the instance's spans hang under this attempt's, if any
+            send_headers["traceparent"] = ex.trace.traceparent(span.span_id if span else None)
             if ex.trace.state:
                 send_headers["tracestate"] = ex.trace.state
         if ex.tag:
@@ -329,6 +364,9 @@ class Proxy:
             if response is not None:
                 response.close()  # idempotent; closing (not pooling) aborts unfinished work
             self.dispatcher.release(ticket_id, outcome, error)
+            if span is not None:
+                got = response.status if response is not None else error or "cancelled"
+                span.end(got, lane=ex.lane, model=ex.model)
 
     def _give_up(
         self, failed: Retryable, ex: Exchange, headers: dict[str, str]

@@ -19,6 +19,7 @@ import asyncio
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +29,9 @@ from .dispatch import Outcome
 from .dispatcher import Dispatcher
 from .metrics import Metrics
 from .trace_context import TraceContext
+
+if TYPE_CHECKING:
+    from .tracing import Span
 
 _log = log.get("gateway.proxy")
 
@@ -58,6 +62,7 @@ class Exchange:
     prompt_tokens: int = 0
     max_tokens: int = 0
     trace: TraceContext | None = None
+    span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
     sse_done: bool = True  # its stream, if any, ends with `data: [DONE]`
 
