@@ -144,7 +144,9 @@ class Proxy:
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = self.clock()
-        ex = Exchange(route.name, request_id.current(), started, sse_done=route.sse_done)
+        ex = Exchange(
+            route.name, request_id.current(), started, sse_done=route.sse_done, timed=route.timed
+        )
         self._start_trace(request, ex)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()

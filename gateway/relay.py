@@ -65,6 +65,7 @@ class Exchange:
     span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
     sse_done: bool = True  # its stream, if any, ends with `data: [DONE]`
+    timed: bool = True  # its stream's first event is its first token (see Route.timed)
 
 
 @dataclass
@@ -227,8 +228,11 @@ class Relay:
         except ConnectionResetError:
             return out, self._client_left(ex), None
         first_at = self.clock()
-        ex.ttft = first_at - ex.started
-        self.dispatcher.prefill_done(ticket_id, first_at - sent_at)
+        # Only a stream whose first event is its first token measures TTFT and teaches
+        # least_time a prefill speed; the Responses API's first event comes before any.
+        if ex.timed:
+            ex.ttft = first_at - ex.started
+        self.dispatcher.prefill_done(ticket_id, first_at - sent_at if ex.timed else None)
         reader = response.content
         transport = request.transport
         if transport is None:  # the client left before we could answer
@@ -293,7 +297,7 @@ class Relay:
                 return out, self._client_left(ex), None
             return await self._finish(out, ex, Outcome.FAILURE, "stream_broken")
         result = await self._finish(out, ex, Outcome.SUCCESS, None)
-        if result[1] is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
+        if result[1] is Outcome.SUCCESS and ex.timed and ex.tokens and ex.tokens > 1:
             ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
             self.metrics.tpot.labels(ex.lane).observe(ex.tpot)
             self.dispatcher.observe_tpot(ex.instance, ex.tpot)

@@ -22,14 +22,18 @@ class Route:
     path: str = ""  # under each route prefix; "" means upstream_path without its /v1
     form: bool = False  # multipart/form-data (an upload), not JSON
     sse_done: bool = True  # the stream ends with `data: [DONE]` (the Responses API's does not)
+    # A stream's first event is its first token of a prompt the gateway counted, so its
+    # TTFT and TPOT are measured, checked against the SLO and learned by least_time.
+    # Not so for the Responses API (`response.created` comes first) or audio (no count).
+    timed: bool = False
 
     @property
     def client_path(self) -> str:
         return self.path or self.upstream_path.removeprefix("/v1")
 
 
-CHAT = Route("chat.completions", "/v1/chat/completions", streams=True)
-COMPLETIONS = Route("completions", "/v1/completions", streams=True)
+CHAT = Route("chat.completions", "/v1/chat/completions", streams=True, timed=True)
+COMPLETIONS = Route("completions", "/v1/completions", streams=True, timed=True)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
 RESPONSES = Route("responses", "/v1/responses", streams=True, sse_done=False)
 TOKENIZE = Route("tokenize", "/tokenize", streams=False)

@@ -283,3 +283,39 @@ async def test_an_upload_over_max_body_bytes_is_413() -> None:
     ):
         assert r.status == 413
         assert sum(served(gw, "/v1/audio/transcriptions")) == 0
+
+
+async def test_untimed_streams_teach_no_speed_and_count_no_ttft(gw: Gateway) -> None:
+    """A Responses or transcription stream (first event before any token, or a prompt not
+    counted) records no TTFT and teaches least_time nothing; a chat stream does both."""
+    async with client(gw) as c:
+        stream = await c.responses.create(
+            model="sim-model", input="hi", max_output_tokens=4, stream=True
+        )
+        _ = [event async for event in stream]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/audio/transcriptions",
+            data=upload("sim-model", b"x" * 64000, stream=True),
+            headers=AUTH,
+        ) as r,
+    ):
+        await r.read()
+    ttft = gw.metrics.ttft.labels("short")
+    assert ttft._sum.get() == 0
+    speeds = [
+        (s.speed.prefill.samples, s.speed.tpot.samples) for s in gw.dispatcher.scheduler.states
+    ]
+    assert speeds == [(0, 0), (0, 0)]
+    async with client(gw) as c:
+        chat = await c.chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=True,
+        )
+        _ = [chunk async for chunk in chat]
+    assert ttft._sum.get() > 0
+    assert sum(s.speed.prefill.samples for s in gw.dispatcher.scheduler.states) == 1
+    assert sum(s.speed.tpot.samples for s in gw.dispatcher.scheduler.states) == 1
