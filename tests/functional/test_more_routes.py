@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import structlog
 from fakes import KEY, Gateway, fleet, gateway_with
 
 from gateway.routes import ROUTES
@@ -319,3 +320,23 @@ async def test_untimed_streams_teach_no_speed_and_count_no_ttft(gw: Gateway) -> 
     assert ttft._sum.get() > 0
     assert sum(s.speed.prefill.samples for s in gw.dispatcher.scheduler.states) == 1
     assert sum(s.speed.tpot.samples for s in gw.dispatcher.scheduler.states) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/rerank", {"query": "q", "documents": ["short", "d " * 10000]}),
+        ("/score", {"text_1": "q", "text_2": ["d " * 10000]}),
+        ("/v1/responses", {"input": [{"role": "user", "content": "d " * 10000}]}),
+        ("/pooling", {"input": "d " * 10000}),
+    ],
+)
+async def test_a_long_prompt_on_a_new_route_takes_the_long_lane(
+    gw: Gateway, path: str, body: dict[str, Any]
+) -> None:
+    """The lane follows the estimated prompt on these routes too (here 5,000 tokens)."""
+    with structlog.testing.capture_logs() as events:
+        status, answer, _ = await post(gw, path, {**body, "model": "sim-model"})
+    assert status == 200, answer
+    (line,) = [e for e in events if e["event"] == "request"]
+    assert line["lane"] == "prefill"
