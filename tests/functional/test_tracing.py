@@ -3,6 +3,7 @@ client's trace, with the instance's traceparent naming the attempt."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -205,3 +206,38 @@ def test_with_tracing_off_no_opentelemetry_module_is_imported() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+async def test_spans_reach_an_otlp_http_collector() -> None:
+    """With the real exporter, spans arrive at the collector's /v1/traces as OTLP protobuf."""
+    pytest.importorskip(
+        "opentelemetry.exporter.otlp.proto.http",
+        reason="the OTLP exporter is not installed (pip install '.[otel]')",
+    )
+    from aiohttp import web
+
+    received: list[tuple[str, str, bytes]] = []
+
+    async def collect(request: web.Request) -> web.Response:
+        received.append((request.path, request.content_type, await request.read()))
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", collect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        spans = tracing.start(f"http://127.0.0.1:{port}/v1/traces", "gateway-otlp-test")
+        span = spans.request("/v1/chat/completions", "POST", None)
+        span.end(200, lane="short", model="m", request_id="r1")
+        await asyncio.to_thread(spans.shutdown)  # flushes the batch; the loop serves it
+    finally:
+        await runner.cleanup()
+    ((path, content_type, body),) = received
+    assert path == "/v1/traces"
+    assert content_type == "application/x-protobuf"
+    assert b"gateway-otlp-test" in body
+    assert b"POST /v1/chat/completions" in body
