@@ -274,7 +274,9 @@ class Relay:
                         broken = f"broke the stream after it started ({type(exc).__name__})"
                         break
                     if not data:
-                        broken = "ended the stream without data: [DONE]"
+                        broken = "ended the stream without " + (
+                            "data: [DONE]" if ex.sse_done else "its final event"
+                        )
                         break
                     events = framer.events
                     try:

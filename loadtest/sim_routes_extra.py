@@ -153,7 +153,11 @@ class ExtraRoutes:
             for w in words
         ]
         events.append(("response.completed", {"response": response}))
+        die_after = self.sim.faults.die_after_chunks
         for number, (kind, data) in enumerate(events):
+            if die_after is not None and number >= die_after:
+                self.sim._drop(request)  # killed mid-stream: no response.completed
+                return out
             payload = {**data, "sequence_number": number, "type": kind}
             await out.write(f"event: {kind}\ndata: {dumps(payload)}\n\n".encode())
         await out.write_eof()

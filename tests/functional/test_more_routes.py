@@ -340,3 +340,27 @@ async def test_a_long_prompt_on_a_new_route_takes_the_long_lane(
     assert status == 200, answer
     (line,) = [e for e in events if e["event"] == "request"]
     assert line["lane"] == "prefill"
+
+
+async def test_a_responses_stream_cut_before_its_final_event_ends_with_an_error(
+    gw: Gateway,
+) -> None:
+    """An instance that dies mid-way through a Responses stream (no response.completed)
+    leaves the client an in-band error event, as any broken stream does."""
+    for sim in gw.sims:
+        sim.faults.die_after_chunks = 3
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/responses",
+            json={"model": "sim-model", "input": "hi", "max_output_tokens": 8, "stream": True},
+            headers=AUTH,
+        ) as r,
+    ):
+        assert r.status == 200
+        text = await r.text()
+    assert text.count("event: response.") == 3
+    assert "response.completed" not in text
+    assert '"error"' in text
+    assert text.endswith("data: [DONE]\n\n")
+    assert gw.metrics.stream_aborts.labels("upstream")._value.get() == 1
