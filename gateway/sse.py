@@ -21,7 +21,8 @@ import re
 _DONE_PAYLOADS = (b"data: [DONE]", b"data:[DONE]")
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
 _BLANK_LINE = re.compile(rb"\n\r?\n")  # a line end, then an empty line
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# The Responses API calls them output tokens.
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 # The Responses API ends its stream with one of these named events, not `data: [DONE]`.
 _RESPONSES_END = re.compile(rb"event:[ ]?(response\.(completed|incomplete|failed)|error)\r?\n")
 _HEAD = 128

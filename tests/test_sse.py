@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import Framer, responses_finished
+from gateway.sse import Framer, completion_tokens, responses_finished
 
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":16}}\n\n'
@@ -191,3 +191,12 @@ def test_the_last_events_head_is_kept_however_long_the_event(size: int) -> None:
         assert out == stream
         assert responses_finished(framer.last_head)
         assert framer.events == 2
+
+
+def test_a_responses_usage_counts_its_output_tokens() -> None:
+    """The Responses API's usage (`output_tokens`, not `output_tokens_details`) is read."""
+    usage = b'{"usage":{"input_tokens":3,"output_tokens_details":{"r":1},"output_tokens":9}}'
+    assert completion_tokens(usage) == 9
+    framer = Framer()
+    framer.feed(b"event: response.completed\ndata: " + usage + b"\n\n")
+    assert framer.completion_tokens() == 9

@@ -155,10 +155,13 @@ async def test_responses_through_the_sdk_whole_and_streamed(gw: Gateway) -> None
     response.completed (no [DONE]) without an error event appended."""
     async with client(gw) as c:
         whole = await c.responses.create(model="other-model", input="hi", max_output_tokens=4)
-        stream = await c.responses.create(
-            model="other-model", input="hi", max_output_tokens=4, stream=True
-        )
-        kinds = [event.type async for event in stream]
+        with structlog.testing.capture_logs() as events:
+            stream = await c.responses.create(
+                model="other-model", input="hi", max_output_tokens=4, stream=True
+            )
+            kinds = [event.type async for event in stream]
+    (line,) = [e for e in events if e["event"] == "request"]
+    assert line["tokens"] == 4  # the usage's output_tokens, not a count of events
     assert whole.output_text.strip()
     assert kinds[0] == "response.created"
     assert kinds[-1] == "response.completed"
