@@ -154,12 +154,13 @@ def _otlp_traces_url(file: ConfigFile, env: Mapping[str, str], path: Path) -> st
     an error; set only in the environment (perhaps for other software), tracing stays off.
     """
     configured = file.tracing.otlp_endpoint
-    url = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
-    base = configured or (None if url else env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
-    if configured:
-        url = None
+    signal = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")  # a whole URL, by the spec
+    base = configured or (None if signal else env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if base:
-        url = base if base.rstrip("/").endswith("/v1/traces") else base.rstrip("/") + "/v1/traces"
+        base = base.rstrip("/")
+        url: str | None = base if base.endswith("/v1/traces") else base + "/v1/traces"
+    else:
+        url = signal or None
     if url is None or _otel_installed():
         return url
     if configured:
