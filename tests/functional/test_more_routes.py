@@ -367,3 +367,14 @@ async def test_a_responses_stream_cut_before_its_final_event_ends_with_an_error(
     assert '"error"' in text
     assert text.endswith("data: [DONE]\n\n")
     assert gw.metrics.stream_aborts.labels("upstream")._value.get() == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/audio/translations"])
+async def test_uploads_need_the_key(gw: Gateway, path: str) -> None:
+    """An upload without the gateway's key is 401 and its body reaches no instance."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + path, data=upload("sim-model", b"x" * 1000)) as r,
+    ):
+        assert r.status == 401
+    assert sum(sum(sim.stats.paths.values()) for sim in gw.sims) == 0
