@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,10 +34,13 @@ from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics, Registry
-from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
-from .shared import SharedState, SharedStateCollector
+from .proxy import Proxy, Route, Target
+from .routes import mount, summary
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
+
+if TYPE_CHECKING:
+    from .shared import SharedState
 
 
 @dataclass
@@ -51,7 +54,9 @@ PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 METRICS = web.AppKey("metrics", Metrics)
-SHARED = web.AppKey("shared", SharedState)
+# redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
+# installed, which a gateway without tracing or sharing should not load.
+SHARED: web.AppKey[SharedState] = web.AppKey("shared")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -70,13 +75,9 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_resources)
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
+    for path, route in mount(config.route_prefixes):
+        app.router.add_post(path, _openai_route(route), expect_handler=_expect)
     for prefix in config.route_prefixes:
-        for path, route in (
-            ("/chat/completions", CHAT),
-            ("/completions", COMPLETIONS),
-            ("/embeddings", EMBEDDINGS),
-        ):
-            app.router.add_post(prefix + path, _openai_route(route), expect_handler=_expect)
         app.router.add_get(prefix + "/models", _models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -193,6 +194,8 @@ def probe_targets(targets: dict[str, Target]) -> list[ProbeTarget]:
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    from .shared import SharedState, SharedStateCollector
+
     settings = app[CONFIG].file.shared
     assert settings.redis_url is not None
     shared = SharedState(
@@ -395,10 +398,7 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
     except errors.GatewayError as exc:
         return exc.response()
     except web.HTTPNotFound:
-        return errors.NotFound(
-            f"no route {request.method} {request.path}: the OpenAI routes are "
-            "POST /v1/chat/completions, /v1/completions, /v1/embeddings and GET /v1/models"
-        ).response()
+        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return errors.MethodNotAllowed(

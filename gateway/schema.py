@@ -171,12 +171,27 @@ class SharedSection(Frozen):
         return value
 
 
+class TracingSection(Frozen):
+    """OpenTelemetry spans (the `otel` extra); off unless an OTLP endpoint is given."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP, e.g. http://collector:4318
+    service_name: str = Field("vllm-gateway", min_length=1, max_length=200)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_http_url(value)
+        return value
+
+
 class ConfigFile(Frozen):
     gateway: GatewaySection = GatewaySection()
     dispatch: DispatchSection = DispatchSection()
     prefill: PrefillSection = PrefillSection()
     slo: SloSection = SloSection()
     shared: SharedSection = SharedSection()
+    tracing: TracingSection = TracingSection()
 
 
 # -------------------------------------------------------------- settings.json

@@ -42,6 +42,7 @@ from loadtest.sim_engine import (
     tokenize_text,
     usage_body,
 )
+from loadtest.sim_routes_extra import ExtraRoutes
 
 __all__ = [
     "BUSY_MESSAGE",
@@ -124,6 +125,7 @@ class SimInstance:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/tokenize", self._tokenize)
         self.app.router.add_get("/metrics", self._metrics)
+        ExtraRoutes(self).install(self.app.router)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on host:port (loopback only; port 0 picks a free one) and return the URL."""
@@ -176,8 +178,10 @@ class SimInstance:
     @web.middleware
     async def _v1_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         is_v1 = request.path.startswith("/v1/")
-        if is_v1:
-            self.stats.requests += request.method == "POST"
+        if request.method == "POST":
+            self.stats.paths[request.path] += 1
+        if is_v1 or request.method == "POST":
+            self.stats.requests += is_v1 and request.method == "POST"
             self.stats.last_headers = {k.lower(): v for k, v in request.headers.items()}
             if request_id := request.headers.get("X-Request-Id"):
                 self.stats.seen_request_ids.append(request_id)
