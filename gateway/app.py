@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +35,7 @@ from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics
+from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
 from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
 from .shared import SharedState, SharedStateCollector
 from .tokenizer import LocalTokenizer, TokenCounter
@@ -52,6 +54,7 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 METRICS = web.AppKey("metrics", Metrics)
 SHARED = web.AppKey("shared", SharedState)
+PEERS = web.AppKey("peers", PeerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -66,6 +69,9 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_resources)
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
+    if os.environ.get(WORKERS_DIR_ENV):  # set by workers.py in its workers only
+        app.cleanup_ctx.append(_peer_metrics)
+        app.on_response_prepare.append(_worker_header)
     for prefix in config.route_prefixes:
         for path, route in (
             ("/chat/completions", CHAT),
@@ -192,6 +198,21 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         await shared.close()
 
 
+async def _peer_metrics(app: web.Application) -> AsyncIterator[None]:
+    """As a worker of `gateway --workers N`: `/metrics` answers for every worker."""
+    peers = PeerMetrics(app[METRICS].registry, Path(os.environ[WORKERS_DIR_ENV]))
+    await peers.start()
+    app[PEERS] = peers
+    try:
+        yield
+    finally:
+        await peers.close()
+
+
+async def _worker_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WORKER_HEADER] = str(os.getpid())
+
+
 def retry_after_503(config: Config) -> float:
     """The one Retry-After of the gateway's own 503s: about one health round, 1-10 s."""
     return max(1.0, min(config.dispatch.health_check_interval, 10.0))
@@ -295,7 +316,11 @@ async def _readyz(request: web.Request) -> web.StreamResponse:
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
-    data = generate_latest(request.app[METRICS].registry)
+    peers = request.app.get(PEERS)
+    if peers is not None:
+        data = await peers.exposition()
+    else:
+        data = generate_latest(request.app[METRICS].registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

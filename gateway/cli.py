@@ -1,7 +1,7 @@
 """`gateway`: validate the configuration, then serve (optionally before simulated vLLM).
 
     gateway [--config config.toml] [--settings settings.json] [--check] [--simulate]
-            [--host H] [--port P] [--open] [--log-level info] [--version]
+            [--host H] [--port P] [--workers N] [--open] [--log-level info] [--version]
 
 Without --config it uses the defaults embedded in the package (two instances on
 127.0.0.1:8000-8001, key from GATEWAY_API_KEY), which suit --simulate.
@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", help="listen address (overrides [gateway].host)")
     p.add_argument("--port", type=int, help="listen port (overrides [gateway].port)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the port (overrides [gateway].workers; see workers.py)",
+    )
     p.add_argument("--open", action="store_true", help="run without an API key (no auth)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"gateway {__version__}")
@@ -48,7 +53,7 @@ def _config_path(given: str | None) -> Path:
 
 def load_config(args: argparse.Namespace) -> Config:
     config = load(_config_path(args.config), args.settings, allow_no_key=args.open)
-    return config.with_listen(args.host, args.port)
+    return config.with_listen(args.host, args.port).with_workers(args.workers)
 
 
 def run_preflight(config: Config, args: argparse.Namespace) -> list[str]:
@@ -83,14 +88,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.configure(args.log_level)
     for warning in warnings:
         log.get("gateway.cli").warning("config_warning", problem=warning)
+    if config.gateway.workers > 1:
+        from .workers import supervise
+
+        return supervise(config, args.log_level, simulate=args.simulate)
+    return serve_here(config, simulate=args.simulate)
+
+
+def serve_here(config: Config, *, simulate: bool = False) -> int:
+    """Serve in this process until a stop signal; the process's exit status."""
     from .server import serve
 
     try:
         import uvloop
 
-        uvloop.run(serve(config, simulate=args.simulate))
+        uvloop.run(serve(config, simulate=simulate))
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(serve(config, simulate=args.simulate))
+        asyncio.run(serve(config, simulate=simulate))
     except OSError as exc:
         print(f"gateway: cannot listen: {exc}", file=sys.stderr)
         return 1

@@ -96,6 +96,19 @@ class Config(Frozen):
             raise ConfigError(f"command line: --host/--port: {problems}") from None
         return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
 
+    def with_workers(self, workers: int | None) -> Config:
+        """A copy whose `[gateway] workers` is overridden by `--workers`."""
+        if workers is None:
+            return self
+        try:
+            gateway = GatewaySection.model_validate(
+                {**self.gateway.model_dump(), "workers": workers}
+            )
+        except ValidationError as exc:
+            problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"command line: --workers: {problems}") from None
+        return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
+
 
 def load(
     config_path: str | Path,

@@ -74,7 +74,9 @@ async def serve(
     runner = make_runner(app, config.gateway.drain_timeout)
     await runner.setup()
     try:
-        host, port = await runner.listen(config.gateway.host, config.gateway.port)
+        host, port = await runner.listen(
+            config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
+        )
         url = f"http://{host}:{port}"
         _log.info("listening", url=url, instances=len(config.instances))
         if on_ready:
