@@ -106,7 +106,7 @@ class Config(Frozen):
             )
         except ValidationError as exc:
             problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(f"command line: --workers: {problems}") from None
+            raise ConfigError(f"command line: --workers {workers}: {problems}") from None
         return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
 
 
