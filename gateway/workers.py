@@ -49,10 +49,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -119,11 +121,18 @@ def _worker_main(config: Config, log_level: str, folder: str) -> None:
         signal.signal(hup, signal.SIG_IGN)
     os.environ[WORKERS_DIR_ENV] = folder
     log.configure(log_level)
-    # Every line this worker logs says which worker it is (the tasks inherit the context).
-    structlog.contextvars.bind_contextvars(worker_pid=os.getpid())
+    # Every line this worker logs says which worker it is (requests clear the contextvars,
+    # so this is a processor, first in the chain log.configure set up).
+    processors = structlog.get_config()["processors"]
+    structlog.configure(processors=[_add_worker_pid, *processors])
     from .cli import serve_here
 
     sys.exit(serve_here(config))
+
+
+def _add_worker_pid(logger: object, method: str, event: MutableMapping[str, Any]) -> Any:
+    event.setdefault("worker_pid", os.getpid())
+    return event
 
 
 def _exit_quietly(signum: int, frame: object) -> None:

@@ -9,6 +9,9 @@ them over both workers; each answer names its worker in `X-Gateway-Worker`.
 2. kill: one worker gets SIGKILL; once a new one listens, 20 more requests;
 3. drain: 16 streams of about 1.5 s on both workers, a few scrapes while they run, then
    SIGTERM to the parent, which must forward it so each worker drains.
+
+A second scenario sends SIGHUP, then SIGTERM twice; a third runs the workers with a real
+Redis and checks that they see each other in the shared view.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ import aiohttp
 import pytest
 from fakes import KEY, write_config
 from faultproxy import eventually
+from redis_server import redis_server
 
 from loadtest.sim_vllm import SimConfig, SimInstance
 
@@ -173,7 +178,11 @@ async def _wait_for(log: Path, proc: asyncio.subprocess.Process, name: str, coun
     raise RuntimeError(f"no {count} `{name}` events within 60 s: {(await _read(log))[-3000:]}")
 
 
-async def _scenario(folder: Path) -> Run:
+@contextlib.asynccontextmanager
+async def _gateway(
+    folder: Path, sections: dict[str, dict[str, Any]] | None = None
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, Path]]:
+    """`python -m gateway --workers 2` before two simulated instances; its log file."""
     sims = [SimInstance(SIM), SimInstance(SIM)]
     for sim in sims:
         await sim.start()
@@ -185,6 +194,7 @@ async def _scenario(folder: Path) -> Run:
             sections={
                 "gateway": {"drain_timeout": DRAIN, "request_timeout": 60},
                 "dispatch": {"health_check_interval": 60},
+                **(sections or {}),
             },
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
@@ -194,7 +204,7 @@ async def _scenario(folder: Path) -> Run:
                 cwd=ROOT, env=env, stdout=sink, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
         try:
-            return await _drive(proc, log)
+            yield proc, log
         finally:
             if proc.returncode is None:
                 proc.kill()
@@ -202,6 +212,11 @@ async def _scenario(folder: Path) -> Run:
     finally:
         for sim in sims:
             await sim.stop()
+
+
+async def _scenario(folder: Path) -> Run:
+    async with _gateway(folder) as (proc, log):
+        return await _drive(proc, log)
 
 
 async def _drive(proc: asyncio.subprocess.Process, log: Path) -> Run:
@@ -259,6 +274,12 @@ def test_both_workers_serve(run: Run) -> None:
     assert set(run.spread) == {str(pid) for pid in run.started_pids[:2]}, run.log[-3000:]
 
 
+def test_each_log_line_of_a_worker_names_it(run: Run) -> None:
+    """A request's log line carries `worker_pid`, the pid its X-Gateway-Worker header gave."""
+    logged = {str(e.get("worker_pid")) for e in _named(run, "request")}
+    assert set(run.spread) <= logged
+
+
 def test_one_scrape_counts_every_workers_requests(run: Run) -> None:
     """Whichever worker answers /metrics, it counts all 20 requests, and an up flag stays 1."""
     assert {s.worker for s in run.scrapes} == set(run.spread)
@@ -309,3 +330,108 @@ def test_workers_without_redis_warn_at_start(run: Run) -> None:
     warned = _named(run, "workers_without_shared_state")
     assert len(warned) == 1
     assert warned[0]["level"] == "warning"
+
+
+# ------------------------------------------------- SIGHUP, then two SIGTERMs
+
+
+@dataclass
+class Signals:
+    after_hup: str  # the log between SIGHUP and the first SIGTERM
+    status_after_hup: int
+    worker_pids: set[str]
+    stopped_after: float | None  # seconds from the second SIGTERM to the parent's exit
+    exit_code: int | None
+    log: str
+
+
+async def _signals(folder: Path) -> Signals:
+    async with _gateway(folder) as (proc, log):
+        text = await _wait_for(log, proc, "listening", 2)
+        url = str(_named(text, "supervising")[0]["url"])
+        pids = {str(e["worker_pid"]) for e in _named(text, "listening")}
+        async with _session() as session:
+            stream = Stream()
+            task = asyncio.create_task(_stream(session, url, stream))
+            await eventually(lambda: stream.first_token, timeout=20)
+            before = len(await _read(log))
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(1.0)
+            after_hup = (await _read(log))[before:]
+            status, _ = await _complete(session, url)
+            proc.send_signal(signal.SIGTERM)  # the stream (50 tokens) keeps one worker draining
+            await _wait_for(log, proc, "draining", 2)
+            second = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(DRAIN):
+                    exit_code: int | None = await proc.wait()
+                stopped_after: float | None = time.monotonic() - second
+            except TimeoutError:
+                exit_code = stopped_after = None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return Signals(after_hup, status, pids, stopped_after, exit_code, await _read(log))
+
+
+@pytest.fixture(scope="module")
+def signals(tmp_path_factory: pytest.TempPathFactory) -> Signals:
+    return asyncio.run(_signals(tmp_path_factory.mktemp("worker-signals")))
+
+
+def test_sighup_reaches_every_worker_and_kills_none(signals: Signals) -> None:
+    """SIGHUP is forwarded: each worker logs its handling of it, none dies, requests go on."""
+    events = _events(signals.after_hup)
+    assert [e["event"] for e in events if "worker_pid" not in e] == ["sighup_forwarded"]
+    handled = {str(e["worker_pid"]) for e in events if "worker_pid" in e}
+    assert handled == signals.worker_pids
+    assert signals.status_after_hup == 200
+    assert not _named(signals.log, "worker_died")
+
+
+def test_a_second_sigterm_kills_the_workers_at_once(signals: Signals) -> None:
+    """A second SIGTERM during the drain sends SIGKILL: the parent exits 1 within seconds."""
+    assert signals.exit_code == 1, signals.log[-3000:]
+    assert signals.stopped_after is not None
+    assert signals.stopped_after < 5
+    exited = _named(signals.log, "worker_exited")
+    assert -signal.SIGKILL in [e["exit_code"] for e in exited]
+    assert _named(signals.log, "workers_killed")[0]["reason"] == "second stop signal"
+
+
+# ------------------------------------------------------------- with Redis
+
+
+def test_workers_share_their_view_through_redis(tmp_path: Path) -> None:
+    """With `[shared] redis_url` each worker sees the other in Redis, and no warning is logged."""
+
+    async def scenario(redis_url: str) -> tuple[list[tuple[str, float, float]], str]:
+        shared = {"shared": {"redis_url": redis_url, "publish_interval": 0.05, "ttl": 0.5}}
+        async with _gateway(tmp_path, shared) as (proc, log):
+            text = await _wait_for(log, proc, "listening", 2)
+            url = str(_named(text, "supervising")[0]["url"])
+            async with _session() as session:
+                scrapes: list[tuple[str, float, float]] = []
+                for _ in range(100):
+                    async with session.get(url + "/metrics") as resp:
+                        body = await resp.text()
+                        worker = resp.headers.get(HEADER, "")
+                    values = dict(
+                        line.rsplit(" ", 1)
+                        for line in body.splitlines()
+                        if line.startswith("gateway_shared_state_")
+                    )
+                    peers = float(values.get("gateway_shared_state_peers", "nan"))
+                    up = float(values.get("gateway_shared_state_up", "nan"))
+                    scrapes.append((worker, peers, up))
+                    if peers == 1 and up == 1:
+                        break
+                    await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            await proc.wait()
+            return scrapes, await _read(log)
+
+    with redis_server() as redis:
+        scrapes, log = asyncio.run(scenario(redis.url))
+    assert scrapes[-1][1:] == (1.0, 1.0), scrapes[-5:]
+    assert not _named(log, "workers_without_shared_state")
