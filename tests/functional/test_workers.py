@@ -7,7 +7,7 @@ them over both workers; each answer names its worker in `X-Gateway-Worker`.
 
 1. spread: 20 requests, then scrapes of `/metrics` until both workers have answered one;
 2. kill: one worker gets SIGKILL; once a new one listens, 20 more requests;
-3. drain: 16 streams of about 1.5 s on both workers, a few scrapes while they run, then
+3. drain: 16 streams of about 3 s on both workers, a few scrapes while they run, then
    SIGTERM to the parent, which must forward it so each worker drains.
 
 A second scenario sends SIGHUP, then SIGTERM twice; a third runs the workers with a real
@@ -41,7 +41,7 @@ HEADER = "X-Gateway-Worker"
 SIM = SimConfig(decode_s_per_token=0.03, prefill_tokens_per_s=1e6, max_num_seqs=64)
 REQUESTS = 20
 STREAMS = 16
-STREAM_TOKENS = 50  # about 1.5 s at 30 ms a token
+STREAM_TOKENS = 100  # about 3 s at 30 ms a token: several scrapes fit while they run
 DRAIN = 10.0  # long enough for every stream: a clean drain
 
 
@@ -141,11 +141,13 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
     return Scrape(worker, requests, up, inflight, answered)
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, out: Stream) -> None:
+async def _stream(
+    session: aiohttp.ClientSession, url: str, out: Stream, tokens: int = STREAM_TOKENS
+) -> None:
     body = {
         "model": "sim-model",
         "messages": [{"role": "user", "content": "drain me"}],
-        "max_tokens": STREAM_TOKENS,
+        "max_tokens": tokens,
         "stream": True,
     }
     try:
@@ -352,14 +354,15 @@ async def _signals(folder: Path) -> Signals:
         pids = {str(e["worker_pid"]) for e in _named(text, "listening")}
         async with _session() as session:
             stream = Stream()
-            task = asyncio.create_task(_stream(session, url, stream))
+            # Still streaming at the second SIGTERM: about 30 s.
+            task = asyncio.create_task(_stream(session, url, stream, tokens=1000))
             await eventually(lambda: stream.first_token, timeout=20)
             before = len(await _read(log))
             proc.send_signal(signal.SIGHUP)
             await asyncio.sleep(1.0)
             after_hup = (await _read(log))[before:]
             status, _ = await _complete(session, url)
-            proc.send_signal(signal.SIGTERM)  # the stream (50 tokens) keeps one worker draining
+            proc.send_signal(signal.SIGTERM)  # the stream keeps one worker draining
             await _wait_for(log, proc, "draining", 2)
             second = time.monotonic()
             proc.send_signal(signal.SIGTERM)
