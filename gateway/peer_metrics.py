@@ -39,10 +39,10 @@ _log = log.get("gateway.peer_metrics")
 class PeerMetrics:
     """This worker's private metrics listener, and the merged scrape of every worker's."""
 
-    def __init__(self, registry: CollectorRegistry, folder: Path) -> None:
+    def __init__(self, registry: CollectorRegistry, folder: Path, pid: int | None = None) -> None:
         self.registry = registry
         self.folder = folder
-        self.pid = os.getpid()
+        self.pid = os.getpid() if pid is None else pid  # tests run several in one process
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -108,7 +108,11 @@ class PeerMetrics:
         skipped = len(texts) - len(answered)
         if skipped:
             _log.warning("worker_metrics_skipped", skipped=skipped, timeout_s=SCRAPE_TIMEOUT)
-        families = merge([own, *answered])
+        try:
+            families = merge([own, *answered])
+        except ValueError:  # a worker of another version, a cut answer: answer with ours
+            _log.warning("worker_metrics_unreadable", workers=len(answered))
+            families, skipped, answered = merge([own]), skipped + len(answered), []
         scraped = GaugeMetricFamily(
             "gateway_workers_scraped",
             "Workers whose metrics this answer holds (answered, this one included) and "
