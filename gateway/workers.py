@@ -140,7 +140,7 @@ def _exit_quietly(signum: int, frame: object) -> None:
 
 
 @dataclass
-class _Slot:
+class Slot:
     """One of the N places a worker runs in, across its restarts."""
 
     index: int
@@ -148,6 +148,14 @@ class _Slot:
     started_at: float = 0.0
     young_deaths: int = 0
     restart_at: float | None = None
+
+    def died(self, now: float) -> float:
+        """Note that its worker died at `now`; returns the seconds to wait before a restart."""
+        young = now - self.started_at < MIN_UPTIME
+        self.young_deaths = self.young_deaths + 1 if young else 0
+        delay = restart_delay(self.young_deaths)
+        self.process, self.restart_at = None, now + delay
+        return delay
 
     def __repr__(self) -> str:
         pid = self.process.pid if self.process is not None else None
@@ -161,7 +169,7 @@ class Supervisor:
     config: Config
     log_level: str
     simulate: bool = False
-    slots: list[_Slot] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
     stopping: bool = False
     kill_at: float | None = None
     exit_codes: list[int] = field(default_factory=list)  # of workers that exited on a stop
@@ -200,7 +208,7 @@ class Supervisor:
             if simulation is not None:
                 simulation.start()
             context = multiprocessing.get_context("spawn")
-            self.slots = [_Slot(i) for i in range(gateway.workers)]
+            self.slots = [Slot(i) for i in range(gateway.workers)]
             _log.info("supervising", workers=gateway.workers, url=f"http://{gateway.host}:{port}")
             for slot in self.slots:
                 self._start(slot, context, folder)
@@ -259,7 +267,7 @@ class Supervisor:
                 self._send_all(signal.SIGKILL)
 
     def _start(
-        self, slot: _Slot, context: multiprocessing.context.SpawnContext, folder: str
+        self, slot: Slot, context: multiprocessing.context.SpawnContext, folder: str
     ) -> None:
         process = context.Process(
             target=_worker_main,
@@ -301,10 +309,7 @@ class Supervisor:
                 self.exit_codes.append(code)
                 _log.info("worker_exited", worker=slot.index, pid=process.pid, exit_code=code)
                 continue
-            young = now - slot.started_at < MIN_UPTIME
-            slot.young_deaths = slot.young_deaths + 1 if young else 0
-            delay = restart_delay(slot.young_deaths)
-            slot.restart_at = now + delay
+            delay = slot.died(now)
             _log.warning(
                 "worker_died",
                 worker=slot.index,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.workers import MAX_RESTART_DELAY, reserve_port, restart_delay
+from gateway.workers import MAX_RESTART_DELAY, MIN_UPTIME, Slot, reserve_port, restart_delay
 
 SETTINGS = {"channel": {"api_key": "k"}, "vllm": {"instances": ["http://127.0.0.1:9"]}}
 
@@ -88,3 +88,17 @@ def test_workers_setting_is_validated(tmp_path: Path, capsys: pytest.CaptureFixt
     config = _write(tmp_path, "[gateway]\nworkers = 0\n")
     assert main(["--config", str(config), "--check"]) == 2
     assert "gateway.workers" in capsys.readouterr().err
+
+
+def test_a_slot_backs_off_only_while_its_workers_die_young() -> None:
+    """Deaths within MIN_UPTIME of the start count up the backoff; a long life resets it."""
+    slot = Slot(0, started_at=0.0)
+    delays = []
+    now = 0.0
+    for lived in (3.0, 1.0, 1.0, 1.0, MIN_UPTIME + 1, 1.0):
+        now += lived
+        delays.append(slot.died(now))
+        assert slot.restart_at == now + delays[-1]
+        now += delays[-1]
+        slot.started_at = now  # restarted when due
+    assert delays == [0, 0.5, 1, 2, 0, 0]
