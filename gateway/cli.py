@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{len(config.instances)} instance(s), strategy {config.dispatch.strategy}, "
             f"{len(config.api_keys)} key(s), listening on "
             f"{config.gateway.host}:{config.gateway.port}"
+            + (f" with {config.gateway.workers} workers" if config.gateway.workers > 1 else "")
         )
         return 0
     log.configure(args.log_level)

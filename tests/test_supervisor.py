@@ -102,3 +102,10 @@ def test_a_slot_backs_off_only_while_its_workers_die_young() -> None:
         now += delays[-1]
         slot.started_at = now  # restarted when due
     assert delays == [0, 0.5, 1, 2, 0, 0]
+
+
+def test_check_reports_the_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--check --workers 3` validates the count and says how many workers would serve."""
+    config = _write(tmp_path, "[gateway]\nport = 0\n")
+    assert main(["--config", str(config), "--check", "--workers", "3"]) == 0
+    assert "listening on 127.0.0.1:0 with 3 workers" in capsys.readouterr().out
