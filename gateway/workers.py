@@ -34,6 +34,7 @@ limits), and the parent logs `workers_without_shared_state` at start.
 
 `/metrics` answers for all workers whichever one the scrape reaches (peer_metrics.py),
 through the private folder the parent makes here and passes down as `GATEWAY_WORKERS_DIR`.
+With `--simulate` the simulated fleet runs once, in a thread of the parent, not per worker.
 """
 
 from __future__ import annotations
