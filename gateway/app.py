@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -34,6 +35,7 @@ from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics, Registry
+from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
 from .proxy import Proxy, Route, Target
 from .routes import mount, summary
 from .tokenizer import LocalTokenizer, TokenCounter
@@ -57,6 +59,7 @@ METRICS = web.AppKey("metrics", Metrics)
 # redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
 # installed, which a gateway without tracing or sharing should not load.
 SHARED: web.AppKey[SharedState] = web.AppKey("shared")
+PEERS = web.AppKey("peers", PeerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -77,6 +80,9 @@ def build_app(config: Config) -> web.Application:
         app.cleanup_ctx.append(_shared_state)
     for path, route in mount(config.route_prefixes):
         app.router.add_post(path, _openai_route(route), expect_handler=_expect)
+    if os.environ.get(WORKERS_DIR_ENV):  # set by workers.py in its workers only
+        app.cleanup_ctx.append(_peer_metrics)
+        app.on_response_prepare.append(_worker_header)
     for prefix in config.route_prefixes:
         app.router.add_get(prefix + "/models", _models)
     app.router.add_get("/healthz", _healthz)
@@ -219,6 +225,21 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         await shared.close()
 
 
+async def _peer_metrics(app: web.Application) -> AsyncIterator[None]:
+    """As a worker of `gateway --workers N`: `/metrics` answers for every worker."""
+    peers = PeerMetrics(app[METRICS].registry, Path(os.environ[WORKERS_DIR_ENV]))
+    await peers.start()
+    app[PEERS] = peers
+    try:
+        yield
+    finally:
+        await peers.close()
+
+
+async def _worker_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WORKER_HEADER] = str(os.getpid())
+
+
 def retry_after_503(config: Config) -> float:
     """The one Retry-After of the gateway's own 503s: about one health round, 1-10 s."""
     return max(1.0, min(config.dispatch.health_check_interval, 10.0))
@@ -324,7 +345,11 @@ async def _readyz(request: web.Request) -> web.StreamResponse:
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
-    data = generate_latest(request.app[METRICS].registry)
+    peers = request.app.get(PEERS)
+    if peers is not None:
+        data = await peers.exposition()
+    else:
+        data = generate_latest(request.app[METRICS].registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -102,6 +102,19 @@ class Config(Frozen):
         file = self.file.model_copy(update={"gateway": gateway})
         return self.model_copy(update={"file": file, "listen_override": override})
 
+    def with_workers(self, workers: int | None) -> Config:
+        """A copy whose `[gateway] workers` is overridden by `--workers`."""
+        if workers is None:
+            return self
+        try:
+            gateway = GatewaySection.model_validate(
+                {**self.gateway.model_dump(), "workers": workers}
+            )
+        except ValidationError as exc:
+            problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"command line: --workers {workers}: {problems}") from None
+        return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
+
 
 def load(
     config_path: str | Path,

@@ -82,8 +82,12 @@ class GatewayRunner(web.AppRunner):
         # Every connection's handler reads this when it is made, i.e. after this line.
         server.request_handler = self.connections.wrap_handler(server.request_handler)
 
-    async def listen(self, host: str, port: int) -> tuple[str, int]:
-        """Start accepting connections; returns the bound address (port 0 picks one)."""
+    async def listen(self, host: str, port: int, *, reuse_port: bool = False) -> tuple[str, int]:
+        """Start accepting connections; returns the bound address (port 0 picks one).
+
+        `reuse_port` sets SO_REUSEPORT, so the workers of `gateway --workers N` each bind the
+        same port and the kernel spreads new connections among them (workers.py).
+        """
         server, connections = self.server, self.connections
         assert server is not None, "call setup() first"
         assert connections is not None
@@ -102,7 +106,11 @@ class GatewayRunner(web.AppRunner):
             )
 
         self._listener = await loop.create_server(
-            connections.protocol_factory(make_handler), host, port, backlog=128
+            connections.protocol_factory(make_handler),
+            host,
+            port,
+            backlog=128,
+            reuse_port=reuse_port or None,
         )
         _warn_if_file_limit_is_low(connections.limits.max_open)
         sockets = getattr(self._listener, "sockets", None) or []

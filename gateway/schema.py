@@ -52,6 +52,9 @@ class GatewaySection(Frozen):
     idle_timeout: float = Field(30.0, gt=0)
     # Below a default `ulimit -n` of 1024 with room for the upstream connections.
     max_client_connections: int = Field(900, ge=1)
+    # Processes serving the port (workers.py); 1 is the single process. 256 is far past
+    # any machine's cores: a larger number is a typo, not a plan.
+    workers: int = Field(1, ge=1, le=256)
 
     @field_validator("base_url")
     @classmethod

@@ -82,7 +82,9 @@ async def serve(
     await runner.setup()
     on_hup[0] = reload_on_signal(app)
     try:
-        host, port = await runner.listen(config.gateway.host, config.gateway.port)
+        host, port = await runner.listen(
+            config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
+        )
         url = f"http://{host}:{port}"
         _log.info("listening", url=url, instances=len(config.instances))
         if on_ready:
