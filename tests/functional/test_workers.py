@@ -50,7 +50,7 @@ class Scrape:
     """One answer of the public /metrics."""
 
     worker: str
-    requests: float  # sum of gateway_requests_total
+    requests: float  # sum of gateway_requests_total for the chat route
     up: dict[str, float]  # gateway_instance_up by instance
     inflight: float  # sum of gateway_instance_inflight
     answered: float  # gateway_workers_scraped{result="answered"}
@@ -130,8 +130,8 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
         if line.startswith("#") or not line:
             continue
         series, value = line.rsplit(" ", 1)
-        if series.startswith("gateway_requests_total{"):
-            requests += float(value)
+        if series.startswith("gateway_requests_total{") and 'route="chat.completions"' in series:
+            requests += float(value)  # the scrapes themselves are counted too, on their route
         elif series.startswith("gateway_instance_inflight{"):
             inflight += float(value)
         elif series.startswith("gateway_instance_up{"):
