@@ -249,6 +249,29 @@ def test_a_new_request_does_not_overtake_its_lane_queue() -> None:
     assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 2)
 
 
+def test_a_new_request_queues_behind_a_waiter_although_an_instance_has_room() -> None:
+    """When room appears with no event to drain the queue (an ejection ran out), a new
+    request still queues behind the waiter, and the next event serves the waiter first."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        InstanceSpec("b", slots=1),
+        limits=Limits(max_queue_per_instance=0),
+        policy=HealthPolicy(eject_after_failures=1, ejection_base=10.0),
+    )
+    bring_up(sched, rng)
+    assert assigned_to(sched.submit(tk(1, exclude={"b"}), 0.0, rng)) == "a"
+    sched.release(1, Outcome.FAILURE, 0.0, rng)  # a is ejected until t=10
+    assert assigned_to(sched.submit(tk(2), 1.0, rng)) == "b"
+    assert sched.submit(tk(3), 1.0, rng) == Queued(tk(3), 1)
+    # At t=11 a has room again, but no probe or release has come to drain the queue.
+    assert sched.state("a").available(11.0)
+    assert sched.submit(tk(4), 11.0, rng) == Queued(tk(4), 2)
+    assert sched.state("a").inflight == 0
+    assert sched.probe("a", True, 11.0, rng) == [Assigned(tk(3), "a")]
+    assert sched.release(2, Outcome.SUCCESS, 12.0, rng) == [Assigned(tk(4), "b")]
+
+
 # ------------------------------------------------------------------ lanes
 
 
