@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -107,7 +108,10 @@ async def gateway_with(
     instances: Sequence[dict[str, Any]] | None = None,
     sections: dict[str, dict[str, Any]] | None = None,
     channel: dict[str, Any] | None = None,
+    send_buffer: int | None = None,
 ) -> AsyncIterator[Gateway]:
+    """`send_buffer` fixes SO_SNDBUF of client connections (Linux's autotuning off), so a
+    test of a client that stops reading does not depend on how much the kernel buffers."""
     urls: Sequence[str | dict[str, Any]] = instances or [s.url for s in sims]
     with tempfile.TemporaryDirectory() as folder:
         path = write_config(Path(folder), urls, sections=sections, channel=channel)
@@ -116,7 +120,15 @@ async def gateway_with(
     runner = make_runner(app, shutdown_timeout=2)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site: web.BaseSite
+        if send_buffer is None:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+        else:
+            # Accepted connections inherit the listening socket's buffer size.
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+            listener.bind(("127.0.0.1", 0))
+            site = web.SockSite(runner, listener)
         await site.start()
         host, port = runner.addresses[0][:2]
         yield Gateway(f"http://{host}:{port}", app, sims, config)
