@@ -1,4 +1,4 @@
-"""Each term of least_busy's score, `(own + others) / weight + kv + failures`, pinned.
+"""least_busy's score, `(own + others) / weight + kv + failures`, term by term; its tie-break.
 
 Every test builds a state where the term under test, and only it, decides the choice, so a
 score that drops or misapplies the term picks the other instance. Mutation testing found
@@ -128,3 +128,31 @@ def test_foreign_traffic_counts_like_our_own(seed: int) -> None:
     sched.report_load("shared", LoadReport(running=2, waiting=0, kv_usage=None, at=0.0))
     sched.report_load("ours", LoadReport(running=1, waiting=0, kv_usage=None, at=0.0))
     assert choose(sched, rng) == "ours"
+
+
+def test_a_tie_between_two_breaks_at_random() -> None:
+    """Two idle equal instances each get a fair share of 200 requests, not always the first."""
+    rng = random.Random(7)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    counts = {"a": 0, "b": 0}
+    for i in range(200):
+        decision = sched.submit(Ticket(i, Lane.SHORT, 1e9), 0.0, rng)
+        assert isinstance(decision, Assigned)
+        counts[decision.instance] += 1
+        sched.release(i, Outcome.SUCCESS, 0.0, rng)
+    assert 70 <= counts["a"] <= 130, counts
+
+
+def test_no_report_anywhere_scores_no_foreign_load() -> None:
+    """With no fresh report in the fleet, unknown load is taken as none: others 0, kv 0."""
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    for score in score_all(sched.states, 0.0, 30.0).values():
+        assert (score.others, score.kv, score.fresh, score.total) == (0.0, 0.0, False, 0.0)
+
+
+def test_round_robin_refuses_an_empty_candidate_list() -> None:
+    """round_robin called without candidates raises, naming the mistake."""
+    strategy = STRATEGIES["round_robin"](30.0, None)
+    sched = make(InstanceSpec("a"))
+    with pytest.raises(ValueError, match=r"choose\(\) needs at least one candidate"):
+        strategy.choose([], sched.states, Ticket(1, Lane.SHORT, 1e9), 0.0, random.Random(0))
