@@ -639,3 +639,71 @@ def test_queued_retry_does_not_block_its_lane() -> None:
     decisions = sched.release(1, Outcome.SUCCESS, 0.0, rng)
     assert [assigned_to(d) for d in decisions] == ["b"]
     assert decisions[0].ticket.id == 2
+
+
+# ------------------------------------------------------------------ gaps mutmut found
+
+
+def test_queued_retry_is_rejected_when_its_last_untried_instance_goes_down() -> None:
+    """A retry waiting for b alone is turned away with no_instance once b's probes fail."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        InstanceSpec("b", slots=1),
+        limits=Limits(max_queue_per_instance=0, queue_retry_after=2.5),
+        policy=HealthPolicy(fall=1),
+    )
+    bring_up(sched, rng)
+    assert assigned_to(sched.submit(tk(1, exclude={"a"}), 0.0, rng)) == "b"
+    assert isinstance(sched.submit(tk(2, exclude={"a"}), 0.0, rng), Queued)
+    assert sched.probe("b", False, 1.0, rng) == [Rejected(tk(2, exclude={"a"}), "no_instance", 2.5)]
+    assert sched.queue_length(Lane.SHORT) == 0
+
+
+def test_a_waiter_whose_deadline_is_now_is_rejected_not_placed() -> None:
+    """A queued ticket whose deadline equals the drain's `now` has run out of time."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), limits=Limits(max_queue_per_instance=0))
+    bring_up(sched, rng)
+    sched.submit(tk(1), 0.0, rng)
+    sched.submit(tk(2, deadline=5.0), 0.0, rng)
+    assert sched.release(1, Outcome.SUCCESS, 5.0, rng) == [
+        Rejected(tk(2, deadline=5.0), "deadline", sched.limits.queue_retry_after)
+    ]
+
+
+def test_rejections_at_submit_carry_the_ticket_and_retry_delay() -> None:
+    """Every rejection names its ticket and the configured Retry-After delay."""
+    rng = random.Random(0)
+    sched = make("a", limits=Limits(queue_retry_after=2.5))
+    assert sched.submit(tk(1), 0.0, rng) == Rejected(tk(1), "no_instance", 2.5)
+    bring_up(sched, rng)
+    assert sched.submit(tk(2, deadline=0.0), 0.0, rng) == Rejected(
+        tk(2, deadline=0.0), "deadline", 2.5
+    )
+    sched.close()
+    assert sched.submit(tk(3), 0.0, rng) == Rejected(tk(3), "shutting_down", 2.5)
+
+
+def test_prefill_work_ahead_is_counted_and_teaches_the_prefill_rate() -> None:
+    """Prompt tokens add up while in prefill; each first token teaches (ahead + own) / ttft."""
+    rng = random.Random(0)
+    sched = make("a")
+    bring_up(sched, rng)
+    first = Ticket(1, Lane.SHORT, FAR, tokens=1000)
+    second = Ticket(2, Lane.SHORT, FAR, tokens=3000)
+    sched.submit(first, 0.0, rng)
+    sched.submit(second, 0.0, rng)
+    state = sched.state("a")
+    assert state.pending_prefill_tokens == 4000
+    assert state.assigned_total == 2
+    sched.prefill_done(1, 0.0, rng, ttft=1.0)  # 1000 tokens in 1 s
+    assert state.pending_prefill_tokens == 3000
+    assert state.speed.prefill.value == pytest.approx(1000.0)
+    # The second waited behind the first's 1000: 4000 tokens in 4 s is the same rate.
+    sched.prefill_done(2, 0.0, rng, ttft=4.0)
+    assert state.pending_prefill_tokens == 0
+    assert state.speed.prefill.value == pytest.approx(1000.0)
+    sched.release(1, Outcome.SUCCESS, 0.0, rng)
+    sched.release(2, Outcome.SUCCESS, 0.0, rng)
+    assert (state.inflight, state.pending_prefill_tokens, state.assigned_total) == (0, 0, 2)
