@@ -707,3 +707,18 @@ def test_prefill_work_ahead_is_counted_and_teaches_the_prefill_rate() -> None:
     sched.release(1, Outcome.SUCCESS, 0.0, rng)
     sched.release(2, Outcome.SUCCESS, 0.0, rng)
     assert (state.inflight, state.pending_prefill_tokens, state.assigned_total) == (0, 0, 2)
+
+
+def test_queue_depth_is_ours_beyond_the_slots_or_what_the_instance_reports() -> None:
+    """An instance's queue depth is our requests beyond its slots, or its reported waiting
+    count when that is larger."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=2))
+    bring_up(sched, rng)
+    state = sched.state("a")
+    assert state.queue_depth() == 0
+    for i in range(5):
+        sched.submit(tk(i), 0.0, rng)
+    assert state.queue_depth() == 3
+    assert state.queue_depth(LoadReport(running=2, waiting=1, kv_usage=None, at=0.0)) == 3
+    assert state.queue_depth(LoadReport(running=2, waiting=7, kv_usage=None, at=0.0)) == 7
