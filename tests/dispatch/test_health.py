@@ -294,6 +294,7 @@ def test_good_probes_decay_the_ejection_multiplier_once_back() -> None:
     assert (a.ejections, a.ejected_until) == (2, 30.0)
     apply_probe(a, True, POLICY)  # still ejected: no decay
     assert a.ejections == 2
+    assert not apply_outcome(a, Outcome.FAILURE, 20.0, POLICY, states)  # out already
     apply_outcome(a, Outcome.SUCCESS, 30.0, POLICY, states)  # back: the ejection is over
     assert a.ejected_until is None
     for expected in (1, 0, 0):
@@ -301,6 +302,7 @@ def test_good_probes_decay_the_ejection_multiplier_once_back() -> None:
         assert a.ejections == expected
     fail(a, states, 5, now=40.0)
     assert a.ejected_until == 50.0  # the base time again
+    assert a.ejections_total == 3
 
 
 def test_a_good_probe_of_an_up_instance_keeps_its_failure_count() -> None:

@@ -722,3 +722,34 @@ def test_queue_depth_is_ours_beyond_the_slots_or_what_the_instance_reports() -> 
     assert state.queue_depth() == 3
     assert state.queue_depth(LoadReport(running=2, waiting=1, kv_usage=None, at=0.0)) == 3
     assert state.queue_depth(LoadReport(running=2, waiting=7, kv_usage=None, at=0.0)) == 7
+
+
+def test_release_records_the_error_on_the_instance() -> None:
+    """The error text a failed release names is kept in the instance's recent errors."""
+    rng = random.Random(0)
+    sched = make("a", policy=HealthPolicy(eject_after_failures=100))
+    bring_up(sched, rng)
+    sched.submit(tk(1), 0.0, rng)
+    sched.release(1, Outcome.FAILURE, 0.0, rng, error="status 502")
+    assert sched.state("a").recent_errors == ["status 502"]
+
+
+def test_rejections_on_drain_and_close_carry_the_retry_delay() -> None:
+    """Waiters turned away when their lane dies, or at close, get the configured delay."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        limits=Limits(max_queue_per_instance=0, queue_retry_after=2.5),
+        policy=HealthPolicy(fall=1),
+    )
+    bring_up(sched, rng)
+    sched.submit(tk(1), 0.0, rng)
+    sched.submit(tk(2), 0.0, rng)
+    assert sched.probe("a", False, 1.0, rng) == [Rejected(tk(2), "no_instance", 2.5)]
+    sched.probe("a", True, 2.0, rng)
+    sched.probe("a", True, 2.0, rng)
+    assert sched.state("a").available(2.0)
+    sched.release(1, Outcome.SUCCESS, 2.0, rng)
+    sched.submit(tk(3), 2.0, rng)
+    sched.submit(tk(4), 2.0, rng)
+    assert sched.close() == [Rejected(tk(4), "shutting_down", 2.5)]
