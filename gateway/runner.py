@@ -21,6 +21,7 @@ upgrade changes them.
 from __future__ import annotations
 
 import asyncio
+import socket
 from http import HTTPStatus
 
 from aiohttp import web
@@ -116,6 +117,11 @@ class GatewayRunner(web.AppRunner):
         sockets = getattr(self._listener, "sockets", None) or []
         bound = sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """The sockets it listens on (none before `listen` or after `stop_listening`)."""
+        return list(getattr(self._listener, "sockets", None) or [])
 
     def stop_listening(self) -> None:
         """No new connections; the open ones finish their requests."""

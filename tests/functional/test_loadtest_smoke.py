@@ -179,3 +179,32 @@ async def test_overhead_smoke(tmp_path: Path) -> None:
     assert streams["run"]["ok"] == 30
     assert streams["memory_kib_after"]["VmHWM"] >= streams["memory_kib_at_start"]["VmRSS"]
     assert (tmp_path / "overhead.json").exists()
+
+
+async def test_compare_least_busy_keeps_most_requests_off_a_slow_card(tmp_path: Path) -> None:
+    """In a closed loop of 2 on a fast and a 10x slower card, least_busy sends the slow card
+    under 30% of requests; a load-blind choice sends it about half (round robin exactly)."""
+    # Each instance holds one of the two requests at a time (the other instance always has
+    # more of ours in flight), so the fast card serves about 10 for each the slow one does:
+    # an expected share of 1/11, and under 0.3 unless per-request overhead outgrows the
+    # 0.8 s of the slow card's decode. A random choice lands at most 12 of 40 there with
+    # probability under 1%.
+    short = Mix(long_share=0.0, short_tokens=(20, 40), max_tokens=(8, 8))
+    opts = compare.CompareOptions(
+        strategies=("least_busy",),
+        speeds=(1.0, 0.1),
+        duration=0.5,
+        load=0.2,
+        concurrency=2,
+        closed_requests=40,
+        mix=short,
+        closed_mix=short,
+        independent=False,
+    )
+    body = await compare.compare(opts, common(tmp_path))
+    closed = body["phases"]["closed"]["least_busy"]
+    assert_consistent(closed)
+    assert closed["ok"] == closed["requests"] == 40
+    shares = {name: v["share"] for name, v in closed["instances"].items()}
+    assert set(shares) == {"#0 x1.0", "#1 x0.1"}
+    assert shares["#1 x0.1"] < 0.3, shares
