@@ -263,10 +263,10 @@ def test_a_new_request_queues_behind_a_waiter_although_an_instance_has_room() ->
     assert assigned_to(sched.submit(tk(1, exclude={"b"}), 0.0, rng)) == "a"
     sched.release(1, Outcome.FAILURE, 0.0, rng)  # a is ejected until t=10
     assert assigned_to(sched.submit(tk(2), 1.0, rng)) == "b"
-    assert sched.submit(tk(3), 1.0, rng) == Queued(tk(3), 1)
+    assert sched.submit(tk(3), 1.0, rng) == Queued(tk(3), 1, FAR)
     # At t=11 a has room again, but no probe or release has come to drain the queue.
     assert sched.state("a").available(11.0)
-    assert sched.submit(tk(4), 11.0, rng) == Queued(tk(4), 2)
+    assert sched.submit(tk(4), 11.0, rng) == Queued(tk(4), 2, FAR)
     assert sched.state("a").inflight == 0
     assert sched.probe("a", True, 11.0, rng) == [Assigned(tk(3), "a")]
     assert sched.release(2, Outcome.SUCCESS, 12.0, rng) == [Assigned(tk(4), "b")]

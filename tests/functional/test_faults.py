@@ -222,8 +222,8 @@ async def test_refused_long_request_waits_for_room_on_another_instance() -> None
             assert not any('"error"' in line for line in lines)
         assert (b.stats.requests, b.stats.completed) == (2, 2)
         samples = await scrape(gw)
-        assert value(samples, "gateway_instance_requests_total", instance="a") == 2
-        assert value(samples, "gateway_instance_requests_total", instance="b", status="200") == 2
+        assert value(samples, "gateway_instance_errors_total", server="a", kind="connect") == 2
+        assert value(samples, "gateway_instance_requests_total", server="b", status="200") == 2
         assert value(samples, "gateway_retries_total") == 2
         long_lane = gw.metrics.lane_names[Lane.LONG]
         assert value(samples, "gateway_queue_wait_seconds_count", lane=long_lane) == 1
