@@ -359,7 +359,15 @@ async def _signals(folder: Path) -> Signals:
             await eventually(lambda: stream.first_token, timeout=20)
             before = len(await _read(log))
             proc.send_signal(signal.SIGHUP)
-            await asyncio.sleep(1.0)
+
+            async def handled_by_all() -> bool:
+                events = _events((await _read(log))[before:])
+                return {str(e["worker_pid"]) for e in events if "worker_pid" in e} >= pids
+
+            async with asyncio.timeout(15):  # each worker reloads on its own: a loaded
+                while not await handled_by_all():  # machine may take a while
+                    await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # and nothing else happens meanwhile
             after_hup = (await _read(log))[before:]
             status, _ = await _complete(session, url)
             proc.send_signal(signal.SIGTERM)  # the stream keeps one worker draining
