@@ -13,6 +13,11 @@ balancer would. Every setup gets a fresh fleet, fresh gateways (all pinned to th
 gateway core, so N replicas get no more CPU than one) and a fresh Redis. The targets:
 shared p99 TTFT at most 1.15x one replica's, output tokens/s at least 0.97x.
 
+A third part measures what sharing costs: the gateway CPU per streamed request (closed
+loop, 32 at once, instant instances) of one process with `[shared]` (publishing and
+reading, with a second idle process in the view) against the same without, alternating
+the arms so drift hits both (target: at most 5% more).
+
 A second part runs the shared-prefix workload (32 groups of 4,000-token prefixes, the
 simulator's prefix cache on, `least_time`) through 1 and N shared replicas and compares
 the fleet's prefix-cache hit rate (target: N replicas at least 0.95x one's).
@@ -35,7 +40,15 @@ import aiohttp
 
 from loadtest import harness, report
 from loadtest.compare import capacity
-from loadtest.loadgen import Client, Mix, RequestSpec, make_workload, run_open, session
+from loadtest.loadgen import (
+    Client,
+    Mix,
+    RequestSpec,
+    make_workload,
+    run_closed,
+    run_open,
+    session,
+)
 from loadtest.scenarios import (
     Common,
     cores,
@@ -66,6 +79,8 @@ class ReplicaOptions:
     mix: Mix = field(default_factory=lambda: SEED_MIX)
     prefix: bool = True  # also the shared-prefix part
     prefix_duration: float = 30.0
+    cost_requests: int = 0  # streamed requests per arm of the cost part; 0 skips it
+    cost_rounds: int = 3
 
 
 @contextlib.asynccontextmanager
@@ -223,6 +238,8 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     }
     if opts.prefix:
         body["prefix"] = await _prefix_part(opts, common)
+    if opts.cost_requests:
+        body["cost"] = await _cost_part(opts, common)
     say(f"wrote {write_json(common, 'replicas', body)}")
     _print(body, n)
     if plot_path(common, "replicas.png"):
@@ -264,6 +281,70 @@ async def _prefix_part(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     return out
 
 
+async def _cost_part(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
+    """Gateway CPU per streamed request with and without the shared view, arms alternating."""
+    from loadtest.overhead import IDLE_MIX
+
+    gw_core, fleet_core = cores(common)
+    cpu: dict[str, list[tuple[float, int]]] = {"local": [], "shared": []}
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await stack.enter_async_context(
+            harness.fleet_process(
+                (1.0, 1.0), max_num_seqs=64, seed=common.seed, instant=True, core=fleet_core
+            )
+        )
+        url = await stack.enter_async_context(redis_process())
+        shared = {"shared": {"redis_url": url, "namespace": "cost"}}
+        arms = {
+            "local": await stack.enter_async_context(
+                harness.gateway_process(
+                    fleet.urls,
+                    strategy="least_busy",
+                    max_num_seqs=64,
+                    core=gw_core,
+                    source=common.gateway_dir,
+                )
+            ),
+            "shared": await stack.enter_async_context(
+                harness.gateway_process(
+                    fleet.urls,
+                    strategy="least_busy",
+                    max_num_seqs=64,
+                    core=gw_core,
+                    source=common.gateway_dir,
+                    extra=shared,
+                )
+            ),
+        }
+        # An idle peer: the measured process reads and decodes its publication each round.
+        await stack.enter_async_context(
+            harness.gateway_process(
+                fleet.urls, strategy="least_busy", max_num_seqs=64, core=fleet_core,
+                source=common.gateway_dir, extra=shared,
+            )
+        )  # fmt: skip
+        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        specs = make_workload(opts.cost_requests, IDLE_MIX, common.seed)
+        for _ in range(opts.cost_rounds):
+            for arm, gw in arms.items():
+                before = harness.cpu_seconds(gw.pid)
+                run = await run_closed(
+                    client, specs, lambda s, w, u=gw.base_url: u, concurrency=32,
+                    label=f"cost: {arm}", limit=common.limit,
+                )  # fmt: skip
+                done = sum(1 for r in run.results if r.ok)
+                cpu[arm].append((harness.cpu_seconds(gw.pid) - before, done))
+    per = {
+        arm: 1000 * sum(c for c, _ in runs) / max(1, sum(n for _, n in runs))
+        for arm, runs in cpu.items()
+    }
+    return {
+        "cpu_ms_per_request": per,
+        "rounds": {arm: [list(r) for r in runs] for arm, runs in cpu.items()},
+        "shared_over_local": per["shared"] / per["local"] if per["local"] else None,
+    }
+
+
 def _print(body: dict[str, Any], n: int) -> None:
     for strategy, part in body["slow_card"].items():
         say(f"\n== slow-card fleet, {strategy} ==")
@@ -273,6 +354,14 @@ def _print(body: dict[str, Any], n: int) -> None:
             f"tok/s {part['tok_s_shared_over_one']:.2f}x (target >= 0.97); "
             f"not shared: {part['p99_ttft_unshared_over_one']:.2f}x, "
             f"{part['tok_s_unshared_over_one']:.2f}x"
+        )
+    cost = body.get("cost")
+    if cost:
+        per = cost["cpu_ms_per_request"]
+        say(
+            f"\n== cost of the shared view ==\ngateway CPU per streamed request: "
+            f"{per['local']:.3f} ms local, {per['shared']:.3f} ms shared: "
+            f"{cost['shared_over_local']:.3f}x (target <= 1.05)"
         )
     prefix = body.get("prefix")
     if prefix:
@@ -329,6 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--load", type=float, default=0.75, help="share of capacity (default: 0.75)")
     p.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix part")
+    p.add_argument(
+        "--cost-requests",
+        type=int,
+        default=2000,
+        help="streamed requests per arm and round of the cost part; 0 skips it (default: 2000)",
+    )
     p.add_argument("--seed", type=int, default=1, help="(default: 1)")
     p.add_argument(
         "--out", type=Path, default=Path("loadtest/results"), help="(default: loadtest/results)"
@@ -343,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration=args.duration,
         prefix=not args.no_prefix,
         prefix_duration=args.duration,
+        cost_requests=args.cost_requests,
     )
     with harness.exported_gateway(args.gateway_ref) as folder:
         common = Common(
