@@ -176,8 +176,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=40.0, help="open loop: seconds")
     p.add_argument("--concurrency", type=int, default=64, help="saturation: closed loop")
     p.add_argument("--saturation-requests", type=int, default=768)
-    p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=10)
     p.add_argument("--cache-blocks", type=int, default=4000, help="per instance, 16 tokens each")
     _common(p)
 

@@ -74,7 +74,14 @@ NO_AFFINITY = "no-affinity"
 @dataclass(frozen=True)
 class PrefixOptions:
     scenarios: tuple[str, ...] = SCENARIOS
-    setups: tuple[str, ...] = (*GATEWAY, "sticky", "nginx", "vllm-router")  # uniform, zipf
+    # uniform, zipf; least_time/index-1000: its index sized to the instances' 64k-token cache
+    setups: tuple[str, ...] = (
+        *GATEWAY,
+        "least_time/index-1000",
+        "sticky",
+        "nginx",
+        "vllm-router",
+    )
     max_num_seqs: int = 16
     cache_blocks: int = 4000  # per instance: 64k tokens, 16 of the 32 prefixes
     prefix: PrefixMix = field(default_factory=PrefixMix)  # 32 x 4,000 + 200 tokens
@@ -83,11 +90,16 @@ class PrefixOptions:
     zipf: float = 1.1
     zipf_speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
     zipf_load: float = 0.85
-    saturation_setups: tuple[str, ...] = ("round_robin", "least_time", "sticky")
+    saturation_setups: tuple[str, ...] = (
+        "round_robin",
+        "least_time",
+        "least_time/index-1000",
+        "sticky",
+    )
     concurrency: int = 64
     saturation_requests: int = 768
     conversations: ConversationMix = field(
-        default_factory=lambda: ConversationMix(conversations=48, turns=6, user_tokens=(300, 900))
+        default_factory=lambda: ConversationMix(conversations=32, turns=10, user_tokens=(300, 900))
     )
     conversation_setups: tuple[str, ...] = (
         f"least_busy/{NO_AFFINITY}",
@@ -124,6 +136,17 @@ def prefix_capacity(
     return sum(speeds) / per_request
 
 
+def hit_ceiling(specs: Sequence[RequestSpec], cached: int) -> float:
+    """The best fleet hit rate a workload allows: each group's first request misses, every
+    later one finds `cached` tokens of its prefix (its own suffix is never cached)."""
+    seen: set[int] = set()
+    hits = 0
+    for spec in specs:
+        hits += cached if spec.group in seen else 0
+        seen.add(spec.group)
+    return hits / sum(s.prompt_tokens + TEMPLATE_TOKENS for s in specs)
+
+
 async def scrape(urls: Sequence[str], names: dict[str, str]) -> dict[str, Any]:
     """Each instance's prefix-cache counters and finished requests, and the fleet's sums."""
     per: dict[str, dict[str, Any]] = {}
@@ -150,6 +173,35 @@ async def scrape(urls: Sequence[str], names: dict[str, str]) -> dict[str, Any]:
         "query_tokens": queries,
         "hit_tokens": hits,
         "instances": dict(sorted(per.items())),
+    }
+
+
+def _dispatch(variant: str) -> dict[str, Any] | None:
+    """The [dispatch] keys of a gateway setup's variant: no-affinity, index-N, or none."""
+    if variant == NO_AFFINITY:
+        return {"prefix_index_blocks": 0}
+    if variant.startswith("index-"):
+        return {"prefix_index_blocks": int(variant.removeprefix("index-"))}
+    if variant:
+        raise ValueError(f"unknown variant {variant!r}: no-affinity or index-<blocks>")
+    return None
+
+
+async def gateway_estimate(url: str) -> dict[str, Any]:
+    """What the gateway's index estimated: prompt tokens sent, and of those cached."""
+    headers = {"Authorization": f"Bearer {harness.KEY}"}
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics", headers=headers) as resp:
+        text = await resp.text()
+    totals: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+    queries = totals["gateway_prefix_query_tokens_total"]
+    hits = totals["gateway_prefix_estimated_hit_tokens_total"]
+    return {
+        "query_tokens": int(queries),
+        "hit_tokens": int(hits),
+        "hit_rate": hits / queries if queries else None,
     }
 
 
@@ -203,7 +255,7 @@ async def run_setup(
                     source=common.gateway_dir,
                     # The [slo] defaults, unlike `compare`: they set how long a request may
                     # queue, and the baselines queue without bound.
-                    dispatch={"prefix_index_blocks": 0} if variant == NO_AFFINITY else None,
+                    dispatch=_dispatch(variant),
                 )
             )
             base_url = gw.base_url
@@ -227,6 +279,8 @@ async def run_setup(
                 client, specs, lambda s, w: base_url, label=label, limit=common.limit
             )
         cache = await scrape(fleet.urls, names)
+        if base in GATEWAY:
+            cache["gateway_estimate"] = await gateway_estimate(gw.url)
     summary = relabel(summarize(run, common), names)
     ttfts = [r.ttft for r in run.results if r.ok and r.ttft is not None]
     return {**summary, "label": setup, "cache": cache, "ttft_quantiles_s": quantiles(ttfts)}
@@ -265,6 +319,7 @@ async def _scenario(
             specs = make_prefix_workload(count, mix, common.seed, rate=rate, clients=opts.clients)
             info |= {"load": load, "rate_req_per_s": rate}
         info["mix"] = asdict(mix)
+        info["hit_rate_ceiling"] = hit_ceiling(specs, cached_prefix_tokens(mix, sim.block_size))
     elif name == "conversations":
         kind, setups, speeds = "conversations", opts.conversation_setups, equal
         specs = make_conversations(opts.conversations, common.seed)

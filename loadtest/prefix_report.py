@@ -18,6 +18,12 @@ def _hit(s: Summary) -> str:
     return "-" if rate is None else f"{rate:.2f}"
 
 
+def _estimate(s: Summary) -> str:
+    """The gateway's own estimate of the hit rate (its index), where it keeps one."""
+    rate = s["cache"].get("gateway_estimate", {}).get("hit_rate")
+    return "-" if rate is None else f"{rate:.2f}"
+
+
 def _per_instance(s: Summary, key: str) -> str:
     values = [v[key] for v in s["cache"]["instances"].values()]
     if key == "hit_rate":
@@ -31,6 +37,7 @@ def scenario_table(runs: dict[str, Summary]) -> str:
         "setup",
         "ok/req",
         "hit rate",
+        "gw est.",
         "per instance",
         "requests per instance",
         "ttft p50",
@@ -48,6 +55,7 @@ def scenario_table(runs: dict[str, Summary]) -> str:
                 name,
                 f"{s['ok']}/{s['requests']}",
                 _hit(s),
+                _estimate(s),
                 _per_instance(s, "hit_rate"),
                 _per_instance(s, "requests"),
                 ms(t["p50"]),
