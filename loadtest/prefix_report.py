@@ -201,7 +201,7 @@ def plot_hits(scenarios: dict[str, Any], path: Path) -> None:
             width = 0.8 / max(1, len(rates))
             for i, rate in enumerate(rates):
                 ax.bar(col + (i - (len(rates) - 1) / 2) * width, rate, width, color=f"C{i}")
-        ax.set_xticks(range(len(runs)), list(runs), rotation=25, fontsize=7)
+        ax.set_xticks(range(len(runs)), list(runs), rotation=30, ha="right", fontsize=7)
         ax.set_ylim(0, 1)
         ax.set_title(f"{name}: hit rate per instance (#0..#3)", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
