@@ -107,3 +107,20 @@ async def test_prefix_benchmark_report_adds_up(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "prefix.json").read_text())
     assert saved["targets"] == body["targets"]
     assert (tmp_path / "prefix-ttft.png").exists() == report.can_plot()
+
+
+async def test_a_missing_baseline_is_skipped_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A baseline that is not installed starts nothing: one line says why, and no run."""
+    monkeypatch.setattr(baselines, "_nginx", lambda: None)
+    monkeypatch.setattr(baselines, "_vllm_router", lambda: None)
+    opts = prefix_bench.PrefixOptions(prefix=TINY)
+    common = scenarios.Common(seed=3, pin=False, limit=5.0)
+    for name in ("nginx", "vllm-router"):
+        assert await prefix_bench.run_setup(name, "open", [], (1.0,), 64, opts, common) is None
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "skipped nginx: nginx is not installed (apt-get install nginx-light)",
+        "skipped vllm-router: vllm-router is not installed (pip install -e '.[baselines]')",
+    ]
