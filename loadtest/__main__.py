@@ -1,4 +1,4 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, overhead (see loadtest/README.md)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, prefix, overhead (see README)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest import compare, harness, overhead, scenarios
+from loadtest import compare, harness, overhead, prefix_bench, scenarios
 from loadtest.loadgen import Mix
 from loadtest.workloads import ConversationMix, PrefixMix
 
@@ -157,6 +157,30 @@ def _parser() -> argparse.ArgumentParser:
     _mix(p, 0.2, "32-128")
     _common(p)
 
+    p = sub.add_parser("prefix", help="prefix-cache affinity vs sticky, nginx and vllm-router")
+    p.add_argument(
+        "--scenarios",
+        type=_names,
+        default=prefix_bench.SCENARIOS,
+        help=f"any of {','.join(prefix_bench.SCENARIOS)} (default: all, in that order)",
+    )
+    p.add_argument(
+        "--setups",
+        type=_names,
+        default=prefix_bench.PrefixOptions.setups,
+        help="setups of the uniform and zipf scenarios (a strategy, strategy/no-affinity,"
+        " sticky, nginx, vllm-router)",
+    )
+    p.add_argument("--load", type=float, default=0.5, help="uniform: share of warm capacity")
+    p.add_argument("--zipf-load", type=float, default=0.85, help="zipf: share of warm capacity")
+    p.add_argument("--duration", type=float, default=40.0, help="open loop: seconds")
+    p.add_argument("--concurrency", type=int, default=64, help="saturation: closed loop")
+    p.add_argument("--saturation-requests", type=int, default=768)
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--cache-blocks", type=int, default=4000, help="per instance, 16 tokens each")
+    _common(p)
+
     p = sub.add_parser("overhead", help="the gateway's added latency, CPU and memory")
     p.add_argument("--idle-requests", type=int, default=400, help="per arm, concurrency 1")
     p.add_argument("--requests", type=int, default=3000, help="loaded run")
@@ -253,6 +277,24 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 clients=args.clients,
                 ladder=args.ladder,
                 ladder_duration=args.ladder_duration,
+            ),
+            common,
+        ),
+        "prefix": lambda: prefix_bench.prefix(
+            prefix_bench.PrefixOptions(
+                scenarios=args.scenarios,
+                setups=args.setups,
+                load=args.load,
+                zipf_load=args.zipf_load,
+                duration=args.duration,
+                concurrency=args.concurrency,
+                saturation_requests=args.saturation_requests,
+                conversations=replace(
+                    prefix_bench.PrefixOptions().conversations,
+                    conversations=args.conversations,
+                    turns=args.turns,
+                ),
+                cache_blocks=args.cache_blocks,
             ),
             common,
         ),
