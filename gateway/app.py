@@ -31,6 +31,7 @@ from .dispatch import (
     Scheduler,
     score_all,
 )
+from .dispatch.affinity import DEFAULT_INDEX_BLOCKS
 from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
@@ -172,7 +173,10 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
         long_input_threshold=config.prefill.long_input_threshold,
-        prefix_index_blocks=dispatch.prefix_index_blocks,
+        prefix_index_blocks=DEFAULT_INDEX_BLOCKS
+        if dispatch.prefix_index_blocks is None
+        else dispatch.prefix_index_blocks,
+        prefix_index_learned=dispatch.prefix_index_blocks is None,
     )
     h = dispatch.health
     policy = HealthPolicy(

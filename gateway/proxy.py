@@ -84,7 +84,7 @@ class Proxy:
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.budget = RetryBudget(ratio=config.channel.retry.budget_ratio)
-        self.affinity = config.dispatch.prefix_index_blocks > 0
+        self.affinity = config.dispatch.prefix_index_blocks != 0
         self.clock = dispatcher.clock
         self.spans: Spans | None = None
         if config.otlp_traces_url:

@@ -93,8 +93,9 @@ class DispatchSection(Frozen):
     # request that waited longer has missed it already and its client is better told now.
     max_queue_wait: float | None = Field(None, gt=0)
     # Blocks of 64 prompt tokens remembered per instance for prefix affinity; 0 turns
-    # affinity off. The default covers about 524k tokens, a typical instance's KV cache.
-    prefix_index_blocks: int = Field(8192, ge=0)
+    # affinity off. None: as many as each instance's KV cache holds, from its
+    # vllm:cache_config_info (8,192, about 524k tokens, until it says).
+    prefix_index_blocks: int | None = Field(None, ge=0)
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")

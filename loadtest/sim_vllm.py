@@ -99,6 +99,24 @@ class _MetricsCollector:
         )
         success.add_metric([*values, "length"], float(stats.completed))
         yield success
+        # vLLM's static cache configuration, as an info gauge: the KV cache's size in blocks
+        # and whether prefix caching is on. Only the prefix cache is modelled here, so its
+        # blocks stand for the whole cache.
+        config = sim.config
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+        )
+        info.add_metric(
+            [
+                str(config.block_size),
+                str(config.prefix_caching),
+                str(config.prefix_cache_blocks),
+            ],
+            1.0,
+        )
+        yield info
 
 
 class SimInstance:

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from . import speed
-from .affinity import PrefixIndex
+from .affinity import BLOCK_TOKENS, PrefixIndex
 from .model import HealthPolicy, InstanceSpec, InstanceState, Lane, Limits, LoadReport, Ticket
 
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
@@ -136,6 +136,10 @@ class Fleet:
             and report.prefix_queries < last.prefix_queries
         ):
             state.cache.clear()  # its counters went back: it restarted, with a cold cache
+        if self.limits.prefix_index_learned and report.cache_tokens is not None:
+            # Remember what its cache can hold, no more: a larger index would keep
+            # prefixes the instance has already evicted, and send requests after them.
+            state.cache.resize(-(-report.cache_tokens // BLOCK_TOKENS))
         state.report = report
         state.inflight_at_report = state.fleet_inflight
 
