@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import harness, report
 from loadtest.loadgen import (
     Client,
@@ -45,7 +46,6 @@ from loadtest.scenarios import (
     to_v1,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 
 ATTAINMENT = 0.9  # DistServe's bar: the share of requests that must meet both objectives
 

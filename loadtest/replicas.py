@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import harness, report
 from loadtest.compare import capacity
 from loadtest.loadgen import Client, Mix, RequestSpec, make_workload, run_open, session
@@ -47,7 +48,6 @@ from loadtest.scenarios import (
     summarize,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 from loadtest.workloads import PrefixMix, make_prefix_workload
 
 SEED_MIX = Mix(

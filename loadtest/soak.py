@@ -27,8 +27,8 @@ from typing import Any
 
 import aiohttp
 
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 from loadtest.harness import KEY, gateway_process, memory_kib
-from loadtest.sim_vllm import SimConfig, SimInstance
 
 _GRACE = 30.0  # seconds in-flight requests get after the run's time is up
 _CLIENT_TIMEOUT = 60.0

@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from loadtest.sim_vllm import SimConfig, SimInstance
+from .sim_vllm import SimConfig, SimInstance
 
 __all__ = ["main", "start_fleet", "stop_fleet"]
 
@@ -57,39 +57,49 @@ def _parse_speeds(text: str) -> list[float]:
     return speeds
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.fleet",
+        prog=prog,
         description="Run simulated vLLM instances on 127.0.0.1 until Ctrl-C.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--speeds",
         type=_parse_speeds,
-        default=[1.0],
-        help="comma-separated relative speeds, one instance each (default: 1)",
+        default="1",  # a string default goes through type=, and --help shows it as typed
+        help="comma-separated relative speeds, one instance each",
     )
     parser.add_argument(
         "--base-port", type=int, default=8000, help="first port; instance i gets base+i (0: any)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
-    parser.add_argument("--max-num-seqs", type=int, default=SimConfig.max_num_seqs)
-    parser.add_argument("--max-waiting", type=int, default=None)
-    parser.add_argument("--model", default=SimConfig.model)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SimConfig.max_num_seqs,
+        help="sequences each instance runs at once (vLLM's --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="requests each instance queues before answering 503 (None: unbounded)",
+    )
+    parser.add_argument("--model", default=SimConfig.model, help="model name the instances serve")
+    parser.add_argument("--api-key", default=None, help="key the instances require (None: no key)")
     parser.add_argument("--seed", type=int, default=0, help="instance i gets seed+i")
     parser.add_argument("--instant", action="store_true", help="answer at once, no timing model")
     parser.add_argument(
         "--prefix-cache-blocks",
         type=int,
         default=0,
-        help="model vLLM's automatic prefix cache with this many KV blocks per instance"
-        " (default: 0, off)",
+        help="model vLLM's automatic prefix cache with this many KV blocks per instance (0: off)",
     )
     parser.add_argument(
         "--block-size",
         type=int,
         default=SimConfig.block_size,
-        help=f"tokens per KV block (default: {SimConfig.block_size}, as vLLM)",
+        help="tokens per KV block (vLLM's default)",
     )
     return parser
 
@@ -124,9 +134,9 @@ async def _run(args: argparse.Namespace) -> None:
         await stop_fleet(instances)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m gateway.sim.fleet") -> int:
     """CLI entry point; returns the process exit status."""
-    args = _build_parser().parse_args(argv)
+    args = _build_parser(prog).parse_args(argv)
     try:
         _require_loopback(args.host)
         asyncio.run(_run(args))

@@ -26,7 +26,7 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from faultproxy import FaultProxy, eventually
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 SLOW = SimConfig(decode_s_per_token=0.02, prefill_tokens_per_s=1e6, max_num_seqs=64)

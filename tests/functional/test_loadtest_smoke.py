@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from fakes import fleet
 
+from gateway.sim.sim_vllm import SimConfig
 from loadtest import compare, report, scenarios
 from loadtest.__main__ import main
 from loadtest.loadgen import Client, Mix, make_workload, run_open, session
 from loadtest.overhead import OverheadOptions, overhead, top_frames
-from loadtest.sim_vllm import SimConfig
 
 TINY = Mix(long_share=0.3, short_tokens=(20, 60), long_tokens=(4200, 4400), max_tokens=(3, 6))
 

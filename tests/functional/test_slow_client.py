@@ -8,7 +8,7 @@ import socket
 
 from fakes import KEY, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 
 async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() -> None:

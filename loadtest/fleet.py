@@ -1,0 +1,13 @@
+"""`python -m loadtest.fleet`: the simulated fleet's command line, kept for the checkout's
+scripts and READMEs; the fleet is `gateway.sim.fleet` (also `python -m gateway.sim.fleet`)."""
+
+from __future__ import annotations
+
+import sys
+
+from gateway.sim.fleet import main, start_fleet, stop_fleet
+
+__all__ = ["main", "start_fleet", "stop_fleet"]
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m loadtest.fleet"))
