@@ -133,12 +133,13 @@ async def _one_setup(
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
 
 
-def ratios(summaries: dict[str, report.Summary], base: str, other: str) -> dict[str, float]:
-    """other / base for tok/s, p99 TTFT and goodput (1.5 tok/s and 0.5 TTFT are the targets)."""
+def ratios(summaries: dict[str, report.Summary], base: str, other: str) -> dict[str, float | None]:
+    """other / base for tok/s, p99 TTFT and goodput (1.5 tok/s and 0.5 TTFT are the targets);
+    None (JSON null) where either side has none, e.g. a p99 from fewer than 100 samples."""
     a, b = summaries[base], summaries[other]
 
-    def div(x: float | None, y: float | None) -> float:
-        return float("nan") if x is None or not y else x / y
+    def div(x: float | None, y: float | None) -> float | None:
+        return None if x is None or not y else x / y
 
     return {
         "tokens_per_s": div(b["output_tokens_per_s"], a["output_tokens_per_s"]),
