@@ -57,11 +57,19 @@ def _parse_speeds(text: str) -> list[float]:
     return speeds
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each flag's help, unless the help gives its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
 def _build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Run simulated vLLM instances on 127.0.0.1 until Ctrl-C.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     parser.add_argument(
         "--speeds",
@@ -83,12 +91,14 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         "--max-waiting",
         type=int,
         default=None,
-        help="requests each instance queues before answering 503 (None: unbounded)",
+        help="requests each instance queues before answering 503 (default: unbounded)",
     )
     parser.add_argument("--model", default=SimConfig.model, help="model name the instances serve")
-    parser.add_argument("--api-key", default=None, help="key the instances require (None: no key)")
+    parser.add_argument("--api-key", default=None, help="key the instances require (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="instance i gets seed+i")
-    parser.add_argument("--instant", action="store_true", help="answer at once, no timing model")
+    parser.add_argument(
+        "--instant", action="store_true", help="answer at once, no timing model (default: off)"
+    )
     parser.add_argument(
         "--prefix-cache-blocks",
         type=int,

@@ -293,6 +293,7 @@ def _help_entries(text: str) -> list[str]:
         ("loadtest.__main__", ["compare"]),
         ("loadtest.__main__", ["overhead"]),
         ("loadtest.fleet", []),
+        ("gateway.sim.fleet", []),
         ("loadtest.soak", []),
         ("loadtest.replicas", []),
         ("loadtest.affinity_cost", []),
