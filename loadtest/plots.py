@@ -28,7 +28,7 @@ def pct_label(stats: dict[str, Any], key: str, scale: float = 1000.0, unit: str 
         if report.too_few(stats, key):
             return f"{key} n/a (n<{report.MIN_SAMPLES[int(key[1:])]})"
         return f"{key} -"
-    return f"{key} {value * scale:.0f} {unit}"
+    return f"{key} {value * scale:.3g} {unit}"
 
 
 def value_or_nan(stats: dict[str, Any], key: str, scale: float = 1.0) -> float:
@@ -148,6 +148,81 @@ def plot_overhead(body: dict[str, Any], path: Path) -> None:
     loaded += [body["streams"]["run"]] if "streams" in body else []
     throughput_panel(axes[1], loaded, what="ok")
     fig.suptitle("what the gateway costs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def soak_timeline(
+    finished: Sequence[tuple[float, bool, float]], started: float, span: float, most: int = 60
+) -> dict[str, Any]:
+    """The soak's answers per time bin (by when they finished): ok, failed, and the median
+    latency of the ok ones (None in a bin without any)."""
+    size = next((b for b in report._BINS if span / b <= most), report._BINS[-1])
+    count = max(1, math.ceil(max(span, 1e-9) / size))
+    ok, failed = [0] * count, [0] * count
+    latencies: list[list[float]] = [[] for _ in range(count)]
+    for at, good, latency in finished:
+        i = min(count - 1, max(0, int((at - started) / size)))
+        if good:
+            ok[i] += 1
+            latencies[i].append(latency)
+        else:
+            failed[i] += 1
+    return {
+        "bin_s": size,
+        "ok": ok,
+        "failed": failed,
+        "latency_p50_s": [report.percentiles(v)["p50"] for v in latencies],
+    }
+
+
+def plot_soak(body: dict[str, Any], path: str | Path) -> None:
+    """The soak over time: median latency per bin with the run's p50/p99 (n=, n/a below
+    100), and ok and failed requests/s; each kill a vertical line on both."""
+    plt = report._pyplot()
+    line, stats = body["timeline"], body["latency_s"]
+    size = line["bin_s"]
+    xs = [(i + 0.5) * size for i in range(len(line["ok"]))]
+    kills = [float(entry.split("s", 1)[0]) for entry in body["chaos"] if "killed" in entry]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    ax = axes[0]
+    ax.plot(
+        xs,
+        [math.nan if v is None else v for v in line["latency_p50_s"]],
+        "o-",
+        ms=3,
+        label=f"median per {size:g} s",
+    )
+    for key, style in (("p50", "--"), ("p99", ":")):
+        label = pct_label(stats, key, scale=1.0, unit="s")
+        if stats.get(key) is not None:
+            ax.axhline(stats[key], color="grey", linestyle=style, linewidth=1, label=label)
+        else:
+            ax.plot([], [], " ", label=label)
+    ax.set_ylabel("latency of answered requests (s)")
+    ax.set_title(f"latency, n={n_of(stats)} answered of {body['sent']} sent", fontsize=9)
+    ax = axes[1]
+    ax.plot(xs, [v / size for v in line["ok"]], "-", drawstyle="steps-mid", label="ok req/s")
+    ax.plot(
+        xs,
+        [v / size for v in line["failed"]],
+        "-",
+        drawstyle="steps-mid",
+        color="C3",
+        label="failed req/s",
+    )
+    ax.set_ylabel("requests/s")
+    ax.set_title("throughput over time", fontsize=9)
+    for ax in axes:
+        for at in kills:
+            ax.axvline(at, color="C3", alpha=0.3, linewidth=1)
+        ax.set_xlabel("time since the start (s); red lines: an instance killed")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"soak: {body['concurrency']} clients, {body['instances']} instances, {body['kills']} kills"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

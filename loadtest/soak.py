@@ -28,6 +28,8 @@ from typing import Any
 import aiohttp
 
 from gateway.sim.sim_vllm import SimConfig, SimInstance
+from loadtest import plots
+from loadtest import report as report_
 from loadtest.harness import KEY, gateway_process, memory_kib
 from loadtest.helpfmt import HelpFormatter
 from loadtest.progress import make_bar, want_bar
@@ -64,9 +66,11 @@ class Tally:
         default_factory=lambda: collections.defaultdict(collections.Counter)
     )
     latencies: list[float] = field(default_factory=list)
+    finished: list[tuple[float, bool, float]] = field(default_factory=list)  # (when, ok, s)
 
     def record(self, kind: Kind, outcome: str, latency: float) -> None:
         self.by_kind[kind.name][outcome] += 1
+        self.finished.append((time.monotonic(), outcome == "ok", latency))
         if outcome == "ok":
             self.answered += 1
             self.latencies.append(latency)
@@ -265,6 +269,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "by_kind": {k: dict(v) for k, v in sorted(tally.by_kind.items())},
         "unfinished_workers": len(pending),
         "latency_s": _latency(tally.latencies),
+        "timeline": plots.soak_timeline(tally.finished, started, elapsed),
         "gateway_alive_at_end": alive,
         "gateway_rss_mib": {
             "start": round(rss_start / 1024, 1),
@@ -358,6 +363,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--down-for", type=float, default=6.0, help="seconds an instance stays down")
     p.add_argument("--seed", type=int, default=0, help="client i's seed is seed+i")
     p.add_argument("--json", help="also write the report to this file (default: none)")
+    p.add_argument(
+        "--png", help="also plot latency and throughput over time, kills marked (default: none)"
+    )
     return p
 
 
@@ -368,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = asyncio.run(soak(args))
     _print(report)
+    if args.png:
+        if report_.can_plot():
+            plots.plot_soak(report, args.png)
+        else:
+            print(f"no {args.png}: matplotlib is missing (pip install -e '.[bench]')")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

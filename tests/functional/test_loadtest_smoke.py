@@ -364,3 +364,19 @@ def test_soak_reports_no_p99_from_fewer_than_100_answers() -> None:
     assert soak._latency_text(few) == "p50 0.2 s, p99 n/a (n<100) (n=50)"
     many = soak._latency([float(v) for v in range(1, 201)])
     assert (many["n"], many["p99"]) == (200, 198.0)
+
+
+def test_soak_smoke_writes_its_report_and_plot(tmp_path: Path, figures: list[str]) -> None:
+    """A two-second soak through a real gateway: the report adds up (its timeline counts
+    every answer) and --png draws latency with its count beside throughput over time."""
+    out, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    argv = ["--seconds", "2", "--concurrency", "2", "--speeds", "1", "--kill-every", "60"]
+    assert soak.main([*argv, "--json", str(out), "--png", str(png)]) == 0
+    body = json.loads(out.read_text())
+    line = body["timeline"]
+    assert sum(line["ok"]) == body["answered"] == body["latency_s"]["n"] > 0
+    assert sum(line["failed"]) == sum(body["failed"].values())
+    assert png.exists() == report.can_plot()
+    n = body["latency_s"]["n"]
+    needle = "p99 n/a (n<100)" if n < 100 else "p99 "
+    assert_plotted(figures, f"n={n} answered", needle, "throughput over time")
