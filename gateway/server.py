@@ -29,8 +29,8 @@ _log = log.get("gateway.server")
 
 async def start_simulated(config: Config) -> list[object]:
     """One simulated vLLM instance per configured URL, on that URL's loopback port."""
-    from loadtest.fleet import start_fleet  # only --simulate needs the simulator
-    from loadtest.sim_vllm import SimConfig
+    from .sim.fleet import start_fleet  # only --simulate needs the simulator
+    from .sim.sim_vllm import SimConfig
 
     configs, ports = [], []
     for spec in config.instances:
@@ -95,7 +95,7 @@ async def serve(
         on_hup[0] = _too_early
         await runner.cleanup()
         if sims:
-            from loadtest.fleet import stop_fleet
+            from .sim.fleet import stop_fleet
 
             await stop_fleet(sims)  # type: ignore[arg-type]
         _log.info("stopped")

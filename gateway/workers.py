@@ -343,7 +343,7 @@ class _Simulation:
             _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
 
     def stop(self) -> None:
-        from loadtest.fleet import stop_fleet
+        from .sim.fleet import stop_fleet
 
         if self.sims:
             done = asyncio.run_coroutine_threadsafe(stop_fleet(self.sims), self.loop)  # type: ignore[arg-type]

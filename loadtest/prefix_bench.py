@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import baselines, compare, harness, report
 from loadtest.loadgen import (
     TEMPLATE_TOKENS,
@@ -57,7 +58,6 @@ from loadtest.scenarios import (
     summarize,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 from loadtest.workloads import (
     ConversationMix,
     PrefixMix,

@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway import config as gateway_config
 from gateway.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
 from gateway.runner import make_runner
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 KEY = "sk-test-unified-key"
 

@@ -27,7 +27,7 @@ from fakes import fleet, gateway_with
 from gateway.app import build_app
 from gateway.config import load
 from gateway.schema import GatewaySection
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -18,7 +18,7 @@ import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client import generate_latest
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 SHORT = 0.3  # every timeout under test
 DEADLINE = 3.0  # how long a test waits for what SHORT should cause

@@ -27,7 +27,7 @@ from faultproxy import FaultProxy, eventually
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.dispatch import Lane
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 SLOW = SimConfig(decode_s_per_token=0.02, prefill_tokens_per_s=1e6, max_num_seqs=64)

@@ -11,7 +11,7 @@ import pytest
 import structlog
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -15,7 +15,7 @@ import structlog
 from fakes import KEY, Gateway, fleet, gateway_with
 
 from gateway.routes import ROUTES
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 OTHER = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6, model="other-model")

@@ -39,7 +39,7 @@ import yaml
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import free_port, redis_server
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "gateway-dashboard.json"

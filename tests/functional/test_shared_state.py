@@ -14,7 +14,7 @@ from redis_server import RedisServer, redis_server
 from gateway.app import SHARED
 from gateway.dispatch import Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
 

@@ -9,7 +9,7 @@ import socket
 from fakes import KEY, fleet, gateway_with
 from faultproxy import eventually
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 # 30,000 tokens take the simulated instance at least 15 s to generate, far longer than the
 # gateway needs to give up on the client (its small, fixed send buffer fills in well under

@@ -16,7 +16,7 @@ from fakes import KEY, Gateway, fleet, gateway_with, write_config
 
 from gateway import config as gateway_config
 from gateway.app import PROXY
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 pytest.importorskip(
     "opentelemetry.sdk.trace",

@@ -7,7 +7,7 @@ from fakes import fleet, gateway_with
 
 from gateway.dispatch.affinity import BLOCK_TOKENS
 from gateway.health import parse_vllm_metrics
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from fakes import KEY, write_config
 from faultproxy import eventually
 from redis_server import redis_server
 
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "X-Gateway-Worker"

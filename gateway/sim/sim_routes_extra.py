@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from loadtest.sim_engine import (
+from .sim_engine import (
     VOCAB,
     ApiError,
     count_tokens,
@@ -30,7 +30,7 @@ from loadtest.sim_engine import (
 )
 
 if TYPE_CHECKING:
-    from loadtest.sim_vllm import SimInstance
+    from .sim_vllm import SimInstance
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

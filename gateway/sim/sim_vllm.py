@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loadtest.sim_batching import Engine, EngineBusy, EngineRequest
-from loadtest.sim_engine import (
+from .sim_batching import Engine, EngineBusy, EngineRequest
+from .sim_engine import (
     BUSY_MESSAGE,
     MAX_MODEL_LEN,
     VOCAB,
@@ -42,7 +42,7 @@ from loadtest.sim_engine import (
     tokenize_text,
     usage_body,
 )
-from loadtest.sim_routes_extra import ExtraRoutes
+from .sim_routes_extra import ExtraRoutes
 
 __all__ = [
     "BUSY_MESSAGE",
