@@ -265,6 +265,8 @@ async def test_overhead_smoke(tmp_path: Path, figures: list[str]) -> None:
     assert streams["run"]["ok"] == 30
     assert streams["memory_kib_after"]["VmHWM"] >= streams["memory_kib_at_start"]["VmRSS"]
     assert (tmp_path / "overhead.json").exists()
+    assert (tmp_path / "overhead.png").exists() == report.can_plot()
+    assert_plotted(figures, "direct (n=8)", "gateway (n=8)", "n/a", "throughput over time")
 
 
 async def test_compare_least_busy_keeps_most_requests_off_a_slow_card(tmp_path: Path) -> None:
@@ -294,8 +296,6 @@ async def test_compare_least_busy_keeps_most_requests_off_a_slow_card(tmp_path: 
     shares = {name: v["share"] for name, v in closed["instances"].items()}
     assert set(shares) == {"#0 x1.0", "#1 x0.1"}
     assert shares["#1 x0.1"] < 0.3, shares
-    assert (tmp_path / "overhead.png").exists() == report.can_plot()
-    assert_plotted(figures, "direct (n=8)", "gateway (n=8)", "n/a", "throughput over time")
 
 
 def _help_entries(text: str) -> list[str]:
