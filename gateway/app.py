@@ -13,7 +13,8 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,15 +31,20 @@ from .dispatch import (
     Scheduler,
     score_all,
 )
+from .dispatch.affinity import DEFAULT_INDEX_BLOCKS
 from .dispatch.select import LeastTime
 from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics, Registry
-from .proxy import CHAT, COMPLETIONS, EMBEDDINGS, Proxy, Route, Target
-from .shared import SharedState, SharedStateCollector
+from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
+from .proxy import Proxy, Route, Target
+from .routes import mount, summary
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
+
+if TYPE_CHECKING:
+    from .shared import SharedState
 
 
 @dataclass
@@ -52,7 +58,10 @@ PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 METRICS = web.AppKey("metrics", Metrics)
-SHARED = web.AppKey("shared", SharedState)
+# redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
+# installed, which a gateway without tracing or sharing should not load.
+SHARED: web.AppKey[SharedState] = web.AppKey("shared")
+PEERS = web.AppKey("peers", PeerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -71,13 +80,12 @@ def build_app(config: Config) -> web.Application:
     app.cleanup_ctx.append(_resources)
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
+    for path, route in mount(config.route_prefixes):
+        app.router.add_post(path, _openai_route(route), expect_handler=_expect)
+    if os.environ.get(WORKERS_DIR_ENV):  # set by workers.py in its workers only
+        app.cleanup_ctx.append(_peer_metrics)
+        app.on_response_prepare.append(_worker_header)
     for prefix in config.route_prefixes:
-        for path, route in (
-            ("/chat/completions", CHAT),
-            ("/completions", COMPLETIONS),
-            ("/embeddings", EMBEDDINGS),
-        ):
-            app.router.add_post(prefix + path, _openai_route(route), expect_handler=_expect)
         app.router.add_get(prefix + "/models", _models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -169,7 +177,10 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
         long_input_threshold=config.prefill.long_input_threshold,
         lane_split=config.prefill.lane_split,
-        prefix_index_blocks=dispatch.prefix_index_blocks,
+        prefix_index_blocks=DEFAULT_INDEX_BLOCKS
+        if dispatch.prefix_index_blocks is None
+        else dispatch.prefix_index_blocks,
+        prefix_index_learned=dispatch.prefix_index_blocks is None,
     )
     h = dispatch.health
     policy = HealthPolicy(
@@ -197,6 +208,8 @@ def probe_targets(targets: dict[str, Target]) -> list[ProbeTarget]:
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    from .shared import SharedState, SharedStateCollector
+
     settings = app[CONFIG].file.shared
     assert settings.redis_url is not None
     shared = SharedState(
@@ -218,6 +231,21 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await shared.close()
+
+
+async def _peer_metrics(app: web.Application) -> AsyncIterator[None]:
+    """As a worker of `gateway --workers N`: `/metrics` answers for every worker."""
+    peers = PeerMetrics(app[METRICS].registry, Path(os.environ[WORKERS_DIR_ENV]))
+    await peers.start()
+    app[PEERS] = peers
+    try:
+        yield
+    finally:
+        await peers.close()
+
+
+async def _worker_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WORKER_HEADER] = str(os.getpid())
 
 
 def retry_after_503(config: Config) -> float:
@@ -325,7 +353,11 @@ async def _readyz(request: web.Request) -> web.StreamResponse:
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
-    data = generate_latest(request.app[METRICS].registry)
+    peers = request.app.get(PEERS)
+    if peers is not None:
+        data = await peers.exposition()
+    else:
+        data = generate_latest(request.app[METRICS].registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -403,10 +435,7 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
     except errors.GatewayError as exc:
         return exc.response()
     except web.HTTPNotFound:
-        return errors.NotFound(
-            f"no route {request.method} {request.path}: the OpenAI routes are "
-            "POST /v1/chat/completions, /v1/completions, /v1/embeddings and GET /v1/models"
-        ).response()
+        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return errors.MethodNotAllowed(

@@ -1,7 +1,7 @@
 """`gateway`: validate the configuration, then serve (optionally before simulated vLLM).
 
     gateway [--config config.toml] [--settings settings.json] [--check] [--simulate]
-            [--host H] [--port P] [--open] [--log-level info]
+            [--host H] [--port P] [--workers N] [--open] [--log-level info]
             [--log-format json|console] [--version]
 
 Without --config it uses the defaults embedded in the package (two instances on
@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         help="json: one JSON object a line; console: readable lines (default: console on a "
         "terminal, json otherwise; json forces it under e.g. `docker run -t`)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the port (default: [gateway] workers, itself 1; see Workers "
+        "in README)",
+    )
     p.add_argument("--version", action="version", version=f"gateway {__version__}")
     return p
 
@@ -106,7 +112,7 @@ def _config_path(given: str | None) -> Path:
 
 def load_config(args: argparse.Namespace) -> Config:
     config = load(_config_path(args.config), args.settings, allow_no_key=args.open)
-    return config.with_listen(args.host, args.port)
+    return config.with_listen(args.host, args.port).with_workers(args.workers)
 
 
 def run_preflight(config: Config, args: argparse.Namespace) -> list[str]:
@@ -136,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{len(config.instances)} instance(s), strategy {config.dispatch.strategy}, "
             f"{len(config.api_keys)} key(s), listening on "
             f"{config.gateway.host}:{config.gateway.port}"
+            + (f" with {config.gateway.workers} workers" if config.gateway.workers > 1 else "")
         )
         return 0
     log.configure(
@@ -143,14 +150,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for warning in warnings:
         log.get("gateway.cli").warning("config_warning", problem=warning)
+    if config.gateway.workers > 1:
+        from .workers import supervise
+
+        return supervise(config, args.log_level, simulate=args.simulate)
+    return serve_here(config, simulate=args.simulate)
+
+
+def serve_here(config: Config, *, simulate: bool = False) -> int:
+    """Serve in this process until a stop signal; the process's exit status."""
     from .server import serve
 
     try:
         import uvloop
 
-        uvloop.run(serve(config, simulate=args.simulate))
+        uvloop.run(serve(config, simulate=simulate))
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(serve(config, simulate=args.simulate))
+        asyncio.run(serve(config, simulate=simulate))
     except OSError as exc:
         print(f"gateway: cannot listen: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ the field path and the bad value, so the CLI can exit before any port is bound.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -51,6 +52,7 @@ class Config(Frozen):
     settings_path: str
     # --host/--port, kept so that a reload of the files applies them again.
     listen_override: tuple[str | None, int | None] = (None, None)
+    otlp_traces_url: str | None = None  # where spans go; None: no OpenTelemetry at all
 
     @property
     def gateway(self) -> GatewaySection:
@@ -100,6 +102,19 @@ class Config(Frozen):
         file = self.file.model_copy(update={"gateway": gateway})
         return self.model_copy(update={"file": file, "listen_override": override})
 
+    def with_workers(self, workers: int | None) -> Config:
+        """A copy whose `[gateway] workers` is overridden by `--workers`."""
+        if workers is None:
+            return self
+        try:
+            gateway = GatewaySection.model_validate(
+                {**self.gateway.model_dump(), "workers": workers}
+            )
+        except ValidationError as exc:
+            problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"command line: --workers {workers}: {problems}") from None
+        return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
+
 
 def load(
     config_path: str | Path,
@@ -137,7 +152,40 @@ def load(
         api_keys=keys,
         config_path=str(config_path),
         settings_path=str(settings_path),
+        otlp_traces_url=_otlp_traces_url(file, env, config_path),
     )
+
+
+def _otel_installed() -> bool:
+    try:
+        return importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is not None
+    except ModuleNotFoundError:  # the `opentelemetry` namespace itself is missing
+        return False
+
+
+def _otlp_traces_url(file: ConfigFile, env: Mapping[str, str], path: Path) -> str | None:
+    """Where spans go: `[tracing] otlp_endpoint`, else OpenTelemetry's standard variables.
+
+    A base endpoint gets OTLP/HTTP's `/v1/traces`, as the exporter does with
+    OTEL_EXPORTER_OTLP_ENDPOINT. Set in the file without the `otel` extra installed, it is
+    an error; set only in the environment (perhaps for other software), tracing stays off.
+    """
+    configured = file.tracing.otlp_endpoint
+    signal = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")  # a whole URL, by the spec
+    base = configured or (None if signal else env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if base:
+        base = base.rstrip("/")
+        url: str | None = base if base.endswith("/v1/traces") else base + "/v1/traces"
+    else:
+        url = signal or None
+    if url is None or _otel_installed():
+        return url
+    if configured:
+        raise ConfigError(
+            f"{path}: tracing.otlp_endpoint: spans need the OpenTelemetry packages: "
+            "pip install 'vllm-dispatch-gateway[otel]' (or remove the setting)"
+        )
+    return None
 
 
 def _api_keys(

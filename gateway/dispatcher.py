@@ -149,8 +149,11 @@ class Dispatcher:
         kv: float | None,
         prefix_queries: float | None = None,
         prefix_hits: float | None = None,
+        cache_tokens: int | None = None,
     ) -> None:
-        report = LoadReport(running, waiting, kv, self.clock(), prefix_queries, prefix_hits)
+        report = LoadReport(
+            running, waiting, kv, self.clock(), prefix_queries, prefix_hits, cache_tokens
+        )
         self.scheduler.report_load(name, report)
 
     def apply_shared(self, view: SharedView) -> None:

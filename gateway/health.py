@@ -28,6 +28,9 @@ _WAITING = "vllm:num_requests_waiting"
 # vLLM said gpu_prefix_cache_*.
 _PREFIX_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _PREFIX_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+# A gauge of value 1 whose labels are the KV cache's size and prefix caching's switch (an
+# info-typed exposition would lose its `_info` suffix in the parser: accept both).
+_CACHE_CONFIG = ("vllm:cache_config_info", "vllm:cache_config")
 # vLLM renamed the KV gauge; accept either so old and new instances both count.
 _KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
@@ -46,13 +49,21 @@ class VllmLoad:
     kv_usage: float | None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    # From vllm:cache_config_info: how many tokens its prefix cache can hold at most
+    # (0: prefix caching off), or None if it does not say.
+    cache_tokens: int | None = None
 
 
 def parse_vllm_metrics(text: str) -> VllmLoad | None:
     """Sum vLLM's load gauges over `engine` (and any other) labels; None if absent."""
     totals: dict[str, float] = {}
     prefix: dict[str, float] = {}
+    cache_tokens: int | None = None
     for family in text_string_to_metric_families(text):
+        if family.name in _CACHE_CONFIG:
+            for sample in family.samples:
+                cache_tokens = _cache_tokens(sample.labels)
+            continue
         if family.name in _PREFIX_QUERIES or family.name in _PREFIX_HITS:
             kind = "queries" if family.name in _PREFIX_QUERIES else "hits"
             for sample in family.samples:
@@ -78,7 +89,18 @@ def parse_vllm_metrics(text: str) -> VllmLoad | None:
         kv,
         prefix.get("queries"),
         prefix.get("hits"),
+        cache_tokens,
     )
+
+
+def _cache_tokens(labels: dict[str, str]) -> int | None:
+    """Tokens the KV cache holds (num_gpu_blocks x block_size); 0 if prefix caching is off."""
+    if labels.get("enable_prefix_caching", "True").lower() == "false":
+        return 0
+    try:
+        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
 
 
 class HealthChecker:
@@ -171,6 +193,7 @@ class HealthChecker:
                 load.kv_usage,
                 load.prefix_queries,
                 load.prefix_hits,
+                load.cache_tokens,
             )
 
     async def _models(self, target: Target) -> None:

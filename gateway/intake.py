@@ -13,18 +13,25 @@ from typing import Any
 
 from aiohttp import web
 
-from . import errors
+from . import errors, form
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import Scheduler
 from .metrics import Metrics
 
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
+# Client headers an instance acts on, passed through (the rest never is): vLLM reads the
+# data-parallel rank to pin a request to one engine of a DP deployment. The W3C trace
+# headers travel too, through trace_context (validated, or replaced by a fresh trace).
+DP_RANK_HEADER = "X-data-parallel-rank"
+_DP_RANK = re.compile(r"[0-9]{1,4}")
+# The form fields of an upload the gateway routes by; the rest goes on unread.
+_FORM_FIELDS = frozenset({"model", "stream"})
 
 
 def max_tokens_of(payload: dict[str, Any]) -> int:
     """The output tokens a request asks for (0: unknown)."""
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = payload.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -65,25 +72,25 @@ class Intake:
             )
         return tag
 
+    def passthrough(self, request: web.Request) -> dict[str, str]:
+        """The client headers on the allow list that the instance gets as they came."""
+        rank = request.headers.get(DP_RANK_HEADER)
+        if rank is None:
+            return {}
+        if not _DP_RANK.fullmatch(rank.strip()):
+            raise errors.InvalidHeader(
+                f"{DP_RANK_HEADER} {rank[:40]!r} is not a data-parallel rank: "
+                "send a non-negative integer",
+                param=DP_RANK_HEADER,
+            )
+        return {DP_RANK_HEADER: rank.strip()}
+
     async def json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         if request.content_type != "application/json":
             raise errors.UnsupportedContentType(
                 f"Content-Type {request.content_type!r} is not supported: send application/json"
             )
-        length = request.content_length
-        if length is not None and length > self.max_body:
-            raise self._too_large()
-        try:
-            async with asyncio.timeout(self.body_timeout):
-                body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise self._too_large() from None
-        except TimeoutError:
-            self.metrics.client_connections_closed.labels("body_timeout").inc()
-            raise errors.RequestTimeout(
-                "the request body did not arrive within the gateway's body_timeout of "
-                f"{self.body_timeout:g} s"
-            ) from None
+        body = await self._read(request)
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -95,6 +102,40 @@ class Intake:
                 f"the request body must be a JSON object, got {type(payload).__name__}"
             )
         return body, payload
+
+    async def form_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        """An upload's bytes, unchanged, and its `model` and `stream` fields as a payload."""
+        if request.content_type != "multipart/form-data":
+            raise errors.UnsupportedContentType(
+                f"Content-Type {request.content_type!r} is not supported on this route: "
+                "send multipart/form-data"
+            )
+        try:
+            boundary = form.boundary_of(request.headers.get("Content-Type", ""))
+        except form.InvalidForm as bad:
+            raise errors.BadRequest(str(bad)) from None
+        body = await self._read(request)
+        try:
+            return body, dict(form.text_fields(body, boundary, _FORM_FIELDS))
+        except form.InvalidForm as bad:
+            raise errors.BadRequest(f"the multipart/form-data body is malformed: {bad}") from None
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The whole body, within max_body_bytes and body_timeout."""
+        length = request.content_length
+        if length is not None and length > self.max_body:
+            raise self._too_large()
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        except TimeoutError:
+            self.metrics.client_connections_closed.labels("body_timeout").inc()
+            raise errors.RequestTimeout(
+                "the request body did not arrive within the gateway's body_timeout of "
+                f"{self.body_timeout:g} s"
+            ) from None
 
     def served_model(self, payload: dict[str, Any]) -> str | None:
         """The request's model, if a string; 404 here if no instance serves it."""

@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from . import errors, log, request_id
+from . import errors, log, request_id, trace_context
 from .auth import KeyChecker
 from .body import InvalidField, wants_stream
 from .config import Config
@@ -42,22 +42,17 @@ from .intake import Intake, max_tokens_of
 from .metrics import ERROR_KINDS, Metrics
 from .recorder import EXCHANGE, Recorder
 from .relay import Exchange, Relay, Retryable
+from .routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream
+
+if TYPE_CHECKING:
+    from .tracing import Span, Spans
 
 _log = log.get("gateway.proxy")
 
 
-@dataclass(frozen=True)
-class Route:
-    name: str  # label in metrics and logs
-    upstream_path: str
-    streams: bool
-
-
-CHAT = Route("chat.completions", "/v1/chat/completions", streams=True)
-COMPLETIONS = Route("completions", "/v1/completions", streams=True)
-EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Proxy", "Route", "Target"]
 
 
 @dataclass(frozen=True)
@@ -89,8 +84,13 @@ class Proxy:
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.budget = RetryBudget(ratio=config.channel.retry.budget_ratio)
-        self.affinity = config.dispatch.prefix_index_blocks > 0
+        self.affinity = config.dispatch.prefix_index_blocks != 0
         self.clock = dispatcher.clock
+        self.spans: Spans | None = None
+        if config.otlp_traces_url:
+            from . import tracing  # the otel extra is imported only by a gateway that traces
+
+            self.spans = tracing.start(config.otlp_traces_url, config.file.tracing.service_name)
         # Shutdown: the tasks of requests in progress, and whether their drain time is up.
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
@@ -159,6 +159,8 @@ class Proxy:
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
         ex.route = route.name  # the middleware records it (recorder.py)
+        ex.sse_done, ex.timed = route.sse_done, route.timed
+        self._start_trace(request, ex)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
@@ -172,8 +174,12 @@ class Proxy:
             if ex.tag:
                 headers["X-Request-Tag"] = ex.tag
                 structlog.contextvars.bind_contextvars(tag=ex.tag)
-            body, payload = await self.intake.json_body(request)
-            if payload.get("model") is None and self.default_model:
+            ex.forward = self.intake.passthrough(request)
+            if route.form:  # an upload goes on byte for byte: its model is not filled in
+                body, payload = await self.intake.form_body(request)
+            else:
+                body, payload = await self.intake.json_body(request)
+            if payload.get("model") is None and self.default_model and not route.form:
                 payload["model"] = self.default_model
                 body = json.dumps(payload).encode()
             try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
@@ -218,6 +224,31 @@ class Proxy:
                 self._tasks.discard(task)
                 if not self._tasks:
                     self._idle.set()
+            if ex.span is not None:
+                ex.span.end(
+                    ex.status,
+                    lane=ex.lane,
+                    model=ex.model,
+                    instance=ex.instance,
+                    attempts=ex.attempts,
+                    request_id=ex.request_id,
+                )
+
+    def _start_trace(self, request: web.Request, ex: Exchange) -> None:
+        """The request's trace: the client's, continued, or a new one; its id is logged."""
+        client = trace_context.from_headers(request.headers)
+        if self.spans is None:
+            ex.trace = client or trace_context.fresh()
+        else:
+            ex.span = self.spans.request(request.path, request.method, client)
+            ex.trace = trace_context.TraceContext(
+                ex.span.trace_id,
+                ex.span.span_id,
+                ex.span.flags,
+                client.state if client is not None else None,
+                from_client=client is not None,
+            )
+        structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
 
     async def _forward(
         self,
@@ -289,7 +320,17 @@ class Proxy:
     ) -> web.StreamResponse:
         target = self.targets[ex.instance]
         send_headers = dict(target.headers)
+        send_headers.update(ex.forward)
+        if route.form:  # its boundary is in it
+            send_headers["Content-Type"] = request.headers["Content-Type"]
         send_headers["X-Request-Id"] = ex.request_id
+        span: Span | None = None
+        if self.spans is not None and ex.span is not None:
+            span = self.spans.attempt(ex.span, ex.attempts, ex.instance)
+        if ex.trace is not None:  # the instance's spans hang under this attempt's, if any
+            send_headers["traceparent"] = ex.trace.traceparent(span.span_id if span else None)
+            if ex.trace.state:
+                send_headers["tracestate"] = ex.trace.state
         if ex.tag:
             send_headers["X-Request-Tag"] = ex.tag
         remaining = deadline - self.clock()
@@ -341,6 +382,9 @@ class Proxy:
             if response is not None:
                 response.close()  # idempotent; closing (not pooling) aborts unfinished work
             self.dispatcher.release(ticket_id, outcome, error)
+            if span is not None:
+                got = response.status if response is not None else error or "cancelled"
+                span.end(got, lane=ex.lane, model=ex.model)
 
     def _give_up(
         self, failed: Retryable, ex: Exchange, headers: dict[str, str]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +28,10 @@ from . import errors, log, sse
 from .dispatch import Outcome
 from .dispatcher import Dispatcher
 from .metrics import Metrics
+from .trace_context import TraceContext
+
+if TYPE_CHECKING:
+    from .tracing import Span
 
 _log = log.get("gateway.proxy")
 
@@ -63,6 +68,11 @@ class Exchange:
     user_agent: str = ""
     queue_wait: float = 0.0  # seconds in the gateway queue, all attempts together
     bytes_sent: int = 0
+    trace: TraceContext | None = None
+    span: Span | None = None  # with OpenTelemetry on: the request's span
+    forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
+    sse_done: bool = True  # its stream, if any, ends with `data: [DONE]`
+    timed: bool = True  # its stream's first event is its first token (see Route.timed)
 
 
 @dataclass
@@ -225,8 +235,11 @@ class Relay:
         except ConnectionResetError:
             return out, self._client_left(ex), None
         first_at = self.clock()
-        ex.ttft = first_at - ex.started
-        self.dispatcher.prefill_done(ticket_id, first_at - sent_at)
+        # Only a stream whose first event is its first token measures TTFT and teaches
+        # least_time a prefill speed; the Responses API's first event comes before any.
+        if ex.timed:
+            ex.ttft = first_at - ex.started
+        self.dispatcher.prefill_done(ticket_id, first_at - sent_at if ex.timed else None)
         reader = response.content
         transport = request.transport
         if transport is None:  # the client left before we could answer
@@ -268,7 +281,9 @@ class Relay:
                         broken = f"broke the stream after it started ({type(exc).__name__})"
                         break
                     if not data:
-                        broken = "ended the stream without data: [DONE]"
+                        broken = "ended the stream without " + (
+                            "data: [DONE]" if ex.sse_done else "its final event"
+                        )
                         break
                     events = framer.events
                     try:
@@ -280,8 +295,8 @@ class Relay:
                         quiet.reschedule(loop.time() + silence)
         except TimeoutError:
             broken = f"sent no data event for {silence:g}s"
-        if framer.done:  # the client has the whole answer: what follows [DONE] is moot
-            broken = None
+        if framer.done or (not ex.sse_done and sse.responses_finished(framer.last_head)):
+            broken = None  # the client has the whole answer: what follows is moot
         ex.tokens = self._stream_tokens(framer, chat=ex.route == "chat.completions")
         if broken is not None:
             self.metrics.stream_aborts.labels("upstream").inc()
@@ -291,7 +306,7 @@ class Relay:
                 return out, self._client_left(ex), None
             return await self._finish(out, ex, Outcome.FAILURE, "stream_broken")
         result = await self._finish(out, ex, Outcome.SUCCESS, None)
-        if result[1] is Outcome.SUCCESS and ex.tokens and ex.tokens > 1:
+        if result[1] is Outcome.SUCCESS and ex.timed and ex.tokens and ex.tokens > 1:
             ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
             self.dispatcher.observe_tpot(ex.instance, ex.tpot)
         return result

@@ -46,6 +46,8 @@ RESTART_ONLY = (
     "slo",
     "channel.base_url",
     "vllm.tensor_parallel_size",
+    "shared",  # the Redis connection and its keys are made once, at start
+    "tracing",  # the span exporter likewise
 )
 
 

@@ -21,6 +21,7 @@ upgrade changes them.
 from __future__ import annotations
 
 import asyncio
+import socket
 from http import HTTPStatus
 
 from aiohttp import web
@@ -82,8 +83,12 @@ class GatewayRunner(web.AppRunner):
         # Every connection's handler reads this when it is made, i.e. after this line.
         server.request_handler = self.connections.wrap_handler(server.request_handler)
 
-    async def listen(self, host: str, port: int) -> tuple[str, int]:
-        """Start accepting connections; returns the bound address (port 0 picks one)."""
+    async def listen(self, host: str, port: int, *, reuse_port: bool = False) -> tuple[str, int]:
+        """Start accepting connections; returns the bound address (port 0 picks one).
+
+        `reuse_port` sets SO_REUSEPORT, so the workers of `gateway --workers N` each bind the
+        same port and the kernel spreads new connections among them (workers.py).
+        """
         server, connections = self.server, self.connections
         assert server is not None, "call setup() first"
         assert connections is not None
@@ -102,12 +107,21 @@ class GatewayRunner(web.AppRunner):
             )
 
         self._listener = await loop.create_server(
-            connections.protocol_factory(make_handler), host, port, backlog=128
+            connections.protocol_factory(make_handler),
+            host,
+            port,
+            backlog=128,
+            reuse_port=reuse_port or None,
         )
         _warn_if_file_limit_is_low(connections.limits.max_open)
         sockets = getattr(self._listener, "sockets", None) or []
         bound = sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """The sockets it listens on (none before `listen` or after `stop_listening`)."""
+        return list(getattr(self._listener, "sockets", None) or [])
 
     def stop_listening(self) -> None:
         """No new connections; the open ones finish their requests."""

@@ -52,6 +52,9 @@ class GatewaySection(Frozen):
     idle_timeout: float = Field(30.0, gt=0)
     # Below a default `ulimit -n` of 1024 with room for the upstream connections.
     max_client_connections: int = Field(900, ge=1)
+    # Processes serving the port (workers.py); 1 is the single process. 256 is far past
+    # any machine's cores: a larger number is a typo, not a plan.
+    workers: int = Field(1, ge=1, le=256)
 
     @field_validator("base_url")
     @classmethod
@@ -90,8 +93,9 @@ class DispatchSection(Frozen):
     # request that waited longer has missed it already and its client is better told now.
     max_queue_wait: float | None = Field(None, gt=0)
     # Blocks of 64 prompt tokens remembered per instance for prefix affinity; 0 turns
-    # affinity off. The default covers about 524k tokens, a typical instance's KV cache.
-    prefix_index_blocks: int = Field(8192, ge=0)
+    # affinity off. None: as many as each instance's KV cache holds, from its
+    # vllm:cache_config_info (8,192, about 524k tokens, until it says).
+    prefix_index_blocks: int | None = Field(None, ge=0)
     # least_time: "full" counts every output token's decode time (end-to-end latency);
     # "over_objective" only the time beyond the lane's TPOT objective.
     least_time_decode: Literal["full", "over_objective"] = "full"
@@ -176,12 +180,27 @@ class SharedSection(Frozen):
         return value
 
 
+class TracingSection(Frozen):
+    """OpenTelemetry spans (the `otel` extra); off unless an OTLP endpoint is given."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP, e.g. http://collector:4318
+    service_name: str = Field("vllm-gateway", min_length=1, max_length=200)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_http_url(value)
+        return value
+
+
 class ConfigFile(Frozen):
     gateway: GatewaySection = GatewaySection()
     dispatch: DispatchSection = DispatchSection()
     prefill: PrefillSection = PrefillSection()
     slo: SloSection = SloSection()
     shared: SharedSection = SharedSection()
+    tracing: TracingSection = TracingSection()
 
 
 # -------------------------------------------------------------- settings.json

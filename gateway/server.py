@@ -29,8 +29,8 @@ _log = log.get("gateway.server")
 
 async def start_simulated(config: Config) -> list[object]:
     """One simulated vLLM instance per configured URL, on that URL's loopback port."""
-    from loadtest.fleet import start_fleet  # only --simulate needs the simulator
-    from loadtest.sim_vllm import SimConfig
+    from .sim.fleet import start_fleet  # only --simulate needs the simulator
+    from .sim.sim_vllm import SimConfig
 
     configs, ports = [], []
     for spec in config.instances:
@@ -82,7 +82,9 @@ async def serve(
     await runner.setup()
     on_hup[0] = reload_on_signal(app)
     try:
-        host, port = await runner.listen(config.gateway.host, config.gateway.port)
+        host, port = await runner.listen(
+            config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
+        )
         url = f"http://{host}:{port}"
         _log.info("listening", url=url, instances=len(config.instances))
         if on_ready:
@@ -93,7 +95,7 @@ async def serve(
         on_hup[0] = _too_early
         await runner.cleanup()
         if sims:
-            from loadtest.fleet import stop_fleet
+            from .sim.fleet import stop_fleet
 
             await stop_fleet(sims)  # type: ignore[arg-type]
         _log.info("stopped")

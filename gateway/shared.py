@@ -159,8 +159,14 @@ class SharedState:
 
     async def run_forever(self) -> None:
         failures = 0
+        task = asyncio.current_task()
         while True:
             ok = await self.run_round()
+            # redis-py (8.1) can swallow a cancellation that lands inside a command: the
+            # command returns as if nothing happened. Honour the request here, or shutdown
+            # would wait for this task forever.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             failures = 0 if ok else failures + 1
             delay = self.interval if ok else min(BACKOFF_MAX, self.interval * 2**failures)
             await asyncio.sleep(delay)

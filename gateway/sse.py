@@ -21,7 +21,11 @@ import re
 _DONE_PAYLOADS = (b"data: [DONE]", b"data:[DONE]")
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
 _BLANK_LINE = re.compile(rb"\n\r?\n")  # a line end, then an empty line
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# The Responses API calls them output tokens.
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+# The Responses API ends its stream with one of these named events, not `data: [DONE]`.
+_RESPONSES_END = re.compile(rb"event:[ ]?(response\.(completed|incomplete|failed)|error)\r?\n")
+_HEAD = 128
 
 
 def _last_end(data: bytes, start: int) -> int:
@@ -46,10 +50,15 @@ def completion_tokens(data: bytes, start: int = 0) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def responses_finished(head: bytes) -> bool:
+    """Whether an event that starts with `head` ends a Responses API stream."""
+    return _RESPONSES_END.match(head) is not None
+
+
 class Framer:
     """Cuts a byte stream into whole SSE events and counts the data events among them."""
 
-    __slots__ = ("_held", "_open", "_tail", "done", "events", "last", "max_event")
+    __slots__ = ("_held", "_open", "_tail", "done", "events", "last", "last_head", "max_event")
 
     def __init__(self, max_event: int = 64 * 1024) -> None:
         if max_event < 16:  # [DONE] and the `data:` prefix must fit in an event's head
@@ -58,6 +67,7 @@ class Framer:
         self.events = 0  # data events passed on, [DONE] included
         self.done = False  # a `data: [DONE]` event was passed on
         self.last = b""  # the last data event other than [DONE]: where a usage chunk is
+        self.last_head = b""  # its first bytes, kept even when it is too long to keep
         self._held = b""  # the start of an unfinished event, not passed on yet
         self._open = False  # inside an oversized event whose start was passed on
         self._tail = b""  # the last bytes passed on while `_open`: a blank line may straddle
@@ -94,6 +104,7 @@ class Framer:
                 self.done = True
             else:
                 self.last = data if len(data) - 2 <= self.max_event else b""
+                self.last_head = data[:_HEAD]
             return data
         buf = held + data if held else data
         cut = _last_end(buf, max(0, len(held) - 2))
@@ -122,6 +133,7 @@ class Framer:
                 self.done = True
             else:
                 self.last = event if whole and len(event) <= limit else b""
+                self.last_head = head[:_HEAD]
 
     def _flush_oversized(self, start: bytes) -> bytes:
         """Pass on the start of an event too long to hold; count it by its first bytes."""

@@ -172,11 +172,32 @@ def media_tokens(body: Mapping[str, Any], media: MediaCosts = DEFAULT_MEDIA) -> 
     return total
 
 
+def _largest(value: Any) -> int:
+    """A text or a list of texts (documents, the second texts of score pairs): the largest."""
+    if isinstance(value, list):
+        return max((_single_prompt_tokens(v) for v in value), default=0)
+    return _single_prompt_tokens(value)
+
+
 def estimate_request(body: dict[str, Any], media: MediaCosts = DEFAULT_MEDIA) -> int:
-    """Tokens of a chat, completion or embedding request body (already parsed JSON)."""
+    """Tokens of the largest prompt in a request body (already parsed JSON).
+
+    Chat, completion, embedding and pooling bodies; the Responses API's `input` items are
+    read as messages. A rerank or score request is a batch of (query, document) pairs,
+    each its own prompt: the lane is the largest pair's.
+    """
     messages = body.get("messages")
     if isinstance(messages, list):
         return sum(_message_tokens(m, media) for m in messages) + template_json_tokens(body)
     if "prompt" in body:
         return _prompt_tokens(body["prompt"])
-    return _prompt_tokens(body.get("input"))
+    if "query" in body:  # rerank
+        return _single_prompt_tokens(body["query"]) + _largest(body.get("documents"))
+    if "text_1" in body:  # score
+        return _largest(body["text_1"]) + _largest(body.get("text_2"))
+    items = body.get("input")
+    instructions = body.get("instructions")  # the Responses API's system prompt
+    extra = estimate_text(instructions) if isinstance(instructions, str) else 0
+    if isinstance(items, list) and items and isinstance(items[0], dict):  # Responses API
+        return sum(_message_tokens(m, media) for m in items) + extra + template_json_tokens(body)
+    return _prompt_tokens(items) + extra

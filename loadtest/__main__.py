@@ -1,4 +1,4 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, overhead (see loadtest/README.md)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, prefix, overhead (see README)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest import compare, harness, lanes_bench, overhead, scenarios
+from loadtest import compare, harness, lanes_bench, overhead, prefix_bench, scenarios
+from loadtest.helpfmt import HelpFormatter
 from loadtest.loadgen import Mix
 from loadtest.workloads import ConversationMix, PrefixMix
+
+SPEEDS_HELP = "simulated instances' relative speeds, one instance each"
+SEQS_HELP = "sequences each simulated instance (and the gateway) runs at once"
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -43,21 +47,27 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1, help="workload and simulator seed")
     g.add_argument("--ttft-slo", type=float, default=1.0, help="TTFT objective, s (goodput)")
     g.add_argument("--tpot-slo", type=float, default=0.05, help="TPOT objective, s (goodput)")
-    g.add_argument("--out", type=Path, default=Path("loadtest/results"), help="report folder")
+    g.add_argument("--out", type=Path, default="loadtest/results", help="report folder")
     g.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
     g.add_argument("--limit", type=float, default=300.0, help="seconds any one run may take")
     g.add_argument(
         "--gateway-ref",
-        help="run the gateway as committed at this git ref (e.g. HEAD), not the working tree",
+        help="run the gateway as committed at this git ref, e.g. HEAD (default: the working tree)",
     )
 
 
 def _mix(p: argparse.ArgumentParser, long_share: float, max_tokens: str) -> None:
     g = p.add_argument_group("workload mix (tokens, ~4 UTF-8 bytes each)")
     g.add_argument("--long-share", type=float, default=long_share, help="share above 4096")
-    g.add_argument("--short-tokens", type=_range, default=(200, 1000), metavar="LO-HI")
-    g.add_argument("--long-tokens", type=_range, default=(5000, 8000), metavar="LO-HI")
-    g.add_argument("--max-tokens", type=_range, default=_range(max_tokens), metavar="LO-HI")
+    g.add_argument(
+        "--short-tokens", type=_range, default="200-1000", metavar="LO-HI", help="short prompts"
+    )
+    g.add_argument(
+        "--long-tokens", type=_range, default="5000-8000", metavar="LO-HI", help="long prompts"
+    )
+    g.add_argument(
+        "--max-tokens", type=_range, default=max_tokens, metavar="LO-HI", help="output tokens"
+    )
 
 
 def _shared(p: argparse.ArgumentParser) -> None:
@@ -110,54 +120,76 @@ def _shared(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--turn-tokens",
         type=_range,
-        default=ConversationMix.user_tokens,
+        default="-".join(map(str, ConversationMix.user_tokens)),
         metavar="LO-HI",
-        help="tokens of each new user message (default: 100-400)",
+        help="tokens of each new user message",
     )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest", description=__doc__, formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="scenario", required=True)
+    fmt = {"formatter_class": HelpFormatter}
 
-    p = sub.add_parser("run", help="one load against any OpenAI-compatible base URL")
+    p = sub.add_parser("run", help="one load against any OpenAI-compatible base URL", **fmt)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
-    p.add_argument("--key", required=True)
-    p.add_argument("--model", default="sim-model")
-    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--key", required=True, help="API key sent as a Bearer token")
+    p.add_argument("--model", default="sim-model", help="model named in every request")
+    p.add_argument("--requests", type=int, default=100, help="requests in the run")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=int, default=8, help="closed loop (default)")
-    mode.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    mode.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="closed loop: requests in flight (the mode unless --rate is given)",
+    )
+    mode.add_argument(
+        "--rate",
+        type=float,
+        help="open loop: Poisson arrivals per second (default: off, closed loop)",
+    )
     _mix(p, 0.2, "32-128")
     _shared(p)
     _common(p)
 
-    p = sub.add_parser("sweep", help="TTFT and TPOT against concurrency, through the gateway")
-    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))
-    p.add_argument("--levels", type=_ints, default=(1, 2, 4, 8, 16))
-    p.add_argument("--requests-per-client", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--strategy", default="least_busy")
+    p = sub.add_parser(
+        "sweep", help="TTFT and TPOT against concurrency, through the gateway", **fmt
+    )
+    p.add_argument("--speeds", type=_floats, default="1,1,1,0.4", help=SPEEDS_HELP)
+    p.add_argument("--levels", type=_ints, default="1,2,4,8,16", help="concurrency levels")
+    p.add_argument(
+        "--requests-per-client", type=int, default=16, help="requests per level and client"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=16, help=SEQS_HELP)
+    p.add_argument("--strategy", default="least_busy", help="the gateway's dispatch strategy")
     _mix(p, 0.0, "64")
     _common(p)
 
-    p = sub.add_parser("compare", help="strategies and no gateway on a one-slow-card fleet")
-    p.add_argument("--strategies", type=_names, default=("round_robin", "least_busy"))
-    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p = sub.add_parser("compare", help="strategies and no gateway on a one-slow-card fleet", **fmt)
+    p.add_argument(
+        "--strategies", type=_names, default="round_robin,least_busy", help="strategies to run"
+    )
+    p.add_argument("--speeds", type=_floats, default="1,1,1,0.4", help=SPEEDS_HELP)
+    p.add_argument("--max-num-seqs", type=int, default=16, help=SEQS_HELP)
     p.add_argument("--load", type=float, default=0.75, help="open loop: share of capacity")
     p.add_argument("--duration", type=float, default=40.0, help="open loop: seconds")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop (0: skip)")
-    p.add_argument("--closed-requests", type=int, default=160)
-    p.add_argument("--closed-long-share", type=float, default=1.0)
+    p.add_argument("--closed-requests", type=int, default=160, help="closed loop: requests")
+    p.add_argument(
+        "--closed-long-share", type=float, default=1.0, help="closed loop: share above 4096"
+    )
     p.add_argument("--clients", type=int, default=16, help="pinned clients in the baseline")
     p.add_argument("--no-independent", action="store_true", help="skip the no-gateway baseline")
-    p.add_argument("--ladder", type=_floats, default=(), help="extra loads, e.g. 0.5,0.75,1")
+    p.add_argument("--ladder", type=_floats, help="extra loads, e.g. 0.5,0.75,1 (default: none)")
     p.add_argument("--ladder-duration", type=float, default=20.0, help="seconds per ladder load")
     _mix(p, 0.2, "32-128")
     _common(p)
 
-    p = sub.add_parser("lanes", help="issue 10's mix: short prompts kept out of long prefills")
+    p = sub.add_parser(
+        "lanes", help="issue 10's mix: short prompts kept out of long prefills", **fmt
+    )
     defaults = lanes_bench.LanesOptions()
     p.add_argument("--setups", type=_names, default=defaults.setups, help="strategy[:shared],...")
     p.add_argument("--speeds", type=_floats, default=defaults.speeds)
@@ -173,7 +205,33 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=_range, default=lanes_bench.ISSUE_MIX.max_tokens)
     _common(p)
 
-    p = sub.add_parser("overhead", help="the gateway's added latency, CPU and memory")
+    p = sub.add_parser(
+        "prefix", help="prefix-cache affinity vs sticky, nginx and vllm-router", **fmt
+    )
+    p.add_argument(
+        "--scenarios",
+        type=_names,
+        default=prefix_bench.SCENARIOS,
+        help=f"any of {','.join(prefix_bench.SCENARIOS)} (default: all, in that order)",
+    )
+    p.add_argument(
+        "--setups",
+        type=_names,
+        default=prefix_bench.PrefixOptions.setups,
+        help="setups of the uniform and zipf scenarios (a strategy, strategy/no-affinity,"
+        " sticky, nginx, vllm-router)",
+    )
+    p.add_argument("--load", type=float, default=0.5, help="uniform: share of warm capacity")
+    p.add_argument("--zipf-load", type=float, default=0.85, help="zipf: share of warm capacity")
+    p.add_argument("--duration", type=float, default=40.0, help="open loop: seconds")
+    p.add_argument("--concurrency", type=int, default=64, help="saturation: closed loop")
+    p.add_argument("--saturation-requests", type=int, default=768)
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--cache-blocks", type=int, default=4000, help="per instance, 16 tokens each")
+    _common(p)
+
+    p = sub.add_parser("overhead", help="the gateway's added latency, CPU and memory", **fmt)
     p.add_argument("--idle-requests", type=int, default=400, help="per arm, concurrency 1")
     p.add_argument("--requests", type=int, default=3000, help="loaded run")
     p.add_argument("--concurrency", type=int, default=32, help="loaded run")
@@ -267,7 +325,7 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 mix=_mix_of(args),
                 independent=not args.no_independent,
                 clients=args.clients,
-                ladder=args.ladder,
+                ladder=args.ladder or (),
                 ladder_duration=args.ladder_duration,
             ),
             common,
@@ -282,6 +340,24 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 duration=args.duration,
                 mix=_mix_of(args),
                 name=args.name,
+            ),
+            common,
+        ),
+        "prefix": lambda: prefix_bench.prefix(
+            prefix_bench.PrefixOptions(
+                scenarios=args.scenarios,
+                setups=args.setups,
+                load=args.load,
+                zipf_load=args.zipf_load,
+                duration=args.duration,
+                concurrency=args.concurrency,
+                saturation_requests=args.saturation_requests,
+                conversations=replace(
+                    prefix_bench.PrefixOptions().conversations,
+                    conversations=args.conversations,
+                    turns=args.turns,
+                ),
+                cache_blocks=args.cache_blocks,
             ),
             common,
         ),

@@ -32,6 +32,7 @@ from gateway.dispatch.affinity import (
     prompt_blocks,
     prompt_text,
 )
+from loadtest.helpfmt import HelpFormatter
 
 BUDGET_US = 1000.0
 
@@ -144,10 +145,14 @@ def report(result: dict[str, float], index_blocks: int, instances: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.affinity_cost", description=__doc__)
-    parser.add_argument("--prompt-bytes", type=int, default=64 * 1024)
-    parser.add_argument("--instances", type=int, default=16)
-    parser.add_argument("--index-blocks", type=int, default=DEFAULT_INDEX_BLOCKS)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.affinity_cost", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument("--prompt-bytes", type=int, default=64 * 1024, help="prompt size")
+    parser.add_argument("--instances", type=int, default=16, help="instances scored")
+    parser.add_argument(
+        "--index-blocks", type=int, default=DEFAULT_INDEX_BLOCKS, help="prefix index capacity"
+    )
     parser.add_argument("--number", type=int, default=200, help="calls per timing run")
     parser.add_argument("--repeat", type=int, default=7, help="timing runs (the median is kept)")
     args = parser.parse_args(argv)

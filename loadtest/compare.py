@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import harness, report
 from loadtest.loadgen import (
     Client,
@@ -45,7 +46,6 @@ from loadtest.scenarios import (
     to_v1,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 
 ATTAINMENT = 0.9  # DistServe's bar: the share of requests that must meet both objectives
 
@@ -133,12 +133,13 @@ async def _one_setup(
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
 
 
-def ratios(summaries: dict[str, report.Summary], base: str, other: str) -> dict[str, float]:
-    """other / base for tok/s, p99 TTFT and goodput (1.5 tok/s and 0.5 TTFT are the targets)."""
+def ratios(summaries: dict[str, report.Summary], base: str, other: str) -> dict[str, float | None]:
+    """other / base for tok/s, p99 TTFT and goodput (1.5 tok/s and 0.5 TTFT are the targets);
+    None (JSON null) where either side has none, e.g. a p99 from fewer than 100 samples."""
     a, b = summaries[base], summaries[other]
 
-    def div(x: float | None, y: float | None) -> float:
-        return float("nan") if x is None or not y else x / y
+    def div(x: float | None, y: float | None) -> float | None:
+        return None if x is None or not y else x / y
 
     return {
         "tokens_per_s": div(b["output_tokens_per_s"], a["output_tokens_per_s"]),

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import compare, harness, report
 from loadtest.loadgen import Client, Mix, RequestSpec, Route, Run, make_workload, run_open, session
 from loadtest.scenarios import (
@@ -40,7 +41,6 @@ from loadtest.scenarios import (
     summarize,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 
 ISSUE_MIX = Mix(
     long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)

@@ -5,7 +5,7 @@ or a gateway and the bare instances) see the same prompts and the same arrival t
 `Client.send` streams one chat completion and times it from the `data:` lines it reads;
 `run_open` sends specs at their arrival times (Poisson when built with a rate), and
 `run_closed` keeps a fixed number of requests in flight. Both are bounded in count and
-in time, and print a progress line to stderr about once a second.
+in time, and show their progress on stderr (progress.py: a bar with an ETA on a terminal).
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from loadtest.progress import Progress
 
 # The simulator (and the gateway's lane estimate) count about 4 UTF-8 bytes as a token.
 BYTES_PER_TOKEN = 4
@@ -254,32 +255,6 @@ class Run:
     @property
     def duration(self) -> float:
         return max(1e-9, self.ended - self.started)
-
-
-class Progress:
-    """Prints one line a second to stderr: elapsed, sent, done, errors, rates."""
-
-    def __init__(self, run: Run, total: int, stream: TextIO | None = None) -> None:
-        self.run = run
-        self.total = total
-        self.sent = 0
-        self.stream = stream or sys.stderr
-
-    async def loop(self, every: float = 1.0) -> None:
-        last_done, last_at = 0, time.perf_counter()
-        while True:
-            await asyncio.sleep(every)
-            now = time.perf_counter()
-            results = self.run.results
-            done, errors = len(results), sum(1 for r in results if not r.ok)
-            rate = (done - last_done) / max(1e-9, now - last_at)
-            last_done, last_at = done, now
-            print(
-                f"[{self.run.label}] {now - self.run.started:6.1f}s sent {self.sent}/{self.total}"
-                f" done {done} errors {errors} in-flight {self.sent - done} {rate:6.1f} req/s",
-                file=self.stream,
-                flush=True,
-            )
 
 
 async def _bounded(run: Run, progress: Progress, work: asyncio.Task[None], limit: float) -> None:

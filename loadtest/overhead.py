@@ -30,9 +30,18 @@ from typing import Any
 
 import aiohttp
 
-from loadtest import harness, report
+from loadtest import harness, plots, report
 from loadtest.loadgen import Client, Mix, Run, make_workload, run_closed, session
-from loadtest.scenarios import Common, cores, pin_self, say, summarize, to_v1, write_json
+from loadtest.scenarios import (
+    Common,
+    cores,
+    pin_self,
+    plot_path,
+    say,
+    summarize,
+    to_v1,
+    write_json,
+)
 
 IDLE_MIX = Mix(long_share=0.0, short_tokens=(100, 100), max_tokens=(16, 16))
 STREAM_MIX = Mix(long_share=0.0, short_tokens=(50, 50), max_tokens=(32, 32))
@@ -301,6 +310,8 @@ async def overhead(opts: OverheadOptions, common: Common) -> dict[str, Any]:
     body["streams"] = await _memory(opts, common)
     _print(body)
     say(f"wrote {write_json(common, 'overhead', body)}")
+    if plot_path(common, "overhead.png"):
+        plots.plot_overhead(body, common.out / "overhead.png")
     return body
 
 

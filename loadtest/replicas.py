@@ -13,6 +13,11 @@ balancer would. Every setup gets a fresh fleet, fresh gateways (all pinned to th
 gateway core, so N replicas get no more CPU than one) and a fresh Redis. The targets:
 shared p99 TTFT at most 1.15x one replica's, output tokens/s at least 0.97x.
 
+A third part measures what sharing costs: the gateway CPU per streamed request (closed
+loop, 32 at once, instant instances) of one process with `[shared]` (publishing and
+reading, with a second idle process in the view) against the same without, alternating
+the arms so drift hits both (target: at most 5% more).
+
 A second part runs the shared-prefix workload (32 groups of 4,000-token prefixes, the
 simulator's prefix cache on, `least_time`) through 1 and N shared replicas and compares
 the fleet's prefix-cache hit rate (target: N replicas at least 0.95x one's).
@@ -33,9 +38,19 @@ from typing import Any
 
 import aiohttp
 
-from loadtest import harness, report
+from gateway.sim.sim_engine import SimConfig
+from loadtest import harness, plots, report
 from loadtest.compare import capacity
-from loadtest.loadgen import Client, Mix, RequestSpec, make_workload, run_open, session
+from loadtest.helpfmt import HelpFormatter
+from loadtest.loadgen import (
+    Client,
+    Mix,
+    RequestSpec,
+    make_workload,
+    run_closed,
+    run_open,
+    session,
+)
 from loadtest.scenarios import (
     Common,
     cores,
@@ -47,7 +62,6 @@ from loadtest.scenarios import (
     summarize,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 from loadtest.workloads import PrefixMix, make_prefix_workload
 
 SEED_MIX = Mix(
@@ -66,6 +80,8 @@ class ReplicaOptions:
     mix: Mix = field(default_factory=lambda: SEED_MIX)
     prefix: bool = True  # also the shared-prefix part
     prefix_duration: float = 30.0
+    cost_requests: int = 0  # streamed requests per arm of the cost part; 0 skips it
+    cost_rounds: int = 3
 
 
 @contextlib.asynccontextmanager
@@ -223,6 +239,8 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     }
     if opts.prefix:
         body["prefix"] = await _prefix_part(opts, common)
+    if opts.cost_requests:
+        body["cost"] = await _cost_part(opts, common)
     say(f"wrote {write_json(common, 'replicas', body)}")
     _print(body, n)
     if plot_path(common, "replicas.png"):
@@ -264,15 +282,92 @@ async def _prefix_part(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     return out
 
 
+async def _cost_part(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
+    """Gateway CPU per streamed request with and without the shared view, arms alternating."""
+    from loadtest.overhead import IDLE_MIX
+
+    gw_core, fleet_core = cores(common)
+    cpu: dict[str, list[tuple[float, int]]] = {"local": [], "shared": []}
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await stack.enter_async_context(
+            harness.fleet_process(
+                (1.0, 1.0), max_num_seqs=64, seed=common.seed, instant=True, core=fleet_core
+            )
+        )
+        url = await stack.enter_async_context(redis_process())
+        shared = {"shared": {"redis_url": url, "namespace": "cost"}}
+        arms = {
+            "local": await stack.enter_async_context(
+                harness.gateway_process(
+                    fleet.urls,
+                    strategy="least_busy",
+                    max_num_seqs=64,
+                    core=gw_core,
+                    source=common.gateway_dir,
+                )
+            ),
+            "shared": await stack.enter_async_context(
+                harness.gateway_process(
+                    fleet.urls,
+                    strategy="least_busy",
+                    max_num_seqs=64,
+                    core=gw_core,
+                    source=common.gateway_dir,
+                    extra=shared,
+                )
+            ),
+        }
+        # An idle peer: the measured process reads and decodes its publication each round.
+        await stack.enter_async_context(
+            harness.gateway_process(
+                fleet.urls, strategy="least_busy", max_num_seqs=64, core=fleet_core,
+                source=common.gateway_dir, extra=shared,
+            )
+        )  # fmt: skip
+        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        specs = make_workload(opts.cost_requests, IDLE_MIX, common.seed)
+        for _ in range(opts.cost_rounds):
+            for arm, gw in arms.items():
+                before = harness.cpu_seconds(gw.pid)
+                run = await run_closed(
+                    client, specs, lambda s, w, u=gw.base_url: u, concurrency=32,
+                    label=f"cost: {arm}", limit=common.limit,
+                )  # fmt: skip
+                done = sum(1 for r in run.results if r.ok)
+                cpu[arm].append((harness.cpu_seconds(gw.pid) - before, done))
+    per = {
+        arm: 1000 * sum(c for c, _ in runs) / max(1, sum(n for _, n in runs))
+        for arm, runs in cpu.items()
+    }
+    return {
+        "cpu_ms_per_request": per,
+        "rounds": {arm: [list(r) for r in runs] for arm, runs in cpu.items()},
+        "shared_over_local": per["shared"] / per["local"] if per["local"] else None,
+    }
+
+
+def _x(ratio: float | None, digits: int = 2) -> str:
+    # None: a side had no value, e.g. no p99 from fewer than 100 samples
+    return "n/a" if ratio is None else f"{ratio:.{digits}f}x"
+
+
 def _print(body: dict[str, Any], n: int) -> None:
     for strategy, part in body["slow_card"].items():
         say(f"\n== slow-card fleet, {strategy} ==")
         say(report.seed_table(list(part["runs"].values())))
         say(
-            f"{n} shared / 1: p99 TTFT {part['p99_ttft_shared_over_one']:.2f}x (target <= 1.15), "
-            f"tok/s {part['tok_s_shared_over_one']:.2f}x (target >= 0.97); "
-            f"not shared: {part['p99_ttft_unshared_over_one']:.2f}x, "
-            f"{part['tok_s_unshared_over_one']:.2f}x"
+            f"{n} shared / 1: p99 TTFT {_x(part['p99_ttft_shared_over_one'])} (target <= 1.15), "
+            f"tok/s {_x(part['tok_s_shared_over_one'])} (target >= 0.97); "
+            f"not shared: {_x(part['p99_ttft_unshared_over_one'])}, "
+            f"{_x(part['tok_s_unshared_over_one'])}"
+        )
+    cost = body.get("cost")
+    if cost:
+        per = cost["cpu_ms_per_request"]
+        say(
+            f"\n== cost of the shared view ==\ngateway CPU per streamed request: "
+            f"{per['local']:.3f} ms local, {per['shared']:.3f} ms shared: "
+            f"{cost['shared_over_local']:.3f}x (target <= 1.05)"
         )
     prefix = body.get("prefix")
     if prefix:
@@ -283,8 +378,8 @@ def _print(body: dict[str, Any], n: int) -> None:
             )
         )
         say(
-            f"fleet hit rate {n} shared / 1: {prefix['hit_rate_shared_over_one']:.3f}x "
-            f"(target >= 0.95); p99 TTFT {prefix['p99_ttft_shared_over_one']:.2f}x (target <= 1.15)"
+            f"fleet hit rate {n} shared / 1: {_x(prefix['hit_rate_shared_over_one'], 3)} "
+            f"(target >= 0.95); p99 TTFT {_x(prefix['p99_ttft_shared_over_one'])} (target <= 1.15)"
         )
 
 
@@ -299,11 +394,24 @@ def _plot(body: dict[str, Any], n: int, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.25
     for i, label in enumerate(labels):
-        p99 = [body["slow_card"][s]["runs"][label]["ttft_s"]["p99"] * 1000 for s in strategies]
-        tok = [body["slow_card"][s]["runs"][label]["output_tokens_per_s"] for s in strategies]
+        runs = [body["slow_card"][s]["runs"][label] for s in strategies]
+        p99 = [plots.value_or_nan(r["ttft_s"], "p99", 1000) for r in runs]
+        tok = [r["output_tokens_per_s"] for r in runs]
         xs = [x + i * width for x in range(len(strategies))]
         axes[0].bar(xs, p99, width, label=label)
         axes[1].bar(xs, tok, width, label=label)
+        for x, r in zip(xs, runs, strict=True):  # each bar's sample count; n/a with too few
+            n = plots.n_of(r["ttft_s"])
+            text = f"n/a\n(n={n}<100)" if report.too_few(r["ttft_s"], "p99") else f"n={n}"
+            axes[0].annotate(
+                text,
+                (x, 0),
+                xycoords=("data", "axes fraction"),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize=6,
+            )
     for ax, title in zip(axes, ("p99 TTFT, ms", "output tokens/s"), strict=True):
         ax.set_xticks([x + width for x in range(len(strategies))], strategies)
         ax.set_title(title)
@@ -314,28 +422,35 @@ def _plot(body: dict[str, Any], n: int, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.replicas", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.replicas",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--replicas", type=int, default=4, help="replicas in the shared setups (default: 4)"
-    )
-    p.add_argument(
-        "--strategies", default="least_busy,least_time", help="(default: least_busy,least_time)"
-    )
-    p.add_argument(
-        "--duration", type=float, default=30.0, help="seconds of arrivals per setup (default: 30)"
-    )
-    p.add_argument("--load", type=float, default=0.75, help="share of capacity (default: 0.75)")
+    p.add_argument("--replicas", type=int, default=4, help="replicas in the shared setups")
+    p.add_argument("--strategies", default="least_busy,least_time", help="strategies to run")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per setup")
+    p.add_argument("--load", type=float, default=0.75, help="share of capacity")
     p.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix part")
-    p.add_argument("--seed", type=int, default=1, help="(default: 1)")
     p.add_argument(
-        "--out", type=Path, default=Path("loadtest/results"), help="(default: loadtest/results)"
+        "--cost-requests",
+        type=int,
+        default=2000,
+        help="streamed requests per arm and round of the cost part; 0 skips it",
     )
+    p.add_argument("--seed", type=int, default=1, help="workload and simulator seed")
+    p.add_argument("--out", type=Path, default="loadtest/results", help="report folder")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
-    p.add_argument("--gateway-ref", help="run the gateway as committed at this git ref")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--gateway-ref",
+        help="run the gateway as committed at this git ref (default: the working tree)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     opts = ReplicaOptions(
         strategies=tuple(s for s in args.strategies.split(",") if s),
         replicas=args.replicas,
@@ -343,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration=args.duration,
         prefix=not args.no_prefix,
         prefix_duration=args.duration,
+        cost_requests=args.cost_requests,
     )
     with harness.exported_gateway(args.gateway_ref) as folder:
         common = Common(

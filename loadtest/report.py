@@ -20,19 +20,30 @@ from loadtest.loadgen import Result, Run
 
 Summary = dict[str, Any]
 PERCENTILES = (50, 90, 99)
+# Below 100 / (100 - p) samples the nearest-rank p-th percentile is just the maximum:
+# 99 of 50 requests is no p99, so it is not reported (None, "n/a" in tables and plots).
+MIN_SAMPLES = {50: 1, 90: 10, 99: 100}
 
 
 def percentiles(values: Iterable[float]) -> dict[str, float | None]:
-    """Nearest-rank p50/p90/p99, max and mean; None for each when there are no values."""
+    """Nearest-rank p50/p90/p99, max, mean and the sample count `n`.
+
+    A percentile is None when there are fewer than MIN_SAMPLES values for it (all are
+    None with no values).
+    """
     ordered = sorted(values)
-    if not ordered:
-        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
-    out: dict[str, float | None] = {}
+    out: dict[str, float | None] = {"n": len(ordered)}
     for p in PERCENTILES:
-        out[f"p{p}"] = ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-    out["max"] = ordered[-1]
-    out["mean"] = sum(ordered) / len(ordered)
+        enough = ordered and len(ordered) >= MIN_SAMPLES[p]
+        out[f"p{p}"] = ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)] if enough else None
+    out["max"] = ordered[-1] if ordered else None
+    out["mean"] = sum(ordered) / len(ordered) if ordered else None
     return out
+
+
+def too_few(stats: dict[str, Any], key: str) -> bool:
+    """Whether `key` (e.g. "p99") is missing for want of samples, not for want of data."""
+    return stats.get(key) is None and bool(stats.get("n"))
 
 
 def meets(result: Result, ttft_slo: float, tpot_slo: float) -> bool:
@@ -79,6 +90,42 @@ def summarize(run: Run, *, ttft_slo: float, tpot_slo: float) -> Summary:
             name: {"requests": count, "share": count / len(ok)}
             for name, count in sorted(served.items())
         },
+        "timeline": timeline(run),
+    }
+
+
+_BINS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def timeline(run: Run, most: int = 60) -> dict[str, Any]:
+    """Answers per time bin, by when they finished: ok and failed requests, output tokens,
+    and the median TTFT of the ok ones (None in a bin without any); at most `most` bins."""
+    ends = [r.sent + (r.latency or 0.0) for r in run.results]
+    if run.started > 0 or not ends:
+        start, span = run.started, run.duration
+    else:  # a run merged from several (started 0): its results' own span
+        start = min(r.sent for r in run.results)
+        span = max(1e-9, max(ends) - start)
+    size = next((b for b in _BINS if span / b <= most), _BINS[-1])
+    count = max(1, math.ceil(span / size))
+    ok, failed, tokens = [0] * count, [0] * count, [0] * count
+    ttfts: list[list[float]] = [[] for _ in range(count)]
+    for r, end in zip(run.results, ends, strict=True):
+        at = end - start
+        i = min(count - 1, max(0, int(at / size)))
+        if r.ok:
+            ok[i] += 1
+            tokens[i] += r.tokens
+            if r.ttft is not None:
+                ttfts[i].append(r.ttft)
+        else:
+            failed[i] += 1
+    return {
+        "bin_s": size,
+        "ok": ok,
+        "failed": failed,
+        "output_tokens": tokens,
+        "ttft_p50_s": [percentiles(t)["p50"] for t in ttfts],
     }
 
 
@@ -87,6 +134,14 @@ def summarize(run: Run, *, ttft_slo: float, tpot_slo: float) -> Summary:
 
 def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def ms_of(stats: dict[str, Any], key: str) -> str:
+    """A percentile in ms for a table: "n/a" where there are too few samples for it."""
+    return "n/a" if too_few(stats, key) else ms(stats[key])
+
+
+NA_NOTE = "n/a: too few samples for that percentile (p90 needs 10, p99 needs 100)"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -138,22 +193,22 @@ def run_table(summaries: Sequence[Summary]) -> str:
                 s["label"],
                 f"{s['ok']}/{s['requests']}",
                 errors,
-                ms(t["p50"]),
-                ms(t["p90"]),
-                ms(t["p99"]),
+                ms_of(t, "p50"),
+                ms_of(t, "p90"),
+                ms_of(t, "p99"),
                 ms(t["max"]),
-                ms(p["p50"]),
-                ms(p["p90"]),
-                ms(p["p99"]),
-                ms(e["p50"]),
-                ms(e["p99"]),
+                ms_of(p, "p50"),
+                ms_of(p, "p90"),
+                ms_of(p, "p99"),
+                ms_of(e, "p50"),
+                ms_of(e, "p99"),
                 ms(e["max"]),
                 f"{s['requests_per_s']:.1f}",
                 f"{s['output_tokens_per_s']:.0f}",
                 f"{s['goodput_rps']:.1f}",
             ]
         )
-    return table(headers, rows) + "\n(times in ms; goodput: req/s meeting both SLOs)"
+    return table(headers, rows) + f"\n(times in ms; goodput: req/s meeting both SLOs; {NA_NOTE})"
 
 
 def seed_table(summaries: Sequence[Summary]) -> str:
@@ -176,14 +231,14 @@ def seed_table(summaries: Sequence[Summary]) -> str:
             "-" if s["latency_s"]["max"] is None else f"{s['latency_s']['max']:.2f}",
             f"{s['output_tokens_per_s']:.0f}",
             f"{s['window_output_tokens_per_s']:.0f}",
-            ms(s["ttft_s"]["p99"]),
+            ms_of(s["ttft_s"], "p99"),
             f"{s['goodput_rps']:.2f}",
             f"{s['ok']}/{s['requests']}",
             shares_text(s),
         ]
         for s in summaries
     ]
-    return table(headers, rows)
+    return table(headers, rows) + f"\n({NA_NOTE})"
 
 
 # --- plots --------------------------------------------------------------------------------
@@ -204,21 +259,47 @@ def _pyplot() -> Any:
 
 
 def plot_sweep(points: Sequence[tuple[int, Summary]], path: Path, title: str) -> None:
-    """TTFT and TPOT percentiles (ms) against concurrency, one panel each."""
+    """TTFT and TPOT percentiles (ms) against concurrency, with each level's sample count,
+    and the throughput at each level."""
+    from loadtest.plots import n_of, value_or_nan
+
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     xs = [c for c, _ in points]
     for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
         for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-            ys = [s[key][p] * 1000 if s[key][p] is not None else math.nan for _, s in points]
-            ax.plot(xs, ys, style, label=p)
+            ys = [value_or_nan(s[key], p, 1000) for _, s in points]
+            thin = sum(1 for _, s in points if too_few(s[key], p))
+            note = f" (n/a at {thin} of {len(points)}: n<{MIN_SAMPLES[int(p[1:])]})" if thin else ""
+            ax.plot(xs, ys, style, label=p + note)
+        for x, (_, s) in zip(xs, points, strict=True):
+            ax.annotate(
+                f"n={n_of(s[key])}",
+                (x, 0),
+                xycoords=("data", "axes fraction"),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
+    ax = axes[2]
+    ax.plot(xs, [s["output_tokens_per_s"] for _, s in points], "o-", color="C2")
+    ax.set_ylabel("output tokens/s", color="C2")
+    rps = ax.twinx()
+    rps.plot(xs, [s["requests_per_s"] for _, s in points], "s--", color="C4")
+    rps.set_ylabel("requests/s", color="C4")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_title("throughput")
+    ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -226,14 +307,17 @@ def plot_sweep(points: Sequence[tuple[int, Summary]], path: Path, title: str) ->
 
 
 def plot_compare(groups: Sequence[tuple[str, Sequence[Summary]]], path: Path, title: str) -> None:
-    """Per group of runs (one per load shape): tok/s, p99 TTFT and goodput, one bar per run."""
+    """Per group of runs (one per load shape): tok/s, p99 TTFT (n=, or n/a with too few
+    samples) and goodput, one bar per run; and each run's tokens/s over time."""
+    from loadtest.plots import n_of, throughput_panel
+
     plt = _pyplot()
     metrics: tuple[tuple[str, Callable[[Summary], float]], ...] = (
         ("output tokens/s", lambda s: s["output_tokens_per_s"]),
         ("p99 TTFT (s)", lambda s: s["ttft_s"]["p99"] or math.nan),
         ("goodput (req/s)", lambda s: s["goodput_rps"]),
     )
-    fig, axes = plt.subplots(len(groups), 3, figsize=(12, 3.6 * len(groups)), squeeze=False)
+    fig, axes = plt.subplots(len(groups), 4, figsize=(16, 3.6 * len(groups)), squeeze=False)
     for row, (name, summaries) in enumerate(groups):
         labels = [s["label"] for s in summaries]
         for col, (metric, get) in enumerate(metrics):
@@ -242,6 +326,20 @@ def plot_compare(groups: Sequence[tuple[str, Sequence[Summary]]], path: Path, ti
             ax.set_xticks(range(len(labels)), labels, rotation=15, fontsize=8)
             ax.set_title(f"{name}: {metric}", fontsize=9)
             ax.grid(True, axis="y", alpha=0.3)
+            if metric.startswith("p99"):
+                for x, s in enumerate(summaries):
+                    n = n_of(s["ttft_s"])
+                    text = f"n/a\n(n={n}<100)" if too_few(s["ttft_s"], "p99") else f"n={n}"
+                    ax.annotate(
+                        text,
+                        (x, 0),
+                        xycoords=("data", "axes fraction"),
+                        xytext=(0, 3),
+                        textcoords="offset points",
+                        ha="center",
+                        fontsize=7,
+                    )
+        throughput_panel(axes[row][3], summaries)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -251,7 +349,8 @@ def plot_compare(groups: Sequence[tuple[str, Sequence[Summary]]], path: Path, ti
 def plot_ladder(
     ladder: dict[str, dict[str, Summary]], setups: Sequence[str], path: Path, capacity: float
 ) -> None:
-    """SLO attainment, p99 TTFT and tok/s against offered load, one line per setup."""
+    """SLO attainment, p99 TTFT (n/a with too few samples) and tok/s against offered load,
+    one line per setup; the legend gives each setup's sample counts."""
     plt = _pyplot()
     loads = sorted(ladder, key=float)
     xs = [float(load) * capacity for load in loads]
@@ -263,12 +362,23 @@ def plot_ladder(
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.8))
     for ax, (name, get) in zip(axes, panels, strict=True):
         for setup in setups:
-            ax.plot(xs, [get(ladder[load][setup]) for load in loads], "o-", label=setup)
+            counts = "/".join(str(ladder[load][setup]["ttft_s"].get("n", 0)) for load in loads)
+            ax.plot(
+                xs,
+                [get(ladder[load][setup]) for load in loads],
+                "o-",
+                label=f"{setup} (n={counts})",
+            )
         ax.set_xlabel("offered load (req/s)")
         ax.set_title(name, fontsize=9)
         ax.grid(True, alpha=0.3)
     axes[0].axhline(0.9, color="grey", linestyle=":", linewidth=1)
     axes[0].legend(fontsize=8)
+    thin = [
+        load for load in loads if any(too_few(r["ttft_s"], "p99") for r in ladder[load].values())
+    ]
+    if thin:
+        axes[1].set_title(f"p99 TTFT (s); n/a (n<100) at load {', '.join(thin)}", fontsize=9)
     fig.suptitle(f"open loop, estimated capacity {capacity:.1f} req/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

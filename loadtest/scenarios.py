@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest import harness, report
+from loadtest import harness, plots, report
 from loadtest.loadgen import (
     Client,
     Mix,
@@ -153,6 +153,9 @@ async def run_once(opts: RunOptions, common: Common) -> report.Summary:
     say(report.run_table([summary]))
     path = write_json(common, "run", {"options": asdict(opts) | {"key": "***"}, "run": summary})
     say(f"wrote {path}")
+    if plot_path(common, "run.png"):
+        loop = "open loop" if opts.concurrency is None else f"closed loop c={opts.concurrency}"
+        plots.plot_run(summary, common.out / "run.png", f"{opts.base_url}, {loop}")
     return summary
 
 

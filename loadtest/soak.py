@@ -27,8 +27,13 @@ from typing import Any
 
 import aiohttp
 
+from gateway.sim.sim_vllm import SimConfig, SimInstance
+from loadtest import plots
+from loadtest import report as report_
 from loadtest.harness import KEY, gateway_process, memory_kib
-from loadtest.sim_vllm import SimConfig, SimInstance
+from loadtest.helpfmt import HelpFormatter
+from loadtest.progress import make_bar, want_bar
+from loadtest.report import MIN_SAMPLES, percentiles
 
 _GRACE = 30.0  # seconds in-flight requests get after the run's time is up
 _CLIENT_TIMEOUT = 60.0
@@ -61,9 +66,11 @@ class Tally:
         default_factory=lambda: collections.defaultdict(collections.Counter)
     )
     latencies: list[float] = field(default_factory=list)
+    finished: list[tuple[float, bool, float]] = field(default_factory=list)  # (when, ok, s)
 
     def record(self, kind: Kind, outcome: str, latency: float) -> None:
         self.by_kind[kind.name][outcome] += 1
+        self.finished.append((time.monotonic(), outcome == "ok", latency))
         if outcome == "ok":
             self.answered += 1
             self.latencies.append(latency)
@@ -204,11 +211,6 @@ def _summarize_log(text: str) -> dict[str, Any]:
     }
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     speeds = [float(s) for s in args.speeds.split(",")]
     configs = [
@@ -266,10 +268,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "failed": dict(tally.failed.most_common()),
         "by_kind": {k: dict(v) for k, v in sorted(tally.by_kind.items())},
         "unfinished_workers": len(pending),
-        "latency_s": {
-            "p50": round(_percentile(tally.latencies, 0.5), 3),
-            "p99": round(_percentile(tally.latencies, 0.99), 3),
-        },
+        "latency_s": _latency(tally.latencies),
+        "timeline": plots.soak_timeline(tally.finished, started, elapsed),
         "gateway_alive_at_end": alive,
         "gateway_rss_mib": {
             "start": round(rss_start / 1024, 1),
@@ -283,7 +283,39 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _latency(latencies: list[float]) -> dict[str, Any]:
+    """n, p50 and p99 in s (nearest rank); p99 None (JSON null) below 100 answers."""
+    stats = percentiles(latencies)
+    out: dict[str, Any] = {"n": stats["n"]}
+    for key in ("p50", "p99"):
+        out[key] = None if stats[key] is None else round(stats[key], 3)
+    return out
+
+
+def _latency_text(stats: dict[str, Any]) -> str:
+    parts = []
+    for key in ("p50", "p99"):
+        value = stats[key]
+        if value is not None:
+            parts.append(f"{key} {value} s")
+        elif stats["n"]:
+            parts.append(f"{key} n/a (n<{MIN_SAMPLES[int(key[1:])]})")
+        else:
+            parts.append(f"{key} -")
+    return ", ".join(parts) + f" (n={stats['n']})"
+
+
 async def _progress(tally: Tally, started: float, until: float) -> None:
+    if want_bar(sys.stderr, None):  # a bar with an ETA on a terminal
+        with make_bar(round(until - started), "[soak]", "s", sys.stderr) as bar:
+            while True:
+                await asyncio.sleep(1.0)
+                bar.update(min(bar.total, round(time.monotonic() - started)) - bar.n)
+                bar.set_postfix_str(
+                    f"sent {tally.sent} answered {tally.answered} "
+                    f"failed {sum(tally.failed.values())}",
+                    refresh=True,
+                )
     while time.monotonic() < until:
         await asyncio.sleep(30)
         print(
@@ -302,7 +334,7 @@ def _print(report: dict[str, Any]) -> None:
     print(f"  answered  {report['answered']}")
     for outcome, count in report["failed"].items():
         print(f"  failed    {count:6d}  {outcome}")
-    print(f"  latency   p50 {report['latency_s']['p50']} s, p99 {report['latency_s']['p99']} s")
+    print(f"  latency   {_latency_text(report['latency_s'])}")
     print(f"  gateway   rss start {rss['start']} MiB, end {rss['end']} MiB, "
           f"peak {rss['peak']} MiB; alive at end: {report['gateway_alive_at_end']}")  # fmt: skip
     for name, value in report["gateway_counters"].items():
@@ -317,16 +349,23 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=180.0, help="traffic duration (default 180)")
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.soak",
+        description=__doc__.split("\n")[0],
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--seconds", type=float, default=180.0, help="traffic duration, 1..3600")
     p.add_argument("--concurrency", type=int, default=12, help="clients in the closed loop")
     p.add_argument("--speeds", default="1,1,0.5", help="one simulated instance per speed")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--strategy", default="least_busy")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per instance")
+    p.add_argument("--strategy", default="least_busy", help="the gateway's dispatch strategy")
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills")
     p.add_argument("--down-for", type=float, default=6.0, help="seconds an instance stays down")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="also write the report to this file")
+    p.add_argument("--seed", type=int, default=0, help="client i's seed is seed+i")
+    p.add_argument("--json", help="also write the report to this file (default: none)")
+    p.add_argument(
+        "--png", help="also plot latency and throughput over time, kills marked (default: none)"
+    )
     return p
 
 
@@ -337,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = asyncio.run(soak(args))
     _print(report)
+    if args.png:
+        if report_.can_plot():
+            plots.plot_soak(report, args.png)
+        else:
+            print(f"no {args.png}: matplotlib is missing (pip install -e '.[bench]')")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

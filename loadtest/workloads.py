@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.sim.sim_engine import VOCAB, count_message_tokens
 from loadtest.loadgen import (
     TEMPLATE_TOKENS,
     Client,
@@ -31,7 +32,6 @@ from loadtest.loadgen import (
     Run,
     _bounded,
 )
-from loadtest.sim_engine import VOCAB, count_message_tokens
 
 # Distinct words: two varying bytes, so each maps to its own simulator token id.
 _WORD_SPAN = (94, 92)  # first byte 33..126, second 33..124: b0 + 256 * b1 stays < 32000

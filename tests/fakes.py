@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from aiohttp import web
 from gateway import config as gateway_config
 from gateway.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
 from gateway.runner import make_runner
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 KEY = "sk-test-unified-key"
 
@@ -107,7 +108,10 @@ async def gateway_with(
     instances: Sequence[dict[str, Any]] | None = None,
     sections: dict[str, dict[str, Any]] | None = None,
     channel: dict[str, Any] | None = None,
+    send_buffer: int | None = None,
 ) -> AsyncIterator[Gateway]:
+    """`send_buffer` fixes SO_SNDBUF of client connections (Linux's autotuning off), so a
+    test of a client that stops reading does not depend on how much the kernel buffers."""
     urls: Sequence[str | dict[str, Any]] = instances or [s.url for s in sims]
     with tempfile.TemporaryDirectory() as folder:
         path = write_config(Path(folder), urls, sections=sections, channel=channel)
@@ -117,6 +121,9 @@ async def gateway_with(
     await runner.setup()
     try:
         host, port = await runner.listen("127.0.0.1", 0)
+        if send_buffer is not None:  # accepted connections inherit the listener's size
+            for listener in runner.sockets:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         yield Gateway(f"http://{host}:{port}", app, sims, config)
     finally:
         await runner.cleanup()

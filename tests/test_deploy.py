@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -26,7 +27,7 @@ from fakes import fleet, gateway_with
 from gateway.app import build_app
 from gateway.config import load
 from gateway.schema import GatewaySection
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -105,7 +106,28 @@ def test_every_manifest_parses_and_kustomization_lists_them_all() -> None:
             assert doc["apiVersion"]
             assert doc["metadata"]["name"] == "vllm-gateway"
     listed = set(_kind("Kustomization")["resources"])
-    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    folders = {p.parent.name for p in K8S.glob("*/kustomization.yaml")}
+    assert listed == ({p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}) | folders
+
+
+def test_the_replicas_share_their_view_through_the_redis_deployed_beside_them(
+    shipped: Path,
+) -> None:
+    """The ConfigMap's [shared] redis_url names the Redis Service and port of deploy/.../redis."""
+    docs = [
+        d for d in yaml.safe_load_all((K8S / "redis" / "redis.yaml").read_text()) if d is not None
+    ]
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    url = load(shipped).file.shared.redis_url
+    assert url is not None
+    parts = urlsplit(url.get_secret_value())
+    assert (parts.hostname, parts.port) == (
+        service["metadata"]["name"],
+        service["spec"]["ports"][0]["port"],
+    )
+    assert _kind("Deployment")["spec"]["replicas"] >= 2  # why the view is shared at all
 
 
 def test_probes_point_at_routes_and_the_port_the_app_serves(shipped: Path) -> None:

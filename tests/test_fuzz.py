@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.auth import KeyChecker
+from gateway.sim.sim_vllm import SimConfig
 from gateway.tokens import estimate_request
-from loadtest.sim_vllm import SimConfig
 
 LIMIT = 4096
 

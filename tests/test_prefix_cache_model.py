@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest.sim_engine import SimConfig
-from loadtest.sim_prefix_cache import PrefixCache, block_hashes, blocks_for_tokens
+from gateway.sim.sim_engine import SimConfig
+from gateway.sim.sim_prefix_cache import PrefixCache, block_hashes, blocks_for_tokens
 
 BS = 4  # a small block size keeps the examples short
 tokens = st.lists(st.integers(0, 31999), min_size=0, max_size=80)

@@ -59,3 +59,19 @@ def test_command_line_listen_address_survives_a_reload(tmp_path: Path) -> None:
     config, live, restart = merge(old, _load(tmp_path, "[gateway]\nport = 9090\n", BASE))
     assert config.gateway.port == 7000
     assert (live, restart) == ([], [])
+
+
+def test_the_shared_store_and_tracing_change_only_with_a_restart(tmp_path: Path) -> None:
+    """A new [shared] redis_url or [tracing] endpoint is reported and the running one kept."""
+    old = _load(tmp_path, '[shared]\nredis_url = "redis://127.0.0.1:6379/0"\n', BASE)
+    new = _load(
+        tmp_path,
+        '[shared]\nredis_url = "redis://127.0.0.1:6380/0"\n'
+        '[tracing]\notlp_endpoint = "http://127.0.0.1:4318"\n',
+        BASE,
+    )
+    config, live, restart = merge(old, new)
+    assert restart == ["shared.redis_url", "tracing.otlp_endpoint"]
+    assert live == []
+    assert config.file.shared == old.file.shared
+    assert config.file.tracing == old.file.tracing

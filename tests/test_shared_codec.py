@@ -47,3 +47,31 @@ def test_a_redis_url_is_logged_without_its_password() -> None:
     """The URL in logs keeps scheme, host and port, never user or password."""
     assert redacted("redis://:s3cret@cache.internal:6380/0") == "redis://cache.internal:6380"
     assert "s3cret" not in redacted("rediss://user:s3cret@host/1")
+
+
+async def test_a_cancellation_swallowed_inside_a_round_still_stops_the_loop() -> None:
+    """If the Redis client swallows the cancellation mid-command, run_forever still ends."""
+    import asyncio
+    import contextlib
+
+    from gateway.shared import SharedState
+
+    class Swallowing(SharedState):
+        async def run_round(self) -> bool:
+            # What redis-py 8.1 sometimes does with a cancellation during a command:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(10)
+            return True
+
+    shared = Swallowing.__new__(Swallowing)
+    shared.interval = 0.01
+    task = asyncio.create_task(shared.run_forever())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    try:
+        assert task in done, "run_forever kept looping after its cancellation was swallowed"
+        assert task.cancelled()
+    finally:
+        shared.run_round = lambda: asyncio.sleep(0, True)  # type: ignore[method-assign]
+        task.cancel()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import Framer
+from gateway.sse import Framer, completion_tokens, responses_finished
 
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":16}}\n\n'
@@ -177,3 +177,26 @@ def test_max_event_too_small_to_hold_done_is_refused() -> None:
     """A max_event smaller than a [DONE] event is a programming error, refused at once."""
     with pytest.raises(ValueError, match="at least 16"):
         Framer(8)
+
+
+@pytest.mark.parametrize("size", [100, 200_000])
+def test_the_last_events_head_is_kept_however_long_the_event(size: int) -> None:
+    """A Responses stream's final event is recognised even when too long to hold whole."""
+    delta = b'event: response.output_text.delta\ndata: {"delta":"x"}\n\n'
+    final = b'event: response.completed\ndata: {"response":"' + b"x" * size + b'"}\n\n'
+    stream = delta + final
+    for step in (7, 4096, len(stream)):
+        framer = Framer(64 * 1024)
+        out = b"".join(framer.feed(stream[i : i + step]) for i in range(0, len(stream), step))
+        assert out == stream
+        assert responses_finished(framer.last_head)
+        assert framer.events == 2
+
+
+def test_a_responses_usage_counts_its_output_tokens() -> None:
+    """The Responses API's usage (`output_tokens`, not `output_tokens_details`) is read."""
+    usage = b'{"usage":{"input_tokens":3,"output_tokens_details":{"r":1},"output_tokens":9}}'
+    assert completion_tokens(usage) == 9
+    framer = Framer()
+    framer.feed(b"event: response.completed\ndata: " + usage + b"\n\n")
+    assert framer.completion_tokens() == 9

@@ -181,3 +181,29 @@ def test_pixel_costing_can_be_turned_off() -> None:
     assert (
         media_tokens(chat(image(png_url(3000, 2000))), Costs(image_pixels_per_token=1000)) == 6000
     )
+
+
+def test_a_responses_request_counts_its_input_items_and_instructions() -> None:
+    """The Responses API's input items count like messages, its instructions like text."""
+    body = {
+        "instructions": "b" * 400,
+        "input": [
+            {"role": "user", "content": "a" * 4000},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "c" * 40}],
+            },
+        ],
+    }
+    assert estimate_request(body) == 100 + (PER_MESSAGE + 1000) + (PER_MESSAGE + 10)
+    assert estimate_request({"input": "a" * 4000, "instructions": "b" * 400}) == 1100
+
+
+def test_rerank_and_score_count_their_largest_pair() -> None:
+    """Each (query, document) pair is its own prompt: the lane is the largest pair's."""
+    rerank = {"query": "q" * 400, "documents": ["d" * 40, "d" * 40000, "d" * 4]}
+    assert estimate_request(rerank) == 100 + 10000
+    score = {"text_1": "q" * 400, "text_2": ["d" * 40, "d" * 4000]}
+    assert estimate_request(score) == 100 + 1000
+    assert estimate_request({"text_1": ["q" * 4, "q" * 40], "text_2": "d" * 4}) == 10 + 1

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
+from gateway.sim.sim_engine import count_message_tokens, tokenize_messages, tokenize_text
 from loadtest.loadgen import TEMPLATE_TOKENS, RequestSpec
-from loadtest.sim_engine import count_message_tokens, tokenize_messages, tokenize_text
 from loadtest.workloads import (
     ConversationMix,
     PrefixMix,

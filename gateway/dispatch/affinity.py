@@ -139,6 +139,13 @@ class PrefixIndex:
             if block in held:
                 held[block] = True
 
+    def resize(self, capacity: int) -> None:
+        """Hold at most `capacity` blocks from now on (the least recent go first)."""
+        self.capacity = max(0, capacity)
+        held = self._blocks
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
     def clear(self) -> None:
         self._blocks.clear()
 

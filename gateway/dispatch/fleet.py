@@ -1,16 +1,23 @@
 """The fleet a scheduler dispatches to: its instances, by name and by lane.
 
-`Fleet` is the scheduler's base: it holds the instance states and answers questions
-about them; `set_fleet` swaps in a new instance list (a reload) and keeps the state of
+`Fleet` is the scheduler's base: it holds the instance states, answers questions about
+them (is one up, does it serve a model, has it room for a request), and takes in what the
+shell observes of them that places no request (speeds, scrapes, other processes'
+placements). `set_fleet` swaps in a new instance list (a reload) and keeps the state of
 the instances that stay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 
-from .affinity import PrefixIndex
-from .model import HealthPolicy, InstanceSpec, InstanceState, Lane, Limits
+from . import speed
+from .affinity import BLOCK_TOKENS, PrefixIndex
+from .lanes import LaneSplit
+from .model import HealthPolicy, InstanceSpec, InstanceState, Lane, Limits, LoadReport, Ticket
+
+MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
 class Fleet:
@@ -22,6 +29,11 @@ class Fleet:
         self, specs: Sequence[InstanceSpec], limits: Limits, health_policy: HealthPolicy
     ) -> None:
         self._by_name: dict[str, InstanceState] = {}
+        # Prompts placed where they were not (all) cached yet, for the other processes'
+        # prefix indexes; the newest `MAX_PLACEMENTS` only, taken each publish round.
+        self._placements: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
+        # Which lane holds each shared instance now (lanes.py); re-sized each health round.
+        self.lanes = LaneSplit((), limits.lane_split)
         self.set_fleet(specs, limits, health_policy)
 
     def set_fleet(
@@ -49,6 +61,7 @@ class Fleet:
         self.states = states
         self.limits = limits
         self.health_policy = health_policy
+        self.lanes.set_fleet(states, limits.lane_split)  # shared ones that stay keep their lane
         self._by_name = {s.name: s for s in states}
         # Where a lane has no dedicated or shared instance, it may use any.
         self._pool = {lane: [s for s in states if s.serves(lane)] or states for lane in Lane}
@@ -77,3 +90,81 @@ class Fleet:
 
     def _alive(self, lane: Lane, model: str | None, now: float) -> bool:
         return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
+
+    # ------------------------------------------------------------ room and observations
+
+    def untried_available(
+        self, lane: Lane, tried: frozenset[str], now: float, model: str | None = None
+    ) -> bool:
+        """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
+        return any(
+            s.available(now) and s.name not in tried and s.serves_model(model)
+            for s in self._pool[lane]
+        )
+
+    def _untried_alive(self, ticket: Ticket, now: float) -> bool:
+        return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model)
+
+    def observe_tpot(self, name: str, seconds: float) -> None:
+        """A streamed answer's time per output token on `name` (if still in the fleet)."""
+        if name in self._by_name:
+            self._by_name[name].speed.observe_tpot(seconds)
+
+    def update_slow_flags(self) -> dict[str, bool]:
+        """Re-evaluate which instances are slow cards; return the flags that changed."""
+        return speed.update_slow_flags({s.name: s.speed for s in self.states})
+
+    def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The prompts placed since the last call (instance, block hashes), to publish."""
+        out = list(self._placements)
+        self._placements.clear()
+        return out
+
+    def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Another process placed these prompts: they are (about to be) cached there too,
+        so every process agrees where a prefix lives."""
+        for name, blocks in placements:
+            state = self._by_name.get(name)
+            if state is not None:
+                state.cache.insert(blocks)
+
+    def report_load(self, name: str, report: LoadReport) -> None:
+        state = self._by_name.get(name)
+        if state is None:
+            return
+        last = state.report
+        if (
+            last is not None
+            and last.prefix_queries is not None
+            and report.prefix_queries is not None
+            and report.prefix_queries < last.prefix_queries
+        ):
+            state.cache.clear()  # its counters went back: it restarted, with a cold cache
+        if self.limits.prefix_index_learned and report.cache_tokens is not None:
+            # Remember what its cache can hold, no more: a larger index would keep
+            # prefixes the instance has already evicted, and send requests after them.
+            state.cache.resize(-(-report.cache_tokens // BLOCK_TOKENS))
+        state.report = report
+        state.inflight_at_report = state.fleet_inflight
+
+    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
+        if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+            return False
+        if (
+            state.spec.lane == "any"
+            and self.lanes.capped(state)
+            and self._takes_long_place(state, ticket)
+        ):
+            return state.long_prefilling < self.limits.max_long_per_instance
+        return True
+
+    def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
+        """A long request counts as a long prefill there, unless it is cached there enough
+        that what is left to compute is short (`max_long_per_instance` binds on shared
+        instances only)."""
+        if ticket.lane is not Lane.LONG:
+            return False
+        # Only blocks already computed there count: a burst of long prompts sharing one
+        # document would otherwise all skip the cap while the first is still prefilling.
+        cached = state.cached_tokens(ticket, settled=True)
+        return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold

@@ -55,6 +55,8 @@ class LoadReport:
     # vLLM's own prefix-cache counters (tokens), where the instance exports them.
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    # Tokens its KV cache holds, from vllm:cache_config_info (0: prefix caching off).
+    cache_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class Limits:
     # prefill there and takes no `max_long_per_instance` place.
     long_input_threshold: int = 4096
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
+    # Size each index from its instance's vllm:cache_config_info once it reports it.
+    prefix_index_learned: bool = True
     # Split the shared instances between the lanes by the mix (lanes.py); False: every
     # shared instance serves both, long requests bounded by max_long_per_instance.
     lane_split: bool = True

@@ -28,13 +28,11 @@ the strategies' costs, and only its uncached part counts as prefill work.
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from . import admission, health, speed
+from . import admission, health
 from .fleet import Fleet
-from .lanes import LaneSplit
 from .model import (
     Assigned,
     Decision,
@@ -43,7 +41,6 @@ from .model import (
     InstanceState,
     Lane,
     Limits,
-    LoadReport,
     LocalShare,
     Outcome,
     PeerLoad,
@@ -54,8 +51,6 @@ from .model import (
 )
 from .queues import WaitQueues
 from .select import Strategy
-
-MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
 class UnknownTicket(KeyError):
@@ -85,13 +80,8 @@ class Scheduler(Fleet):
         super().__init__(specs, limits, health_policy)
         self.strategy = strategy
         self.closed = False
-        # Which lane holds each shared instance now (lanes.py); re-sized by `update_lanes`.
-        self.lanes = LaneSplit(self.states, limits.lane_split)
         self._queues = WaitQueues()
         self._shared = SharedView()  # the other gateway processes, as last heard
-        # Prompts placed where they were not (all) cached yet, for the other processes'
-        # prefix indexes; the newest `MAX_PLACEMENTS` only, taken each publish round.
-        self._placements: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
         self._holding: dict[int, _Held] = {}
         # Departures per lane and model: each model's instances drain its own queue.
         self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
@@ -113,7 +103,6 @@ class Scheduler(Fleet):
         """
         departed = {h.state.name: h.state for h in self._holding.values()}
         self.set_fleet(specs, limits, health_policy, departed)
-        self.lanes.set_fleet(self.states, limits.lane_split)
         return self._drain(now, rng)
 
     # ------------------------------------------------------------ queries
@@ -147,18 +136,6 @@ class Scheduler(Fleet):
         if throughput is None:
             throughput = self._throughput[key] = admission.Throughput()
         return throughput
-
-    def untried_available(
-        self, lane: Lane, tried: frozenset[str], now: float, model: str | None = None
-    ) -> bool:
-        """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
-        return any(
-            s.available(now) and s.name not in tried and s.serves_model(model)
-            for s in self._pool[lane]
-        )
-
-    def _untried_alive(self, ticket: Ticket, now: float) -> bool:
-        return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model)
 
     # ------------------------------------------------------------ requests
 
@@ -240,15 +217,6 @@ class Scheduler(Fleet):
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
         return self._drain(now, rng) if held.long_place else []
-
-    def observe_tpot(self, name: str, seconds: float) -> None:
-        """A streamed answer's time per output token on `name` (if still in the fleet)."""
-        if name in self._by_name:
-            self._by_name[name].speed.observe_tpot(seconds)
-
-    def update_slow_flags(self) -> dict[str, bool]:
-        """Re-evaluate which instances are slow cards; return the flags that changed."""
-        return speed.update_slow_flags({s.name: s.speed for s in self.states})
 
     def update_lanes(
         self, now: float, rng: random.Random
@@ -347,35 +315,6 @@ class Scheduler(Fleet):
             queued={lane: self._queues.length(lane) for lane in Lane},
         )
 
-    def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
-        """The prompts placed since the last call (instance, block hashes), to publish."""
-        out = list(self._placements)
-        self._placements.clear()
-        return out
-
-    def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
-        """Another process placed these prompts: they are (about to be) cached there too,
-        so every process agrees where a prefix lives."""
-        for name, blocks in placements:
-            state = self._by_name.get(name)
-            if state is not None:
-                state.cache.insert(blocks)
-
-    def report_load(self, name: str, report: LoadReport) -> None:
-        state = self._by_name.get(name)
-        if state is None:
-            return
-        last = state.report
-        if (
-            last is not None
-            and last.prefix_queries is not None
-            and report.prefix_queries is not None
-            and report.prefix_queries < last.prefix_queries
-        ):
-            state.cache.clear()  # its counters went back: it restarted, with a cold cache
-        state.report = report
-        state.inflight_at_report = state.fleet_inflight
-
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
         self.closed = True
@@ -383,28 +322,6 @@ class Scheduler(Fleet):
         return [Rejected(t, "shutting_down", after) for t in self._queues.clear()]
 
     # ------------------------------------------------------------ internals
-
-    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
-        if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
-            return False
-        if (
-            state.spec.lane == "any"
-            and self.lanes.capped(state)
-            and self._takes_long_place(state, ticket)
-        ):
-            return state.long_prefilling < self.limits.max_long_per_instance
-        return True
-
-    def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
-        """A long request counts as a long prefill there, unless it is cached there enough
-        that what is left to compute is short (`max_long_per_instance` binds on shared
-        instances only)."""
-        if ticket.lane is not Lane.LONG:
-            return False
-        # Only blocks already computed there count: a burst of long prompts sharing one
-        # document would otherwise all skip the cap while the first is still prefilling.
-        cached = state.cached_tokens(ticket, settled=True)
-        return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
 
     def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:
         limit = self.limits.global_limit

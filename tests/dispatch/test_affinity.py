@@ -496,3 +496,27 @@ def test_an_instance_whose_prefix_counters_go_back_restarted_with_a_cold_cache()
     assert sched.state("a").cache.match(blocks) == 4
     sched.report_load("a", LoadReport(0, 0, 0.0, 3.0, prefix_queries=40, prefix_hits=0))
     assert sched.state("a").cache.match(blocks) == 0
+
+
+def test_the_index_is_sized_from_the_instances_reported_cache() -> None:
+    """vllm:cache_config_info's size (tokens) becomes the index's capacity, evicting beyond it;
+    prefix caching off makes it 0; an operator's fixed size is left alone."""
+    rng = random.Random(0)
+    sched = Scheduler([InstanceSpec("a")], STRATEGIES["least_time"](30.0))
+    sched.probe("a", True, 0.0, rng)
+    blocks = prompt_blocks(b"q" * BLOCK_BYTES * 40)
+    sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=40 * BLOCK_TOKENS, prefix=blocks), 0.0, rng)
+    assert len(sched.state("a").cache) == 40
+    sched.report_load("a", LoadReport(1, 0, 0.1, 1.0, cache_tokens=10 * BLOCK_TOKENS))
+    cache = sched.state("a").cache
+    assert (cache.capacity, len(cache)) == (10, 10)
+    assert cache.match(blocks) == 10  # the deepest blocks went first: the head stays
+    sched.report_load("a", LoadReport(1, 0, 0.1, 2.0, cache_tokens=0))
+    assert (cache.capacity, len(cache)) == (0, 0)
+    fixed = Scheduler(
+        [InstanceSpec("a")],
+        STRATEGIES["least_time"](30.0),
+        Limits(prefix_index_blocks=500, prefix_index_learned=False),
+    )
+    fixed.report_load("a", LoadReport(0, 0, 0.0, 1.0, cache_tokens=10 * BLOCK_TOKENS))
+    assert fixed.state("a").cache.capacity == 500

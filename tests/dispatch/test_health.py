@@ -282,3 +282,34 @@ def test_failures_while_ejected_do_not_count_toward_the_next_ejection() -> None:
     assert a.consecutive_failures == 0
     assert not apply_outcome(a, Outcome.FAILURE, 11.0, policy, fleet)
     assert a.available(11.0)
+
+
+def test_good_probes_decay_the_ejection_multiplier_once_back() -> None:
+    """Each good probe after an ejection ended takes one step off the next ejection's time,
+    down to the base; a good probe while still ejected takes nothing off."""
+    states = fleet(2)
+    a = states[0]
+    fail(a, states, 5, now=0.0)
+    fail(a, states, 5, now=10.0)
+    assert (a.ejections, a.ejected_until) == (2, 30.0)
+    apply_probe(a, True, POLICY)  # still ejected: no decay
+    assert a.ejections == 2
+    assert not apply_outcome(a, Outcome.FAILURE, 20.0, POLICY, states)  # out already
+    apply_outcome(a, Outcome.SUCCESS, 30.0, POLICY, states)  # back: the ejection is over
+    assert a.ejected_until is None
+    for expected in (1, 0, 0):
+        apply_probe(a, True, POLICY)
+        assert a.ejections == expected
+    fail(a, states, 5, now=40.0)
+    assert a.ejected_until == 50.0  # the base time again
+    assert a.ejections_total == 3
+
+
+def test_a_good_probe_of_an_up_instance_keeps_its_failure_count() -> None:
+    """Probes of an instance that stays up leave consecutive failures to the requests."""
+    states = fleet(2)
+    a = states[0]
+    fail(a, states, 3)
+    apply_probe(a, True, POLICY)
+    assert a.consecutive_failures == 3
+    assert fail(a, states, 2)  # the 5th failure in a row still ejects

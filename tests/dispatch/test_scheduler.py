@@ -249,6 +249,29 @@ def test_a_new_request_does_not_overtake_its_lane_queue() -> None:
     assert sched.submit(tk(3), 0.0, rng) == Queued(tk(3), 2, FAR)
 
 
+def test_a_new_request_queues_behind_a_waiter_although_an_instance_has_room() -> None:
+    """When room appears with no event to drain the queue (an ejection ran out), a new
+    request still queues behind the waiter, and the next event serves the waiter first."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        InstanceSpec("b", slots=1),
+        limits=Limits(max_queue_per_instance=0),
+        policy=HealthPolicy(eject_after_failures=1, ejection_base=10.0),
+    )
+    bring_up(sched, rng)
+    assert assigned_to(sched.submit(tk(1, exclude={"b"}), 0.0, rng)) == "a"
+    sched.release(1, Outcome.FAILURE, 0.0, rng)  # a is ejected until t=10
+    assert assigned_to(sched.submit(tk(2), 1.0, rng)) == "b"
+    assert sched.submit(tk(3), 1.0, rng) == Queued(tk(3), 1, FAR)
+    # At t=11 a has room again, but no probe or release has come to drain the queue.
+    assert sched.state("a").available(11.0)
+    assert sched.submit(tk(4), 11.0, rng) == Queued(tk(4), 2, FAR)
+    assert sched.state("a").inflight == 0
+    assert sched.probe("a", True, 11.0, rng) == [Assigned(tk(3), "a")]
+    assert sched.release(2, Outcome.SUCCESS, 12.0, rng) == [Assigned(tk(4), "b")]
+
+
 # ------------------------------------------------------------------ lanes
 
 
@@ -616,3 +639,117 @@ def test_queued_retry_does_not_block_its_lane() -> None:
     decisions = sched.release(1, Outcome.SUCCESS, 0.0, rng)
     assert [assigned_to(d) for d in decisions] == ["b"]
     assert decisions[0].ticket.id == 2
+
+
+# ------------------------------------------------------------------ gaps mutmut found
+
+
+def test_queued_retry_is_rejected_when_its_last_untried_instance_goes_down() -> None:
+    """A retry waiting for b alone is turned away with no_instance once b's probes fail."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        InstanceSpec("b", slots=1),
+        limits=Limits(max_queue_per_instance=0, queue_retry_after=2.5),
+        policy=HealthPolicy(fall=1),
+    )
+    bring_up(sched, rng)
+    assert assigned_to(sched.submit(tk(1, exclude={"a"}), 0.0, rng)) == "b"
+    assert isinstance(sched.submit(tk(2, exclude={"a"}), 0.0, rng), Queued)
+    assert sched.probe("b", False, 1.0, rng) == [Rejected(tk(2, exclude={"a"}), "no_instance", 2.5)]
+    assert sched.queue_length(Lane.SHORT) == 0
+
+
+def test_a_waiter_whose_deadline_is_now_is_rejected_not_placed() -> None:
+    """A queued ticket whose deadline equals the drain's `now` has run out of time."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), limits=Limits(max_queue_per_instance=0))
+    bring_up(sched, rng)
+    sched.submit(tk(1), 0.0, rng)
+    sched.submit(tk(2, deadline=5.0), 0.0, rng)
+    assert sched.release(1, Outcome.SUCCESS, 5.0, rng) == [
+        Rejected(tk(2, deadline=5.0), "deadline", sched.limits.queue_retry_after)
+    ]
+
+
+def test_rejections_at_submit_carry_the_ticket_and_retry_delay() -> None:
+    """Every rejection names its ticket and the configured Retry-After delay."""
+    rng = random.Random(0)
+    sched = make("a", limits=Limits(queue_retry_after=2.5))
+    assert sched.submit(tk(1), 0.0, rng) == Rejected(tk(1), "no_instance", 2.5)
+    bring_up(sched, rng)
+    assert sched.submit(tk(2, deadline=0.0), 0.0, rng) == Rejected(
+        tk(2, deadline=0.0), "deadline", 2.5
+    )
+    sched.close()
+    assert sched.submit(tk(3), 0.0, rng) == Rejected(tk(3), "shutting_down", 2.5)
+
+
+def test_prefill_work_ahead_is_counted_and_teaches_the_prefill_rate() -> None:
+    """Prompt tokens add up while in prefill; each first token teaches (ahead + own) / ttft."""
+    rng = random.Random(0)
+    sched = make("a")
+    bring_up(sched, rng)
+    first = Ticket(1, Lane.SHORT, FAR, tokens=1000)
+    second = Ticket(2, Lane.SHORT, FAR, tokens=3000)
+    sched.submit(first, 0.0, rng)
+    sched.submit(second, 0.0, rng)
+    state = sched.state("a")
+    assert state.pending_prefill_tokens == 4000
+    assert state.assigned_total == 2
+    sched.prefill_done(1, 0.0, rng, ttft=1.0)  # 1000 tokens in 1 s
+    assert state.pending_prefill_tokens == 3000
+    assert state.speed.prefill.value == pytest.approx(1000.0)
+    # The second waited behind the first's 1000: 4000 tokens in 4 s is the same rate.
+    sched.prefill_done(2, 0.0, rng, ttft=4.0)
+    assert state.pending_prefill_tokens == 0
+    assert state.speed.prefill.value == pytest.approx(1000.0)
+    sched.release(1, Outcome.SUCCESS, 0.0, rng)
+    sched.release(2, Outcome.SUCCESS, 0.0, rng)
+    assert (state.inflight, state.pending_prefill_tokens, state.assigned_total) == (0, 0, 2)
+
+
+def test_queue_depth_is_ours_beyond_the_slots_or_what_the_instance_reports() -> None:
+    """An instance's queue depth is our requests beyond its slots, or its reported waiting
+    count when that is larger."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=2))
+    bring_up(sched, rng)
+    state = sched.state("a")
+    assert state.queue_depth() == 0
+    for i in range(5):
+        sched.submit(tk(i), 0.0, rng)
+    assert state.queue_depth() == 3
+    assert state.queue_depth(LoadReport(running=2, waiting=1, kv_usage=None, at=0.0)) == 3
+    assert state.queue_depth(LoadReport(running=2, waiting=7, kv_usage=None, at=0.0)) == 7
+
+
+def test_release_records_the_error_on_the_instance() -> None:
+    """The error text a failed release names is kept in the instance's recent errors."""
+    rng = random.Random(0)
+    sched = make("a", policy=HealthPolicy(eject_after_failures=100))
+    bring_up(sched, rng)
+    sched.submit(tk(1), 0.0, rng)
+    sched.release(1, Outcome.FAILURE, 0.0, rng, error="status 502")
+    assert sched.state("a").recent_errors == ["status 502"]
+
+
+def test_rejections_on_drain_and_close_carry_the_retry_delay() -> None:
+    """Waiters turned away when their lane dies, or at close, get the configured delay."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        limits=Limits(max_queue_per_instance=0, queue_retry_after=2.5),
+        policy=HealthPolicy(fall=1),
+    )
+    bring_up(sched, rng)
+    sched.submit(tk(1), 0.0, rng)
+    sched.submit(tk(2), 0.0, rng)
+    assert sched.probe("a", False, 1.0, rng) == [Rejected(tk(2), "no_instance", 2.5)]
+    sched.probe("a", True, 2.0, rng)
+    sched.probe("a", True, 2.0, rng)
+    assert sched.state("a").available(2.0)
+    sched.release(1, Outcome.SUCCESS, 2.0, rng)
+    sched.submit(tk(3), 2.0, rng)
+    sched.submit(tk(4), 2.0, rng)
+    assert sched.close() == [Rejected(tk(4), "shutting_down", 2.5)]

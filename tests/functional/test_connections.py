@@ -18,7 +18,7 @@ import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client import generate_latest
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 SHORT = 0.3  # every timeout under test
 DEADLINE = 3.0  # how long a test waits for what SHORT should cause
@@ -145,9 +145,10 @@ async def test_slowloris_head_gets_408_and_is_closed(gw: Gateway) -> None:
 
 async def test_many_slow_heads_are_all_cut(gw: Gateway) -> None:
     """Twenty connections holding half a head each are all closed, none left open."""
-    clients = [await Client.open(gw) for _ in range(20)]
+    clients = []
     try:
-        for client in clients:
+        for _ in range(20):  # each sends its half head at once: its timer runs from connect
+            clients.append(client := await Client.open(gw))
             await client.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         answers = await asyncio.gather(*(c.answer() for c in clients))
         assert [status for status, _, _ in answers] == [408] * 20

@@ -26,7 +26,8 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from faultproxy import FaultProxy, eventually
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim_vllm import SimConfig
+from gateway.dispatch import Lane
+from gateway.sim.sim_vllm import SimConfig
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 SLOW = SimConfig(decode_s_per_token=0.02, prefill_tokens_per_s=1e6, max_num_seqs=64)
@@ -179,25 +180,56 @@ async def test_reset_before_headers_is_served_by_another_instance(stream: bool) 
 
 
 async def test_refused_long_request_waits_for_room_on_another_instance() -> None:
-    """A long request refused by one instance waits for room on the other, then succeeds."""
+    """A long request refused by `a` waits in the gateway (it does not fail, nor crowd b's
+    single long-prefill place) until b's first long request has its first token, not its
+    last; then b serves it, after one refused attempt on a."""
     slow_prefill = SimConfig(prefill_tokens_per_s=1000, decode_s_per_token=0.001)
     sections = {
         "gateway": {"request_timeout": 20},
         "prefill": {"long_input_threshold": 100, "max_long_per_instance": 1},
     }
     long_prompt = [{"role": "user", "content": "word" * 1000}]  # 1000 tokens: 1 s of prefill
+
+    async def long_stream(max_tokens: int) -> tuple[str, list[str]]:
+        async with client.chat.completions.with_streaming_response.create(
+            model="sim-model", messages=long_prompt, stream=True, max_tokens=max_tokens
+        ) as resp:
+            lines = [line async for line in resp.iter_lines() if line]
+            return resp.headers["X-Gateway-Instance"], lines
+
     async with (
         proxied(slow_prefill, slow_prefill, sections=sections) as (gw, (a, _)),
         sdk(gw) as client,
     ):
+        sched, b = gw.dispatcher.scheduler, gw.sims[1]
         await a.refuse()
-        holder = asyncio.create_task(stream_text(client, messages=long_prompt, max_tokens=2))
-        await eventually(lambda: gw.sims[1].stats.running == 1)
-        started = time.monotonic()
-        assert await stream_text(client, messages=long_prompt, max_tokens=2)
-        assert time.monotonic() - started < 5
-        assert await holder
-        assert gw.sims[1].stats.requests == 2
+        # Round robin sends each request to a first: a refuses it, and the retry goes to b.
+        holder = asyncio.create_task(long_stream(1000))  # 1 s of prefill, 1 s of decode
+        await eventually(lambda: b.stats.running == 1, what="the first long request on b")
+        waiter = asyncio.create_task(long_stream(2))
+        await eventually(lambda: sched.queue_length(Lane.LONG) == 1, what="the second queued")
+        # b is still prefilling the first: the second waits in the gateway, not on b.
+        assert sched.state("b").long_prefilling == 1
+        assert b.stats.requests == 1
+        assert not waiter.done()
+        # The first token frees the place: b gets the second while the first still decodes.
+        await eventually(lambda: b.stats.requests == 2, what="the second sent to b")
+        assert b.stats.completed == 0
+        for task in (holder, waiter):
+            instance, lines = await task
+            assert instance == "b"
+            assert lines[-1] == "data: [DONE]"
+            assert not any('"error"' in line for line in lines)
+        assert (b.stats.requests, b.stats.completed) == (2, 2)
+        samples = await scrape(gw)
+        assert value(samples, "gateway_instance_errors_total", server="a", kind="connect") == 2
+        assert value(samples, "gateway_instance_requests_total", server="b", status="200") == 2
+        assert value(samples, "gateway_retries_total") == 2
+        long_lane = gw.metrics.lane_names[Lane.LONG]
+        assert value(samples, "gateway_queue_wait_seconds_count", lane=long_lane) == 1
+        assert value(samples, "gateway_rejections_total") == 0
+        assert value(samples, "gateway_requests_total", status="200") == 2
+        await settled(gw)
 
 
 async def test_all_instances_down_gives_503_fast_and_service_resumes() -> None:

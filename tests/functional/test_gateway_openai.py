@@ -11,7 +11,7 @@ import openai
 import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 

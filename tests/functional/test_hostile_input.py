@@ -18,7 +18,7 @@ import openai
 import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 LIMIT = 4096
 CHAT = "/v1/chat/completions"

@@ -8,7 +8,7 @@ from collections import Counter
 import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 CARD = SimConfig(decode_s_per_token=0.004, prefill_tokens_per_s=20000, max_num_seqs=8)
 

@@ -13,7 +13,7 @@ import structlog
 from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 CARD = SimConfig(decode_s_per_token=0.004, prefill_tokens_per_s=20000, max_num_seqs=8)
 _ids = itertools.count()

@@ -12,7 +12,7 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import __version__
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

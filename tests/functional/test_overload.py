@@ -15,7 +15,7 @@ import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
 
 from gateway.dispatch import Lane
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 SIM = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
 

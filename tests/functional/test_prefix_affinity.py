@@ -9,7 +9,7 @@ import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 CACHED = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=2e5, prefix_cache_blocks=4096)
 GROUPS = 4

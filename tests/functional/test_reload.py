@@ -26,7 +26,7 @@ from fakes import KEY, write_config
 from faultproxy import eventually
 from test_shutdown import ROOT, SIM, Outcome, _listening_url, _read, _stream
 
-from loadtest.sim_vllm import SimInstance
+from gateway.sim.sim_vllm import SimInstance
 
 NEW_KEY = "sk-rotated-key"
 STREAMS = 10

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 from fakes import KEY, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig
+from gateway.sim.sim_vllm import SimConfig
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {KEY}"}

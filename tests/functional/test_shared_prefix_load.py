@@ -10,11 +10,11 @@ import aiohttp
 from fakes import fleet
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.sim.sim_engine import tokenize_messages
+from gateway.sim.sim_vllm import SimConfig
 from loadtest import harness, report, scenarios
 from loadtest.__main__ import main
 from loadtest.loadgen import Client, session
-from loadtest.sim_engine import tokenize_messages
-from loadtest.sim_vllm import SimConfig
 from loadtest.workloads import (
     ConversationMix,
     PrefixMix,

@@ -14,7 +14,7 @@ from redis_server import RedisServer, redis_server
 from gateway.app import SHARED
 from gateway.dispatch import Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
 
@@ -154,7 +154,12 @@ def _belongs_to(task: asyncio.Task[object], gw: Gateway) -> bool:
 async def test_replicas_agree_where_a_prefix_lives() -> None:
     """A prompt A placed is in B's prefix index within a round, so B sends the prefix there too."""
     with redis_server() as redis:
-        fast = SimConfig(max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
+        fast = SimConfig(
+            max_num_seqs=8,
+            decode_s_per_token=0.001,
+            prefill_tokens_per_s=1e6,
+            prefix_cache_blocks=4000,
+        )
         sections_ = sections(redis)
         sections_["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
         async with (

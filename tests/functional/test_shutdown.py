@@ -29,7 +29,7 @@ import pytest
 from fakes import KEY, write_config
 from faultproxy import eventually
 
-from loadtest.sim_vllm import SimConfig, SimInstance
+from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 DRAIN = 3.0
 DELAY = 0.5  # drain_delay: shorter than what the short streams have left

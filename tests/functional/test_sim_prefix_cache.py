@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim_vllm import SimConfig, SimInstance, count_message_tokens
+from gateway.sim.sim_vllm import SimConfig, SimInstance, count_message_tokens
 from loadtest.workloads import group_prefix, unique_word
 
 PREFILL = 10_000.0  # tokens/s: slow enough that 4,000 cached tokens are 0.4 s of TTFT

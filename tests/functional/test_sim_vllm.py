@@ -13,10 +13,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.fleet import main as fleet_main
-from loadtest.fleet import start_fleet, stop_fleet
-from loadtest.sim_engine import ApiError, parse_stream
-from loadtest.sim_vllm import (
+from gateway.sim.fleet import main as fleet_main
+from gateway.sim.fleet import start_fleet, stop_fleet
+from gateway.sim.sim_engine import ApiError, parse_stream
+from gateway.sim.sim_vllm import (
     BUSY_MESSAGE,
     SimConfig,
     SimInstance,

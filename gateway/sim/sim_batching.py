@@ -6,8 +6,8 @@ import asyncio
 import collections
 from collections.abc import Sequence
 
-from loadtest.sim_engine import KV_TOKENS_PER_SEQ, SimConfig, SimStats
-from loadtest.sim_prefix_cache import PrefixCache, block_hashes
+from .sim_engine import KV_TOKENS_PER_SEQ, SimConfig, SimStats
+from .sim_prefix_cache import PrefixCache, block_hashes
 
 
 class EngineBusy(Exception):

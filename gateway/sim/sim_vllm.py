@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loadtest.sim_batching import Engine, EngineBusy, EngineRequest
-from loadtest.sim_engine import (
+from .sim_batching import Engine, EngineBusy, EngineRequest
+from .sim_engine import (
     BUSY_MESSAGE,
     MAX_MODEL_LEN,
     VOCAB,
@@ -42,6 +42,7 @@ from loadtest.sim_engine import (
     tokenize_text,
     usage_body,
 )
+from .sim_routes_extra import ExtraRoutes
 
 __all__ = [
     "BUSY_MESSAGE",
@@ -98,6 +99,24 @@ class _MetricsCollector:
         )
         success.add_metric([*values, "length"], float(stats.completed))
         yield success
+        # vLLM's static cache configuration, as an info gauge: the KV cache's size in blocks
+        # and whether prefix caching is on. Only the prefix cache is modelled here, so its
+        # blocks stand for the whole cache.
+        config = sim.config
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+        )
+        info.add_metric(
+            [
+                str(config.block_size),
+                str(config.prefix_caching),
+                str(config.prefix_cache_blocks),
+            ],
+            1.0,
+        )
+        yield info
 
 
 class SimInstance:
@@ -124,6 +143,7 @@ class SimInstance:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/tokenize", self._tokenize)
         self.app.router.add_get("/metrics", self._metrics)
+        ExtraRoutes(self).install(self.app.router)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on host:port (loopback only; port 0 picks a free one) and return the URL."""
@@ -176,8 +196,10 @@ class SimInstance:
     @web.middleware
     async def _v1_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         is_v1 = request.path.startswith("/v1/")
-        if is_v1:
-            self.stats.requests += request.method == "POST"
+        if request.method == "POST":
+            self.stats.paths[request.path] += 1
+        if is_v1 or request.method == "POST":
+            self.stats.requests += is_v1 and request.method == "POST"
             self.stats.last_headers = {k.lower(): v for k, v in request.headers.items()}
             if request_id := request.headers.get("X-Request-Id"):
                 self.stats.seen_request_ids.append(request_id)

@@ -91,6 +91,8 @@ class SimStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
     last_headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
+    last_upload: str = ""  # sha256 of the last multipart body, as it arrived
+    paths: collections.Counter[str] = field(default_factory=collections.Counter)  # POSTs
     seen_request_ids: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=1000)
     )

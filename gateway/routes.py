@@ -1,0 +1,84 @@
+"""The vLLM routes the gateway proxies: the path a client uses, the path an instance serves.
+
+Every route is served under each of the config's route prefixes (`/v1`, bare, base_url's
+path) and goes to the same place on the instance. vLLM serves its own extensions
+(`/tokenize`, `/pooling`, `/score`, `/rerank`, ...) at the root and some of them under
+`/v1` too; a client may use any of those spellings, and the instance always gets the one
+vLLM documents. `/v2/rerank` (Cohere's v2 shape) is its own route, since vLLM serves it
+apart, and is not nested under a `/v1` prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str  # label in metrics and logs
+    upstream_path: str
+    streams: bool  # the instance may answer with server-sent events (`stream` in the body)
+    path: str = ""  # under each route prefix; "" means upstream_path without its /v1
+    form: bool = False  # multipart/form-data (an upload), not JSON
+    sse_done: bool = True  # the stream ends with `data: [DONE]` (the Responses API's does not)
+    # A stream's first event is its first token of a prompt the gateway counted, so its
+    # TTFT and TPOT are measured, checked against the SLO and learned by least_time.
+    # Not so for the Responses API (`response.created` comes first) or audio (no count).
+    timed: bool = False
+
+    @property
+    def client_path(self) -> str:
+        return self.path or self.upstream_path.removeprefix("/v1")
+
+
+CHAT = Route("chat.completions", "/v1/chat/completions", streams=True, timed=True)
+COMPLETIONS = Route("completions", "/v1/completions", streams=True, timed=True)
+EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
+RESPONSES = Route("responses", "/v1/responses", streams=True, sse_done=False)
+TOKENIZE = Route("tokenize", "/tokenize", streams=False)
+DETOKENIZE = Route("detokenize", "/detokenize", streams=False)
+RERANK = Route("rerank", "/rerank", streams=False)
+RERANK_V2 = Route("rerank", "/v2/rerank", streams=False, path="/v2/rerank")
+SCORE = Route("score", "/score", streams=False)
+POOLING = Route("pooling", "/pooling", streams=False)
+CLASSIFY = Route("classify", "/classify", streams=False)
+# vLLM streams transcriptions (form field `stream`) as chat-like chunks ending in [DONE].
+TRANSCRIPTIONS = Route("audio.transcriptions", "/v1/audio/transcriptions", True, form=True)
+TRANSLATIONS = Route("audio.translations", "/v1/audio/translations", True, form=True)
+
+ROUTES = (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    RESPONSES,
+    TOKENIZE,
+    DETOKENIZE,
+    RERANK,
+    RERANK_V2,
+    SCORE,
+    POOLING,
+    CLASSIFY,
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
+)
+
+
+def mount(prefixes: Iterable[str]) -> list[tuple[str, Route]]:
+    """Every (client path, route) pair to register: each route under each prefix, once."""
+    paths: dict[str, Route] = {}
+    for prefix in prefixes:
+        for route in ROUTES:
+            if route.client_path.startswith("/v2/") and prefix.endswith("/v1"):
+                continue  # /v1/v2/rerank is nobody's spelling
+            paths.setdefault(prefix + route.client_path, route)
+    return list(paths.items())
+
+
+def summary() -> str:
+    """The routes there are, for the 404 of a path that is none of them."""
+    posts = ", ".join(dict.fromkeys(r.upstream_path for r in ROUTES))
+    return (
+        f"the routes are POST {posts} (each also bare, under /v1 and under base_url's path) "
+        "and GET /v1/models"
+    )

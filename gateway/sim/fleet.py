@@ -1,0 +1,169 @@
+"""Start a fleet of simulated vLLM instances, in-process or from the command line (loopback)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import sys
+from collections.abc import Sequence
+
+from .sim_vllm import SimConfig, SimInstance
+
+__all__ = ["main", "start_fleet", "stop_fleet"]
+
+
+def _require_loopback(host: str) -> None:
+    # The simulators are a test fixture: they must never be reachable from another machine.
+    if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+        raise ValueError(f"refusing to listen on non-loopback host {host!r}")
+
+
+async def start_fleet(
+    configs: Sequence[SimConfig],
+    host: str = "127.0.0.1",
+    ports: Sequence[int] | None = None,
+) -> list[SimInstance]:
+    """Start one instance per config (port 0 or no ports: free ports); all or none start."""
+    _require_loopback(host)
+    if ports is not None and len(ports) != len(configs):
+        raise ValueError(f"{len(configs)} configs but {len(ports)} ports")
+    instances: list[SimInstance] = []
+    try:
+        for index, config in enumerate(configs):
+            instance = SimInstance(config)
+            await instance.start(host, ports[index] if ports is not None else 0)
+            instances.append(instance)
+    except BaseException:
+        await stop_fleet(instances)
+        raise
+    return instances
+
+
+async def stop_fleet(instances: Sequence[SimInstance]) -> None:
+    """Stop all instances (concurrently)."""
+    await asyncio.gather(*(instance.stop() for instance in instances))
+
+
+def _parse_speeds(text: str) -> list[float]:
+    try:
+        speeds = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad speed list {text!r}") from exc
+    if not speeds or any(speed <= 0 for speed in speeds):
+        raise argparse.ArgumentTypeError("speeds must be positive numbers, e.g. 1,1,0.4")
+    return speeds
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each flag's help, unless the help gives its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
+def _build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Run simulated vLLM instances on 127.0.0.1 until Ctrl-C.",
+        formatter_class=_Help,
+    )
+    parser.add_argument(
+        "--speeds",
+        type=_parse_speeds,
+        default="1",  # a string default goes through type=, and --help shows it as typed
+        help="comma-separated relative speeds, one instance each",
+    )
+    parser.add_argument(
+        "--base-port", type=int, default=8000, help="first port; instance i gets base+i (0: any)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SimConfig.max_num_seqs,
+        help="sequences each instance runs at once (vLLM's --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="requests each instance queues before answering 503 (default: unbounded)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SimConfig.max_num_batched_tokens,
+        help="token budget per engine step, decodes and prefill chunks (vLLM's flag)",
+    )
+    parser.add_argument("--model", default=SimConfig.model, help="model name the instances serve")
+    parser.add_argument("--api-key", default=None, help="key the instances require (default: none)")
+    parser.add_argument("--seed", type=int, default=0, help="instance i gets seed+i")
+    parser.add_argument(
+        "--instant", action="store_true", help="answer at once, no timing model (default: off)"
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=0,
+        help="model vLLM's automatic prefix cache with this many KV blocks per instance (0: off)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=SimConfig.block_size,
+        help="tokens per KV block (vLLM's default)",
+    )
+    return parser
+
+
+async def _run(args: argparse.Namespace) -> None:
+    configs = [
+        SimConfig(
+            model=args.model,
+            speed=speed,
+            max_num_seqs=args.max_num_seqs,
+            max_waiting=args.max_waiting,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            api_key=args.api_key,
+            instant=args.instant,
+            seed=args.seed + index,
+            prefix_cache_blocks=args.prefix_cache_blocks,
+            block_size=args.block_size,
+        )
+        for index, speed in enumerate(args.speeds)
+    ]
+    ports = None if args.base_port == 0 else [args.base_port + i for i in range(len(configs))]
+    instances = await start_fleet(configs, host=args.host, ports=ports)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signum, stop.set)
+    try:
+        for instance in instances:
+            print(instance.url, flush=True)
+        await stop.wait()
+    finally:
+        await stop_fleet(instances)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m gateway.sim.fleet") -> int:
+    """CLI entry point; returns the process exit status."""
+    args = _build_parser(prog).parse_args(argv)
+    try:
+        _require_loopback(args.host)
+        asyncio.run(_run(args))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

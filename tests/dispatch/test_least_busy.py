@@ -1,0 +1,158 @@
+"""least_busy's score, `(own + others) / weight + kv + failures`, term by term; its tie-break.
+
+Every test builds a state where the term under test, and only it, decides the choice, so a
+score that drops or misapplies the term picks the other instance. Mutation testing found
+that no test failed with `weight`, `kv` or the `failures` term left out.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.dispatch import (
+    STRATEGIES,
+    Assigned,
+    HealthPolicy,
+    InstanceSpec,
+    Lane,
+    Limits,
+    LoadReport,
+    Outcome,
+    Scheduler,
+    Ticket,
+    score_all,
+)
+
+SEEDS = range(20)  # the tie-break is random: a term that decides must decide for every seed
+
+
+def make(*specs: InstanceSpec) -> Scheduler:
+    """A least_busy scheduler over `specs` that never ejects, every instance up at t=0."""
+    sched = Scheduler(
+        list(specs),
+        STRATEGIES["least_busy"](30.0, None),
+        Limits(),
+        HealthPolicy(eject_after_failures=1000),
+    )
+    rng = random.Random(0)
+    for state in sched.states:
+        sched.probe(state.name, True, 0.0, rng)
+    return sched
+
+
+def place(sched: Scheduler, ticket_id: int, on: str, rng: random.Random) -> None:
+    """Put one request of ours on instance `on` (a retry excluding all the others)."""
+    others = {s.name for s in sched.states} - {on}
+    decision = sched.submit(Ticket(ticket_id, Lane.SHORT, 1e9, frozenset(others)), 0.0, rng)
+    assert decision == Assigned(decision.ticket, on), decision
+
+
+def choose(sched: Scheduler, rng: random.Random) -> str:
+    decision = sched.submit(Ticket(99, Lane.SHORT, 1e9), 0.0, rng)
+    assert isinstance(decision, Assigned), decision
+    return decision.instance
+
+
+def test_score_adds_every_term_as_documented() -> None:
+    """own 2 + others 3 over weight 2, plus kv 0.5, plus 1 failure, totals 4.0."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", weight=2.0))
+    place(sched, 1, "a", rng)
+    place(sched, 2, "a", rng)
+    sched.release(2, Outcome.FAILURE, 0.0, rng)
+    place(sched, 3, "a", rng)
+    # The instance runs 5: our 2 (ids 1 and 3) and 3 of traffic that bypasses us.
+    sched.report_load("a", LoadReport(running=4, waiting=1, kv_usage=0.5, at=0.0))
+    score = score_all(sched.states, 0.0, 30.0)["a"]
+    assert (score.own, score.others, score.weight, score.kv, score.failures) == (2, 3, 2.0, 0.5, 1)
+    assert score.total == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_weight_divides_the_load(seed: int) -> None:
+    """An instance of weight 3 holding 2 (score 2/3) beats one of weight 1 holding 1."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("big", weight=3.0), InstanceSpec("small"))
+    place(sched, 1, "big", rng)
+    place(sched, 2, "big", rng)
+    place(sched, 3, "small", rng)
+    assert choose(sched, rng) == "big"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_consecutive_failures_count_against_an_instance(seed: int) -> None:
+    """An idle instance with 2 failures in a row loses to one holding a single request."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("failing"), InstanceSpec("busy"))
+    for i in (1, 2):
+        place(sched, i, "failing", rng)
+        sched.release(i, Outcome.FAILURE, 0.0, rng)
+    assert sched.state("failing").consecutive_failures == 2
+    place(sched, 3, "busy", rng)
+    assert choose(sched, rng) == "busy"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_success_clears_the_failures_term(seed: int) -> None:
+    """After a success the once-failing idle instance is preferred again."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("flaky"), InstanceSpec("busy"))
+    for i in (1, 2):
+        place(sched, i, "flaky", rng)
+        sched.release(i, Outcome.FAILURE, 0.0, rng)
+    place(sched, 3, "flaky", rng)
+    sched.release(3, Outcome.SUCCESS, 0.0, rng)
+    place(sched, 4, "busy", rng)
+    assert choose(sched, rng) == "flaky"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kv_cache_usage_counts_against_an_instance(seed: int) -> None:
+    """Idle with 90% of its KV cache used (0.9) loses to weight 2 holding one at 10% (0.6)."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("full_cache"), InstanceSpec("roomy", weight=2.0))
+    place(sched, 1, "roomy", rng)
+    sched.report_load("full_cache", LoadReport(running=0, waiting=0, kv_usage=0.9, at=0.0))
+    sched.report_load("roomy", LoadReport(running=1, waiting=0, kv_usage=0.1, at=0.0))
+    assert choose(sched, rng) == "roomy"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_foreign_traffic_counts_like_our_own(seed: int) -> None:
+    """An instance we hold nothing on but that reports 2 running loses to one holding 1."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("shared"), InstanceSpec("ours"))
+    place(sched, 1, "ours", rng)
+    sched.report_load("shared", LoadReport(running=2, waiting=0, kv_usage=None, at=0.0))
+    sched.report_load("ours", LoadReport(running=1, waiting=0, kv_usage=None, at=0.0))
+    assert choose(sched, rng) == "ours"
+
+
+def test_a_tie_between_two_breaks_at_random() -> None:
+    """Two idle equal instances each get a fair share of 200 requests, not always the first."""
+    rng = random.Random(7)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    counts = {"a": 0, "b": 0}
+    for i in range(200):
+        decision = sched.submit(Ticket(i, Lane.SHORT, 1e9), 0.0, rng)
+        assert isinstance(decision, Assigned)
+        counts[decision.instance] += 1
+        sched.release(i, Outcome.SUCCESS, 0.0, rng)
+    assert 70 <= counts["a"] <= 130, counts
+
+
+def test_no_report_anywhere_scores_no_foreign_load() -> None:
+    """With no fresh report in the fleet, unknown load is taken as none: others 0, kv 0."""
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    for score in score_all(sched.states, 0.0, 30.0).values():
+        assert (score.others, score.kv, score.fresh, score.total) == (0.0, 0.0, False, 0.0)
+
+
+def test_round_robin_refuses_an_empty_candidate_list() -> None:
+    """round_robin called without candidates raises, naming the mistake."""
+    strategy = STRATEGIES["round_robin"](30.0, None)
+    sched = make(InstanceSpec("a"))
+    with pytest.raises(ValueError, match=r"choose\(\) needs at least one candidate"):
+        strategy.choose([], sched.states, Ticket(1, Lane.SHORT, 1e9), 0.0, random.Random(0))
