@@ -114,13 +114,18 @@ def figures(run: Run, summary: report.Summary, slo: dict[str, float]) -> dict[st
     results = run.results
     answered = [r for r in results if r.status == 200]
     refused = [r for r in results if r.status not in (0, 200)]
-    by_status = Counter(str(r.status) if r.status in (429, 503) else "other" for r in refused)
+    by_status = Counter(_status_key(r.status) for r in refused)
     lanes = {}
     for lane, long, key in LANES:
         ttfts = [r.ttft for r in answered if r.long == long and r.ttft is not None]
         p = report.percentiles(ttfts)
         lanes[lane] = {"objective_s": slo[key], "admitted": len(ttfts), **p}
     waits = report.percentiles(r.answered for r in refused if r.answered is not None)
+    # What each second of arrivals got: shows a fresh gateway's first seconds apart.
+    timeline: dict[int, Counter[str]] = {}
+    for r in results:
+        second = timeline.setdefault(int(r.sent - run.started), Counter())
+        second[_status_key(r.status)] += 1
     return {
         "requests": len(results) + run.unfinished,
         "answered_200": len(answered),
@@ -135,7 +140,16 @@ def figures(run: Run, summary: report.Summary, slo: dict[str, float]) -> dict[st
         "duration_s": summary["duration_s"],
         "admitted_ttft_s": lanes,
         "refusal_wait_s": waits,
+        "by_second_sent": [
+            {"second": t, **{k: timeline[t].get(k, 0) for k in ("200", "429", "503", "other")}}
+            for t in sorted(timeline)
+        ],
     }
+
+
+def _status_key(status: int) -> str:
+    """200, 429 and 503 by name; any other answer, or none, as "other"."""
+    return str(status) if status in (200, 429, 503) else "other"
 
 
 def judge(entry: dict[str, Any], base_goodput: float) -> dict[str, bool | None]:

@@ -203,6 +203,12 @@ async def test_overload_smoke(tmp_path: Path) -> None:
                 == entry["requests"]
             )
             assert entry["ok"] + entry["broken_200"] == entry["answered_200"]
+            timeline = entry["by_second_sent"]
+            assert sum(t["200"] for t in timeline) == entry["answered_200"]
+            assert (
+                sum(t["429"] + t["503"] + t["other"] for t in timeline)
+                == refused + (entry["no_answer"])
+            )
             assert_consistent(entry["summary"])
             waits = entry["refusal_wait_s"]
             assert (waits["p50"] is not None) == (refused > 0)
