@@ -207,7 +207,7 @@ async def test_overload_smoke(tmp_path: Path) -> None:
             assert sum(t["200"] for t in timeline) == entry["answered_200"]
             assert (
                 sum(t["429"] + t["503"] + t["other"] for t in timeline)
-                == refused + (entry["no_answer"])
+                == refused + entry["no_answer"]
             )
             assert_consistent(entry["summary"])
             waits = entry["refusal_wait_s"]
