@@ -187,6 +187,7 @@ async def test_overload_smoke(tmp_path: Path) -> None:
     opts = overload_bench.OverloadOptions(
         speeds=(1.0, 1.0), max_num_seqs=2, loads=(1.0, 3.0), duration=0.8, mix=TINY,
         max_queue_per_instance=0,  # queue at the gateway at once, so admission has work
+        warmup=0.4,
     )  # fmt: skip
     body = await overload_bench.overload(opts, common(tmp_path))
     saved = json.loads((tmp_path / "overload.json").read_text())
@@ -218,6 +219,11 @@ async def test_overload_smoke(tmp_path: Path) -> None:
             assert sum(lane["admitted"] for lane in lanes.values()) <= entry["answered_200"]
             for lane in lanes.values():
                 assert {"objective_s", "admitted", "p50", "p99"} <= set(lane)
+            assert entry["refusal_waits"] == refused
+            warm = entry["after_warmup"]
+            assert 0 < warm["sent"] < entry["requests"]
+            assert warm["refusal_waits"] <= refused
+            assert set(warm["admitted_ttft_s"]) == set(lanes)
             assert entry["goodput_rps"] == entry["summary"]["goodput_rps"]
             assert entry["goodput_share_of_base"] is not None
             assert entry["output_tokens_per_s"] >= 0
