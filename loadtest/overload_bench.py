@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import compare, harness, report
 from loadtest.loadgen import (
     Client,
@@ -52,7 +53,6 @@ from loadtest.scenarios import (
     summarize,
     write_json,
 )
-from loadtest.sim_engine import SimConfig
 
 SETUPS = ("admission", "queue_to_deadline")
 GOODPUT_SHARE = 0.9  # of the 1x figure, at every higher load
