@@ -372,6 +372,7 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     common = _common_of(args)
+    common = replace(common, gateway_ref=harness.pin_ref(common.gateway_ref))
     try:
         with harness.exported_gateway(common.gateway_ref) as folder:
             asyncio.run(_job(args, replace(common, gateway_dir=folder)))
