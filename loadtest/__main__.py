@@ -1,4 +1,5 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, prefix, overhead (see README)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, prefix, overload, overhead (see
+loadtest/README.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest import compare, harness, lanes_bench, overhead, prefix_bench, scenarios
+from loadtest import (
+    compare,
+    harness,
+    lanes_bench,
+    overhead,
+    overload_bench,
+    prefix_bench,
+    scenarios,
+)
 from loadtest.helpfmt import HelpFormatter
 from loadtest.loadgen import Mix
 from loadtest.workloads import ConversationMix, PrefixMix
@@ -231,6 +240,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-blocks", type=int, default=4000, help="per instance, 16 tokens each")
     _common(p)
 
+    p = sub.add_parser("overload", help="admission control at 1x-10x capacity, on and off", **fmt)
+    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--loads", type=_floats, default=(1.0, 2.0, 5.0, 10.0), help="x capacity")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per load")
+    p.add_argument("--strategy", default="least_busy")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="the gateway's")
+    p.add_argument("--max-queue-per-instance", type=int, help="default: the gateway's (32)")
+    _mix(p, 0.2, "32-128")
+    _common(p)
+
     p = sub.add_parser("overhead", help="the gateway's added latency, CPU and memory", **fmt)
     p.add_argument("--idle-requests", type=int, default=400, help="per arm, concurrency 1")
     p.add_argument("--requests", type=int, default=3000, help="loaded run")
@@ -361,6 +381,19 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
             ),
             common,
         ),
+        "overload": lambda: overload_bench.overload(
+            overload_bench.OverloadOptions(
+                speeds=args.speeds,
+                max_num_seqs=args.max_num_seqs,
+                loads=args.loads,
+                duration=args.duration,
+                mix=_mix_of(args),
+                strategy=args.strategy,
+                request_timeout=args.request_timeout,
+                max_queue_per_instance=args.max_queue_per_instance,
+            ),
+            common,
+        ),
         "overhead": lambda: overhead.overhead(
             overhead.OverheadOptions(
                 idle_requests=args.idle_requests,
@@ -378,6 +411,7 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     common = _common_of(args)
+    common = replace(common, gateway_ref=harness.pin_ref(common.gateway_ref))
     try:
         with harness.exported_gateway(common.gateway_ref) as folder:
             asyncio.run(_job(args, replace(common, gateway_dir=folder)))

@@ -42,6 +42,7 @@ from loadtest.scenarios import (
     plot_path,
     relabel,
     say,
+    slo_block,
     summarize,
     to_v1,
     write_json,
@@ -113,12 +114,7 @@ async def _one_setup(
                     max_num_seqs=opts.max_num_seqs,
                     core=gw_core,
                     source=common.gateway_dir,
-                    slo={
-                        "ttft": common.ttft_slo,
-                        "tpot": common.tpot_slo,
-                        "long_ttft": common.ttft_slo,
-                        "long_tpot": common.tpot_slo,
-                    },
+                    slo=slo_block(common),
                 )
             )
             route = lambda spec, worker: gw.base_url  # noqa: E731

@@ -62,6 +62,14 @@ def source_state(ref: str | None = None) -> dict[str, Any]:
     }
 
 
+def pin_ref(ref: str | None) -> str | None:
+    """`ref` as the commit it names now (HEAD moves while a benchmark runs; the report
+    must name the commit that ran, not the one HEAD reached when it was written)."""
+    if ref is None:
+        return None
+    return _git("rev-parse", "--short", ref).strip() or ref
+
+
 @contextlib.contextmanager
 def exported_gateway(ref: str | None) -> Iterator[Path | None]:
     """The gateway package as committed at `ref`, in a temp folder; None: the working tree.

@@ -125,6 +125,7 @@ class Result:
     ttft: float | None = None
     tpot: float | None = None
     latency: float | None = None
+    answered: float | None = None  # until the status line arrived (a refusal's wait)
     tokens: int = 0
     reads: int = 0  # body reads that carried data (how chunked the stream arrived)
 
@@ -177,6 +178,7 @@ class Client:
                 headers=self.headers,
                 timeout=self.timeout,
             ) as resp:
+                result.answered = time.perf_counter() - result.sent
                 result.status = resp.status
                 result.instance = resp.headers.get("X-Gateway-Instance") or instance_label(base_url)
                 if resp.status != 200:

@@ -460,12 +460,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix_duration=args.duration,
         cost_requests=args.cost_requests,
     )
-    with harness.exported_gateway(args.gateway_ref) as folder:
+    ref = harness.pin_ref(args.gateway_ref)
+    with harness.exported_gateway(ref) as folder:
         common = Common(
             seed=args.seed,
             out=args.out,
             pin=not args.no_pin,
-            gateway_ref=args.gateway_ref,
+            gateway_ref=ref,
             gateway_dir=folder,
         )
         common.out.mkdir(parents=True, exist_ok=True)

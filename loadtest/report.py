@@ -383,3 +383,63 @@ def plot_ladder(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_overload(body: dict[str, Any], path: Path) -> None:
+    """The overload scenario against offered load, one line per setup: goodput, admitted
+    p99 TTFT per lane, and how long a refused request waited for its answer."""
+    plt = _pyplot()
+    loads = sorted(body["loads"], key=float)
+    xs = [float(load) for load in loads]
+    setups = list(body["loads"][loads[0]]["setups"])
+
+    def series(setup: str, *keys: str) -> list[float]:
+        """One figure of a setup at every load, by its path of keys (nan where None)."""
+        out = []
+        for load in loads:
+            value = body["loads"][load]["setups"][setup]
+            for key in keys:
+                value = value[key]
+            out.append(math.nan if value is None else float(value))
+        return out
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    goodput, ttft, wait = axes
+    for i, setup in enumerate(setups):
+        color = f"C{i}"
+        goodput.plot(xs, series(setup, "goodput_rps"), "o-", color=color, label=setup)
+        base = body["loads"][loads[0]]["setups"][setup]["goodput_rps"]
+        goodput.axhline(0.9 * base, color=color, linestyle=":", linewidth=1)
+        for lane, style in (("short", "o-"), ("long", "s--")):
+            ys = series(setup, "admitted_ttft_s", lane, "p99")
+            ttft.plot(xs, ys, style, color=color, label=f"{setup}, {lane}")
+        for p, style in (("p50", "o-"), ("p90", "^--")):
+            ys = series(setup, "refusal_wait_s", p)
+            wait.plot(xs, ys, style, color=color, label=f"{setup}, {p}")
+    goodput.set_ylim(bottom=0)
+    ttft.axhline(body["slo"]["ttft"], color="grey", linestyle=":", linewidth=1)
+    wait.axhline(0.1, color="grey", linestyle=":", linewidth=1)
+    titles = (
+        (goodput, "goodput, req/s within both SLOs (dotted: 90% of 1x)"),
+        (ttft, "admitted requests' p99 TTFT, s (dotted: objective)"),
+        (wait, "refused requests: time to the status line, s"),
+    )
+    from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    for ax, title in titles:
+        ax.set_xscale("log")
+        ax.set_xticks(xs, [f"{x:g}x" for x in xs])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("offered load, multiple of capacity")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in (ttft, wait):  # seconds from milliseconds to minutes
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.suptitle(f"overload: estimated capacity {body['capacity_req_per_s']:.1f} req/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -60,6 +60,16 @@ def summarize(run: Run, common: Common) -> report.Summary:
     return report.summarize(run, ttft_slo=common.ttft_slo, tpot_slo=common.tpot_slo)
 
 
+def slo_block(common: Common) -> dict[str, float]:
+    """The gateway's `[slo]` section: the objectives the load generator judges by, both lanes."""
+    return {
+        "ttft": common.ttft_slo,
+        "tpot": common.tpot_slo,
+        "long_ttft": common.ttft_slo,
+        "long_tpot": common.tpot_slo,
+    }
+
+
 def write_json(common: Common, name: str, body: dict[str, Any]) -> Path:
     """Write a report, stamped with the source it measured and how it was run."""
     common.out.mkdir(parents=True, exist_ok=True)

@@ -3,25 +3,27 @@
 When every instance is at its limit, a request waits in its lane's queue. How long it
 will wait follows from two numbers the gateway already has: how many requests must
 start before it (the queue ahead of it, plus those waiting at the instances beyond
-their running slots) and how fast the lane lets requests go (its departures per
-second over the last few seconds: a request departs when it frees the place that
-held the next one back — its slot, or on a shared instance a long request's prefill
-place). By Little's law the wait is about
+their running slots) and how fast the lane drains while it is saturated (a request
+departs when it frees the place that held the next one back: its slot, or on a shared
+instance a long request's prefill place). By Little's law the wait is about
 
-    wait = (ahead + 1) / departure rate
+    wait = (ahead + 1) / drain rate
 
-If that is beyond the request's budget (what is left of its deadline, capped by the
-lane's `max_queue_wait`), it is refused now with 429 and a `Retry-After` of the excess,
-instead of holding its client until the budget runs out.
+Its budget is what is left of its deadline, capped by the lane's `max_queue_wait`, less
+the time the lane's requests take from being sent to their first token (learned): a
+request that starts at the end of its budget should still see its first token within
+the objective. Beyond the budget, it is refused now with 429 and a `Retry-After` of the
+excess, instead of holding its client until the budget runs out.
 
-Why this and not CoDel or an adaptive concurrency limit: the departure rate is measured
-on the instances, downstream of the queue, so refusing requests does not change it;
-the admitted queue is then bounded by rate x budget and its wait by the budget, with no
-feedback loop that could oscillate (Envoy's gradient controller can, and needs a
-probing phase that lowers the limit on purpose). CoDel needs a standing queue to see a
-long sojourn before it sheds, so the first burst still waits; this predicts from the
-first request. While the rate is unknown (fewer than `MIN_DEPARTURES` in the window),
-nothing is refused by prediction and the budget's timer still bounds every wait.
+The drain rate counts only departures that found requests waiting, and the gaps between
+them: those gaps are the fleet's service time, not lulls in arrivals. So refusing does
+not lower the measured rate (a lane with requests refused still has a queue), there is
+no feedback loop that could shrink admissions toward nothing, and the admitted queue is
+bounded by rate x budget and its wait by the budget. Envoy's gradient controller, by
+contrast, can oscillate and lowers its limit on purpose to probe; CoDel needs a standing
+queue to see a long sojourn before it sheds, so the first burst still waits. While the
+rate is unknown (fewer than `MIN_DEPARTURES` saturated gaps in the window), nothing is
+refused by prediction and the budget's timer still bounds every wait.
 """
 
 from __future__ import annotations
@@ -30,40 +32,43 @@ import math
 from collections import deque
 
 MIN_DEPARTURES = 3
-WINDOW = 5.0  # seconds of departures the rate is measured over
+WINDOW = 30.0  # seconds of saturated departures the drain rate is measured over
 
 
 class Throughput:
-    """Departures per second of one lane over a sliding window of `WINDOW` seconds."""
+    """How fast one lane drains while saturated: departures per second, from the gaps
+    between departures that found requests waiting, over the last `WINDOW` seconds."""
 
     def __init__(self, window: float = WINDOW) -> None:
         self.window = window
-        self._times: deque[float] = deque()
-        self._first: float | None = None
+        self._gaps: deque[tuple[float, float]] = deque()  # (when, seconds since the last)
+        self._total = 0.0
+        self._last: float | None = None  # the previous departure, if it found a queue
 
-    def record(self, now: float) -> None:
-        if self._first is None:
-            self._first = now
-        self._times.append(now)
+    def record(self, now: float, saturated: bool = True) -> None:
+        """A departure; `saturated`: requests of the lane were waiting when it happened."""
+        if saturated and self._last is not None:
+            gap = max(0.0, now - self._last)
+            self._gaps.append((now, gap))
+            self._total += gap
+        self._last = now if saturated else None
         self._trim(now)
 
     def rate(self, now: float) -> float | None:
-        """Departures per second, or None while too few were seen to tell."""
+        """Departures per second while saturated, or None while too few were seen."""
         self._trim(now)
-        if len(self._times) < MIN_DEPARTURES or self._first is None:
+        if len(self._gaps) < MIN_DEPARTURES or self._total <= 0:
             return None
-        # Early on the window is not full yet: divide by the time actually observed.
-        span = min(self.window, max(now - self._first, 0.5))
-        return len(self._times) / span
+        return len(self._gaps) / self._total
 
     def _trim(self, now: float) -> None:
         horizon = now - self.window
-        times = self._times
-        while times and times[0] <= horizon:
-            times.popleft()
+        gaps = self._gaps
+        while gaps and gaps[0][0] <= horizon:
+            self._total -= gaps.popleft()[1]
 
     def __repr__(self) -> str:
-        return f"<Throughput {len(self._times)} in {self.window:g}s>"
+        return f"<Throughput {len(self._gaps)} saturated gaps in {self.window:g}s>"
 
 
 def predicted_wait(ahead: int, rate: float | None) -> float | None:

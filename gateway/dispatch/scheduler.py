@@ -51,6 +51,7 @@ from .model import (
 )
 from .queues import WaitQueues
 from .select import Strategy
+from .speed import Ewma
 
 
 class UnknownTicket(KeyError):
@@ -85,6 +86,9 @@ class Scheduler(Fleet):
         self._holding: dict[int, _Held] = {}
         # Departures per lane and model: each model's instances drain its own queue.
         self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
+        # Each lane's time from sending a request to its first token, leaning to the slow
+        # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
+        self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
 
     def reconfigure(
         self,
@@ -161,7 +165,10 @@ class Scheduler(Fleet):
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
         rate = self._departures(ticket.lane, ticket.model).rate(now)
         ahead = self.ahead(ticket.lane, ticket.model)
-        refused = admission.refusal(ahead, rate, wait_until - now)
+        # It must also have its first token in time once it starts: the lane's usual time
+        # from being sent to its first token comes off the budget.
+        budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
+        refused = admission.refusal(ahead, rate, budget)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
@@ -216,6 +223,7 @@ class Scheduler(Fleet):
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
+            self._service_ttft[held.ticket.lane].update(ttft)
         return self._drain(now, rng) if held.long_place else []
 
     def update_lanes(
@@ -244,7 +252,7 @@ class Scheduler(Fleet):
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
             held.state.cache.settle(held.ticket.prefix)
         if not self._departs_at_prefill(held):
-            self._departures(held.ticket.lane, held.ticket.model).record(now)
+            self._depart(held, now)
         held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
@@ -255,7 +263,14 @@ class Scheduler(Fleet):
         if held.long_place:
             held.state.long_prefilling -= 1
         if self._departs_at_prefill(held):
-            self._departures(Lane.LONG, held.ticket.model).record(now)
+            self._depart(held, now)
+
+    def _depart(self, held: _Held, now: float) -> None:
+        """`held` frees the place that held the next request of its lane back: a departure,
+        saturated if requests of its lane and model were waiting for it."""
+        lane, model = held.ticket.lane, held.ticket.model
+        saturated = self._queues.length_for(lane, model) > 0
+        self._departures(lane, model).record(now, saturated)
 
     @staticmethod
     def _departs_at_prefill(held: _Held) -> bool:

@@ -150,11 +150,12 @@ class LeastTime:
 
     For each candidate, with its learned prefill rate (tokens/s) and TPOT:
 
-        ahead     = uncached prompt tokens of ours still in prefill there
-                    + others' requests (from /metrics) x this request's prompt size
         cached    = this prompt's tokens estimated in its prefix cache (affinity.py)
+        uncached  = prompt tokens - cached
+        ahead     = uncached prompt tokens of ours (and peers') still in prefill there
+                    + others' requests (from /metrics) x uncached
         slot_wait = when all its slots are taken: (queued + 1) x max_tokens x tpot / slots
-        ttft      = (ahead + prompt tokens - cached) / prefill rate + slot_wait
+        ttft      = (ahead + uncached) / prefill rate + slot_wait
         decode    = max_tokens x tpot                             (decode = "full")
                     max_tokens x max(0, tpot - the lane's TPOT objective)
                                                                   (decode = "over_objective")
@@ -210,12 +211,16 @@ class LeastTime:
         for state in candidates:
             rate = state.speed.prefill_rate or prefill_median
             tpot = state.speed.tpot_value or tpot_median
+            uncached = ticket.tokens - state.cached_tokens(ticket)
+            # Others' requests (traffic we did not send, or a scrape that lags ours) are
+            # taken at this request's uncached size there: counting each as a whole prompt
+            # would let one phantom request outweigh a cached prefix's saving.
             ahead = (
                 state.pending_prefill_tokens
                 + state.peers.pending_prefill_tokens
-                + loads[state.name].others * ticket.tokens
+                + loads[state.name].others * uncached
             )
-            ttft = (ahead + ticket.tokens - state.cached_tokens(ticket)) / rate
+            ttft = (ahead + uncached) / rate
             queued = state.fleet_inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots

@@ -36,24 +36,35 @@ def make(*specs: InstanceSpec, **limits: float) -> Scheduler:
     return sched
 
 
-def test_rate_is_unknown_until_three_departures() -> None:
-    """Fewer than three departures tell nothing; then the rate is count / time observed."""
-    t = Throughput(window=5.0)
+def test_rate_is_unknown_until_three_saturated_gaps() -> None:
+    """Fewer than three gaps between saturated departures tell nothing; then it is their mean."""
+    t = Throughput(window=30.0)
     assert t.rate(0.0) is None
-    t.record(0.0)
-    t.record(0.5)
-    assert t.rate(1.0) is None
-    t.record(1.0)
-    assert t.rate(1.0) == 3 / 1.0
+    for at in (0.0, 0.5, 1.0):
+        t.record(at)
+    assert t.rate(1.0) is None  # two gaps
+    t.record(1.5)
+    assert t.rate(1.5) == 3 / 1.5
 
 
-def test_rate_forgets_departures_older_than_its_window() -> None:
-    """Departures leave the window after `window` seconds, and the rate falls with them."""
+def test_lulls_between_unsaturated_departures_do_not_lower_the_rate() -> None:
+    """A departure that found no queue breaks the chain: the idle time after it is no gap."""
+    t = Throughput(window=30.0)
+    for at in (0.0, 0.5, 1.0, 1.5):  # saturated: 2 per second
+        t.record(at)
+    t.record(2.0, saturated=False)  # the queue ran dry: arrivals, not service, set the pace
+    for at in (10.0, 10.5, 11.0):  # saturated again after a lull
+        t.record(at)
+    assert t.rate(11.0) == 2.0
+
+
+def test_rate_forgets_gaps_older_than_its_window() -> None:
+    """Gaps leave the window after `window` seconds, and with too few left it is unknown."""
     t = Throughput(window=5.0)
-    for i in range(10):
+    for i in range(11):
         t.record(i * 0.1)
     assert t.rate(1.0) == 10 / 1.0
-    assert t.rate(5.05) == 9 / 5.0
+    assert t.rate(5.05) == 9 / 0.9
     assert t.rate(10.0) is None
 
 
@@ -96,16 +107,23 @@ def test_expire_rejects_only_a_ticket_still_queued_and_due() -> None:
 
 
 def saturate(sched: Scheduler, rng: random.Random, departures: int, every: float) -> float:
-    """Keep instance "a" (one slot) full and let `departures` requests finish, `every` s apart."""
+    """Keep instance "a" (one slot) full with one request waiting behind it, and let
+    `departures` requests finish `every` s apart; at the end the one waiting is placed and
+    nothing waits."""
     now = 0.0
     ids = iter(range(1000, 100_000))
     held = next(ids)
     sched.submit(Ticket(held, Lane.SHORT, FAR), now, rng)
-    for _ in range(departures):
+    waiting = next(ids)
+    sched.submit(Ticket(waiting, Lane.SHORT, FAR), now, rng)
+    for step in range(departures):
         now += every
-        sched.release(held, Outcome.SUCCESS, now, rng)
-        held = next(ids)
-        assert isinstance(sched.submit(Ticket(held, Lane.SHORT, FAR), now, rng), Assigned)
+        placed = sched.release(held, Outcome.SUCCESS, now, rng)
+        assert [d.ticket.id for d in placed] == [waiting]
+        held = waiting
+        if step < departures - 1:
+            waiting = next(ids)
+            assert isinstance(sched.submit(Ticket(waiting, Lane.SHORT, FAR), now, rng), Queued)
     return now
 
 
@@ -138,18 +156,42 @@ def test_long_request_on_a_shared_instance_departs_when_its_prefill_ends() -> No
     rng = random.Random(0)
     sched = make(InstanceSpec("a", slots=100), max_long_per_instance=1)  # type: ignore[arg-type]
     now = 0.0
-    for i in range(1, 5):
-        assert isinstance(sched.submit(Ticket(i, Lane.LONG, FAR, tokens=8000), now, rng), Assigned)
+    tickets = [Ticket(i, Lane.LONG, FAR, tokens=8000) for i in range(1, 7)]
+    assert isinstance(sched.submit(tickets[0], now, rng), Assigned)
+    for ticket in tickets[1:]:
+        assert isinstance(sched.submit(ticket, now, rng), Queued)
+    for i in range(1, 6):  # each first token lets the next long request in
         now += 0.5
-        sched.prefill_done(i, now, rng)
+        assert [d.ticket.id for d in sched.prefill_done(i, now, rng)] == [i + 1]
     assert sched.predicted_wait(Lane.LONG, now) is not None
     assert sched.predicted_wait(Lane.SHORT, now) is None  # nothing left a slot yet
+
+
+def test_the_lanes_time_to_first_token_comes_off_the_budget() -> None:
+    """A request that could start in 1.5 s of a 2 s budget is refused once the lane's
+    requests take a second from being sent to their first token."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=2.0)
+    now = saturate(sched, rng, departures=6, every=0.5)
+    sched.submit(Ticket(1, Lane.SHORT, FAR), now, rng)  # waits 0.5 s
+    sched.submit(Ticket(2, Lane.SHORT, FAR), now, rng)  # waits 1.0 s
+    assert isinstance(sched.submit(Ticket(3, Lane.SHORT, FAR), now, rng), Queued)  # 1.5 s
+    for ticket_id in (1, 2, 3):
+        sched.cancel(ticket_id)
+    held = sched._holding  # the one request "a" runs now: its first token took a second
+    (running,) = held
+    sched.prefill_done(running, now, rng, ttft=1.0)
+    sched.submit(Ticket(4, Lane.SHORT, FAR), now, rng)  # waits 0.5 s: within 2 - 1
+    sched.submit(Ticket(5, Lane.SHORT, FAR), now, rng)  # 1.0 s: exactly the budget
+    refused = sched.submit(Ticket(6, Lane.SHORT, FAR), now, rng)  # 1.5 s: over
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "predicted_wait"
 
 
 @given(
     departures=st.integers(3, 40),
     every=st.floats(0.05, 1.0),
-    budget=st.floats(0.5, 30.0),
+    budget=st.floats(1.5, 30.0),  # above `every`: the one waiting never times out
     arrivals=st.integers(1, 200),
 )
 def test_admitted_queue_never_exceeds_rate_times_budget(
@@ -174,16 +216,17 @@ def test_one_models_queue_does_not_get_another_model_refused() -> None:
         InstanceSpec("b", slots=1, models=frozenset({"model-b"})),
         max_queue_wait_short=2.0,
     )
-    now, held = 0.0, 100
-    for model in ("model-a", "model-b"):
-        held += 1
-        sched.submit(Ticket(held, Lane.SHORT, FAR, model=model), now, rng)
-    for _ in range(6):  # model-a's instance finishes one request every 0.5 s
+    now = 0.0
+    sched.submit(Ticket(100, Lane.SHORT, FAR, model="model-b"), now, rng)
+    running, waiting = 101, 102
+    sched.submit(Ticket(running, Lane.SHORT, FAR, model="model-a"), now, rng)
+    sched.submit(Ticket(waiting, Lane.SHORT, FAR, model="model-a"), now, rng)
+    for step in range(6):  # model-a's instance finishes one request every 0.5 s, saturated
         now += 0.5
-        sched.release(held - 1, Outcome.SUCCESS, now, rng)
-        held += 1
-        sched.submit(Ticket(held, Lane.SHORT, FAR, model="model-a"), now, rng)
-        held += 1  # keep ids apart from model-b's one held ticket
+        sched.release(running, Outcome.SUCCESS, now, rng)
+        running, waiting = waiting, 103 + step
+        sched.submit(Ticket(waiting, Lane.SHORT, FAR, model="model-a"), now, rng)
+    sched.cancel(waiting)
     queued = [sched.submit(Ticket(i, Lane.SHORT, FAR, model="model-a"), now, rng) for i in range(4)]
     assert isinstance(queued[-1], Queued)
     refused = sched.submit(Ticket(10, Lane.SHORT, FAR, model="model-a"), now, rng)

@@ -520,3 +520,25 @@ def test_the_index_is_sized_from_the_instances_reported_cache() -> None:
     )
     fixed.report_load("a", LoadReport(0, 0, 0.0, 1.0, cache_tokens=10 * BLOCK_TOKENS))
     assert fixed.state("a").cache.capacity == 500
+
+
+def test_a_cached_prefix_is_not_outweighed_by_one_other_request_on_its_instance() -> None:
+    """One request of others' traffic where a 4,000-token prefix is cached costs the size of
+    this request's uncached tail there, not a whole prompt: the cached instance still wins."""
+    rng = random.Random(0)
+    sched = Scheduler([InstanceSpec("a"), InstanceSpec("b")], STRATEGIES["least_time"](30.0))
+    for name in ("a", "b"):
+        sched.probe(name, True, 0.0, rng)
+    prefix = b"s" * BLOCK_BYTES * 64  # 64 blocks of 64 tokens: 4,096 tokens
+    first = prompt_blocks(prefix + b"one" * 300)
+    sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4300, prefix=first), 0.0, rng)
+    placed = sched.holder(1)
+    sched.release(1, Outcome.SUCCESS, 0.5, rng)
+    assert placed is not None
+    other = "b" if placed == "a" else "a"
+    sched.report_load(placed, LoadReport(1, 0, 0.1, 1.0))  # one request we did not send
+    sched.report_load(other, LoadReport(0, 0, 0.0, 1.0))  # idle
+    again = Ticket(2, Lane.SHORT, 1e9, tokens=4300, prefix=prompt_blocks(prefix + b"two" * 300))
+    decision = sched.submit(again, 1.0, rng)
+    assert isinstance(decision, Assigned)
+    assert decision.instance == placed

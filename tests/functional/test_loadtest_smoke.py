@@ -20,7 +20,7 @@ import pytest
 from fakes import fleet
 
 from gateway.sim.sim_vllm import SimConfig
-from loadtest import compare, progress, report, scenarios, soak
+from loadtest import compare, overload_bench, progress, report, scenarios, soak
 from loadtest.__main__ import main
 from loadtest.loadgen import Client, Mix, Result, Run, make_workload, run_open, session
 from loadtest.overhead import OverheadOptions, overhead, top_frames
@@ -409,3 +409,57 @@ def test_soak_smoke_writes_its_report_and_plot(tmp_path: Path, figures: list[str
     n = body["latency_s"]["n"]
     needle = "p99 n/a (n<100)" if n < 100 else "p99 "
     assert_plotted(figures, f"n={n} answered", needle, "throughput over time")
+
+
+async def test_overload_smoke(tmp_path: Path) -> None:
+    """overload runs both setups at each load; every request is counted once, every refusal
+    has a wait, and the JSON holds each figure the page reports."""
+    opts = overload_bench.OverloadOptions(
+        speeds=(1.0, 1.0), max_num_seqs=2, loads=(1.0, 3.0), duration=0.8, mix=TINY,
+        max_queue_per_instance=0,  # queue at the gateway at once, so admission has work
+        warmup=0.4,
+    )  # fmt: skip
+    body = await overload_bench.overload(opts, common(tmp_path))
+    saved = json.loads((tmp_path / "overload.json").read_text())
+    assert set(saved["loads"]) == {"1", "3"}
+    assert set(saved["verdict"]) == set(overload_bench.SETUPS)
+    for key, at_load in saved["loads"].items():
+        assert at_load["offered_rps"] == pytest.approx(float(key) * saved["capacity_req_per_s"])
+        assert set(at_load["setups"]) == set(overload_bench.SETUPS)
+        for entry in at_load["setups"].values():
+            assert entry["requests"] == at_load["sent"]
+            refused = sum(entry["refused"].values())
+            assert (
+                entry["answered_200"] + refused + entry["no_answer"] + entry["unfinished"]
+                == entry["requests"]
+            )
+            assert entry["ok"] + entry["broken_200"] == entry["answered_200"]
+            timeline = entry["by_second_sent"]
+            assert sum(t["200"] for t in timeline) == entry["answered_200"]
+            assert (
+                sum(t["429"] + t["503"] + t["other"] for t in timeline)
+                == refused + entry["no_answer"]
+            )
+            assert_consistent(entry["summary"])
+            waits = entry["refusal_wait_s"]
+            assert (waits["p50"] is not None) == (refused > 0)
+            if refused:
+                assert 0 < waits["p50"] <= waits["p90"] <= waits["max"]
+            lanes = entry["admitted_ttft_s"]
+            assert sum(lane["admitted"] for lane in lanes.values()) <= entry["answered_200"]
+            for lane in lanes.values():
+                assert {"objective_s", "admitted", "p50", "p99"} <= set(lane)
+            assert entry["refusal_waits"] == refused
+            warm = entry["after_warmup"]
+            assert 0 < warm["sent"] < entry["requests"]
+            assert warm["refusal_waits"] <= refused
+            assert set(warm["admitted_ttft_s"]) == set(lanes)
+            assert entry["goodput_rps"] == entry["summary"]["goodput_rps"]
+            assert entry["goodput_share_of_base"] is not None
+            assert entry["output_tokens_per_s"] >= 0
+            expected = set() if key == "1" else set(overload_bench.judge(entry, 1.0))
+            assert set(entry["targets"]) == expected
+    # Three times the capacity with no room at the instances: admission refuses some at once.
+    assert sum(saved["loads"]["3"]["setups"]["admission"]["refused"].values()) > 0
+    assert body["loads"]["1"]["setups"]["admission"]["goodput_share_of_base"] == 1.0
+    assert (tmp_path / "overload.png").exists() == report.can_plot()
