@@ -98,7 +98,7 @@ class DispatchSection(Frozen):
     prefix_index_blocks: int | None = Field(None, ge=0)
     # least_time: "full" counts every output token's decode time (end-to-end latency);
     # "over_objective" only the time beyond the lane's TPOT objective.
-    least_time_decode: Literal["full", "over_objective"] = "full"
+    least_time_decode: Literal["full", "over_objective"] = "over_objective"
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")

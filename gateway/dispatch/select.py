@@ -161,7 +161,9 @@ class LeastTime:
                                                                   (decode = "over_objective")
         cost      = (ttft + decode) x (1 + failures)
 
-    With "full" (the default) the cost is the predicted end-to-end latency: decode time
+    With "over_objective" (the default; "full" measured worse, loadtest/README.md, lanes)
+    decode counts only beyond the objective. With "full" the cost is the predicted
+    end-to-end latency: decode time
     counts in proportion to the output, so it decides where the output is long enough to
     matter and not where it is not (a one-token answer is judged on TTFT alone); an
     instance whose steps are slowed by the long prefills it carries (its learned TPOT
@@ -185,7 +187,7 @@ class LeastTime:
         self,
         stale_after: float,
         tpot_objectives: Mapping[Lane, float] | None = None,
-        decode: Literal["full", "over_objective"] = "full",
+        decode: Literal["full", "over_objective"] = "over_objective",
     ) -> None:
         self.stale_after = stale_after
         self.tpot_objectives = dict(tpot_objectives or {})
