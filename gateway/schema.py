@@ -115,7 +115,9 @@ class PrefillSection(Frozen):
     long_input_threshold: int = Field(4096, ge=1)
     max_long_per_instance: int = Field(2, ge=1)
     # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
-    lane_split: bool = True
+    # Off by default until its long-lane tail and the even fleet stop regressing (measured
+    # on the benchmark page): turning it on is the operator's trade.
+    lane_split: bool = False
     long_ttft_factor: float = Field(4.0, ge=1)
     # None: estimate; "instance": ask an instance's /tokenize near the threshold;
     # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).
