@@ -146,10 +146,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stop(task)
         await upstream.close()
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel a background task the app owns and wait for it to end."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
@@ -227,9 +232,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stop(task)
         await shared.close()
 
 
