@@ -31,13 +31,14 @@ import json
 import random
 import socket
 import sys
-import zlib
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+
+from gateway.dispatch.affinity import prompt_blocks
 
 BLOCK_BYTES = 16
 CACHE_THRESHOLD = 0.5
@@ -46,15 +47,9 @@ BALANCE_REL = 1.5
 
 
 def text_blocks(text: bytes, block_bytes: int = BLOCK_BYTES) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of `text` (block k's covers blocks 0..k)."""
-    crc, adler = 0, 1
-    out = []
-    for start in range(0, len(text) - block_bytes + 1, block_bytes):
-        chunk = text[start : start + block_bytes]
-        crc = zlib.crc32(chunk, crc)
-        adler = zlib.adler32(chunk, adler)
-        out.append(crc << 32 | adler)
-    return out
+    """Chained 64-bit hashes of the full blocks of `text` (block k's covers blocks 0..k):
+    the gateway's own hash chain, at this router's block size."""
+    return list(prompt_blocks(text, block_bytes))
 
 
 def request_text(body: dict[str, Any]) -> bytes:
