@@ -283,10 +283,7 @@ async def test_every_dashboard_and_alert_expression_returns_data_from_prometheus
             gateway_with(sims, sections=sections) as gw,
             prometheus_scraping(gw, tmp_path) as prom,
         ):
-            try:
-                await scrape_traffic_and_evaluate(gw, prom, tmp_path)
-            finally:
-                await stop_shared_state()
+            await scrape_traffic_and_evaluate(gw, prom, tmp_path)
 
 
 async def scrape_traffic_and_evaluate(gw: Gateway, prom: Prometheus, folder: Path) -> None:
@@ -347,17 +344,3 @@ async def scrape_traffic_and_evaluate(gw: Gateway, prom: Prometheus, folder: Pat
     assert sum(refused.values()) > 0, refused
     assert await prom.value("sum(max by (server) (gateway_instance_up))") == 2
     assert await prom.value("min by (instance) (gateway_shared_state_up)") == 1
-
-
-async def stop_shared_state() -> None:
-    """Cancel the gateway's Redis task until it ends, before the app's cleanup awaits it.
-
-    Works around a gateway defect this test found: redis-py (8.1) sometimes swallows a
-    cancellation that lands inside a command, so `SharedState.run_forever` goes on looping
-    and the cleanup's single `task.cancel(); await task` waits forever (about one run in
-    ten here hung at teardown). Remove once the gateway's shutdown no longer depends on it.
-    """
-    for task in [t for t in asyncio.all_tasks() if t.get_name() == "shared-state"]:
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.05)
