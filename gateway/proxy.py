@@ -18,7 +18,6 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
@@ -44,7 +43,7 @@ from .recorder import EXCHANGE, Recorder
 from .relay import Exchange, Relay, Retryable
 from .routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from .tokenizer import TokenCounter
-from .upstream import AttemptFailed, Upstream
+from .upstream import AttemptFailed, Upstream, UpstreamResponse
 
 if TYPE_CHECKING:
     from .tracing import Span, Spans
@@ -338,7 +337,7 @@ class Proxy:
         # arrives whole, so only the deadline bounds it.
         allowance = min(remaining, self.ttft_allowance[lane]) if stream else remaining
         outcome, error = Outcome.NEUTRAL, None
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         opened = self.clock()
         try:
             try:

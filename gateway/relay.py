@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
 from . import errors, log, sse
@@ -29,6 +28,7 @@ from .dispatch import Outcome
 from .dispatcher import Dispatcher
 from .metrics import Metrics
 from .trace_context import TraceContext
+from .upstream import AttemptFailed, UpstreamResponse
 
 if TYPE_CHECKING:
     from .tracing import Span
@@ -84,7 +84,7 @@ class Started:
     first: bytes
 
 
-def _stream_decoder(response: aiohttp.ClientResponse) -> Decode | None:
+def _stream_decoder(response: UpstreamResponse) -> Decode | None:
     """How to undo the stream's Content-Encoding (None: it has none).
 
     The gateway never asks for compression, but a stream that comes compressed anyway is
@@ -130,23 +130,24 @@ class Relay:
 
     async def whole(
         self,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         ex: Exchange,
         headers: dict[str, str],
         deadline: float,
     ) -> web.Response:
         """Read a whole (non-streamed or error) answer and pass it on unchanged."""
         try:
-            async with asyncio.timeout(max(0.001, deadline - self.clock())):
-                data = await response.read()
-        except TimeoutError:
-            raise Retryable(
-                "timeout", errors.UpstreamTimeout("the vLLM instance did not finish in time")
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise Retryable(
-                "connect", errors.UpstreamError(f"the vLLM instance broke the connection: {exc}")
-            ) from None
+            data = await response.read(max(0.001, deadline - self.clock()))
+        except AttemptFailed as failed:
+            if failed.kind == "timeout":
+                error: errors.GatewayError = errors.UpstreamTimeout(
+                    "the vLLM instance did not finish in time"
+                )
+            else:
+                error = errors.UpstreamError(
+                    f"the vLLM instance broke the connection: {failed.detail}"
+                )
+            raise Retryable(failed.kind, error) from None
         ex.status = response.status
         out_headers = dict(headers)
         out_headers["X-Gateway-Instance"] = ex.instance
@@ -165,7 +166,7 @@ class Relay:
             content_type=response.content_type or "application/json",
         )
 
-    async def first_chunk(self, response: aiohttp.ClientResponse, timeout: float) -> Started:
+    async def first_chunk(self, response: UpstreamResponse, timeout: float) -> Started:
         """Read until the stream's first data event, within `timeout` (nothing is sent yet).
 
         Comment events before it (keep-alives) are dropped: passing one on would commit the
@@ -176,7 +177,7 @@ class Relay:
         try:
             async with asyncio.timeout(max(0.001, timeout)):
                 while True:
-                    data = await response.content.readany()
+                    data = await response.next_chunk()
                     if not data:
                         break
                     first = framer.feed(decode(data) if decode is not None else data)
@@ -187,9 +188,10 @@ class Relay:
                 "timeout",
                 errors.UpstreamTimeout("the vLLM instance sent no token within the allowance"),
             ) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except AttemptFailed as failed:
             raise Retryable(
-                "connect", errors.UpstreamError(f"the vLLM instance broke the stream: {exc}")
+                "connect",
+                errors.UpstreamError(f"the vLLM instance broke the stream: {failed.detail}"),
             ) from None
         except zlib.error as exc:
             raise Retryable(
@@ -209,7 +211,7 @@ class Relay:
     async def stream(
         self,
         request: web.Request,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         started: Started,
         ex: Exchange,
         headers: dict[str, str],
@@ -240,7 +242,6 @@ class Relay:
         if ex.timed:
             ex.ttft = first_at - ex.started
         self.dispatcher.prefill_done(ticket_id, first_at - sent_at if ex.timed else None)
-        reader = response.content
         transport = request.transport
         if transport is None:  # the client left before we could answer
             return out, self._client_left(ex), None
@@ -249,7 +250,7 @@ class Relay:
         broken: str | None = None  # why the instance's stream is unusable, if it is
         try:
             # One timer for the whole stream, moved on by each data event: cheaper than a
-            # timer per read, and aiohttp's own per-read timer (which any byte resets) is off.
+            # timer per read, and the client's own per-read timer (which any byte resets) is off.
             async with asyncio.timeout_at(loop.time() + silence) as quiet:
                 while True:
                     if chunk:
@@ -267,7 +268,7 @@ class Relay:
                         except (ConnectionResetError, TimeoutError):
                             return out, self._client_left(ex), None
                     try:
-                        data = await reader.readany()
+                        data = await response.next_chunk()
                     except asyncio.CancelledError:
                         task = asyncio.current_task()
                         if quiet.expired() or not self.aborting or task is None:
@@ -277,8 +278,8 @@ class Relay:
                         message = "the gateway is shutting down and its drain time is over"
                         await self._end(out, f"{message}; the answer is incomplete", 503)
                         return await self._finish(out, ex, Outcome.NEUTRAL, "drain_deadline")
-                    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                        broken = f"broke the stream after it started ({type(exc).__name__})"
+                    except AttemptFailed as failed:
+                        broken = f"broke the stream after it started ({failed.detail})"
                         break
                     if not data:
                         broken = "ended the stream without " + (
