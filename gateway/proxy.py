@@ -353,12 +353,10 @@ class Proxy:
                 return Failed(started.reason, Outcome.FAILURE, started.error)
             ex.status = 200  # committed: a cancellation from here on is the client leaving
             streamed = await self.relay.stream(
-                call.request,
+                call,
                 response,
                 started,
                 lease,
-                call.headers,
-                call.route,
                 sent_at=opened,
                 silence=self.ttft_allowance[call.lane],  # between two data events
             )

@@ -23,6 +23,7 @@ import asyncio
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -30,8 +31,11 @@ from . import errors, log, sse
 from .dispatch import Outcome
 from .dispatcher import Lease
 from .metrics import Metrics
-from .routes import CHAT, Route
+from .routes import CHAT
 from .upstream import AttemptFailed, UpstreamResponse
+
+if TYPE_CHECKING:
+    from .attempt import Call
 
 _log = log.get("gateway.proxy")
 
@@ -190,36 +194,36 @@ class Relay:
 
     async def stream(
         self,
-        request: web.Request,
+        call: Call,
         response: UpstreamResponse,
         started: Started,
         lease: Lease,
-        headers: dict[str, str],
-        route: Route,
         sent_at: float,
         silence: float,
     ) -> Streamed:
         """Commit: send headers and the first event, then copy events as they arrive.
 
-        `silence` bounds the time between two data events. Only data events reset it:
-        comment events (keep-alives) are passed on as they come but cannot hold a stream
-        open; the bytes of an unfinished event held when the time is up are dropped, not
-        sent half.
+        `sent_at` is when the request went out (its TTFT counts from there). `silence`
+        bounds the time between two data events. Only data events reset it: comment
+        events (keep-alives) are passed on as they come but cannot hold a stream open;
+        the bytes of an unfinished event held when the time is up are dropped, not sent
+        half.
         """
-        out_headers = dict(headers)
+        route = call.route
+        out_headers = dict(call.headers)
         out_headers["X-Gateway-Instance"] = lease.instance
         out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
         out_headers["Cache-Control"] = "no-cache"
         out = web.StreamResponse(status=200, headers=out_headers)
         try:
-            await out.prepare(request)
+            await out.prepare(call.request)
         except ConnectionResetError:
             return self._client_left(out)
         first_at = self.clock()
         # Only a stream whose first event is its first token measures TTFT and teaches
         # least_time a prefill speed; the Responses API's first event comes before any.
         lease.prefill_done(first_at, first_at - sent_at if route.timed else None)
-        transport = request.transport
+        transport = call.request.transport
         if transport is None:  # the client left before we could answer
             return self._client_left(out)
         framer, decode, chunk = started.framer, started.decode, started.first

@@ -21,7 +21,8 @@ from fake_upstream import FakeResponse, FakeUpstream, Pause
 from prometheus_client import CollectorRegistry
 
 from gateway import errors
-from gateway.dispatch import Outcome
+from gateway.attempt import Call
+from gateway.dispatch import Lane, Outcome
 from gateway.metrics import Metrics
 from gateway.relay import Relay, Started, Streamed, Unusable, Whole
 from gateway.routes import CHAT, RESPONSES
@@ -87,6 +88,10 @@ def client(*, leaves_after: int | None = None) -> tuple[web.Request, list[bytes]
     return request, sent
 
 
+def call_of(request: web.Request, route: Any = CHAT) -> Call:
+    return Call(request, route, b"{}", True, Lane.SHORT, 1e9, {"X-Request-ID": "r1"})
+
+
 def aborts(r: Relay, side: str) -> float:
     value: float = r.metrics.stream_aborts.labels(side)._value.get()
     return value
@@ -102,9 +107,7 @@ async def relay_stream(
     assert isinstance(started, Started), started
     request, sent = client(leaves_after=leaves_after)
     lease = FakeLease()
-    record = await r.stream(
-        request, response, started, lease, {"X-Request-ID": "r1"}, route, 99.0, silence=5.0
-    )
+    record = await r.stream(call_of(request, route), response, started, lease, 99.0, silence=5.0)
     return record, b"".join(sent), lease, r
 
 
@@ -220,6 +223,8 @@ async def test_events_reach_the_client_whole_however_the_reads_split_them(size: 
     assert events(body) == events(wire)
     assert (record.status, record.outcome, record.error) == (200, Outcome.SUCCESS, None)
     assert record.tokens == 7  # from the usage chunk
+    sent_headers = record.response.headers
+    assert (sent_headers["X-Gateway-Instance"], sent_headers["X-Request-ID"]) == ("a", "r1")
     assert lease.prefills == [(100.0, 1.0)]  # first token at 100, sent at 99
 
 
@@ -281,7 +286,7 @@ async def test_a_timed_stream_reports_its_time_per_token_through_the_lease() -> 
         clock.now += 0.5  # each write takes half a second of the test's clock
 
     request._payload_writer.write = later  # type: ignore[attr-defined]
-    record = await r.stream(request, response, started, lease, {}, CHAT, 99.0, silence=5.0)
+    record = await r.stream(call_of(request), response, started, lease, 99.0, silence=5.0)
     assert record.tokens == 2  # three content events, less the role-only first one
     assert record.tpot == lease.tpots[0] > 0
 
