@@ -18,7 +18,7 @@ import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import get_args, get_type_hints
 
-import aiohttp
+from aiohttp import __version__ as aiohttp_version
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -173,7 +173,7 @@ class Metrics:
             "Always 1: the gateway's version and what it runs on, as labels.",
             ["version", "python", "aiohttp"],
             registry=registry,
-        ).labels(__version__, platform.python_version(), aiohttp.__version__).set(1)
+        ).labels(__version__, platform.python_version(), aiohttp_version).set(1)
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, _resident_memory_bytes...
         # Every series whose labels do not depend on the fleet exists at 0 from the start.
         for reason in CONNECTION_CUTS:

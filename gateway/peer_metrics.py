@@ -21,13 +21,14 @@ import contextlib
 import os
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from . import log
 from .metrics_merge import merge, render
+from .schema import Timeouts
+from .upstream import AttemptFailed, Upstream
 
 WORKERS_DIR_ENV = "GATEWAY_WORKERS_DIR"
 WORKER_HEADER = "X-Gateway-Worker"
@@ -45,7 +46,7 @@ class PeerMetrics:
         self.pid = os.getpid() if pid is None else pid  # tests run several in one process
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
 
     @property
     def _own_file(self) -> Path:
@@ -59,10 +60,9 @@ class PeerMetrics:
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT),
-            connector=aiohttp.TCPConnector(force_close=True),
-        )
+        # Not pooled: a worker that died leaves no kept-alive connection behind.
+        self._upstream = Upstream(100, Timeouts(connect=SCRAPE_TIMEOUT), pooled=False)
+        await self._upstream.start()
         # Written whole, then renamed: a reader never sees half a port number.
         temporary = self.folder / f".{self.pid}.port"
         temporary.write_text(str(self.port))
@@ -71,8 +71,8 @@ class PeerMetrics:
     async def close(self) -> None:
         with contextlib.suppress(OSError):
             self._own_file.unlink()
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -90,14 +90,15 @@ class PeerMetrics:
         return ports
 
     async def _fetch(self, port: int) -> str | None:
-        assert self._session is not None
+        assert self._upstream is not None
         try:
-            async with self._session.get(f"http://127.0.0.1:{port}/metrics") as response:
-                if response.status != 200:
-                    return None
-                return await response.text()
-        except (aiohttp.ClientError, OSError, TimeoutError):
+            async with asyncio.timeout(SCRAPE_TIMEOUT):  # head and body together
+                status, body = await self._upstream.fetch(
+                    f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT
+                )
+        except (AttemptFailed, TimeoutError):
             return None
+        return body.decode("utf-8", "replace") if status == 200 else None
 
     async def exposition(self) -> bytes:
         """Every worker's metrics merged, plus how many workers answered."""

@@ -19,8 +19,8 @@ from aiohttp.typedefs import Middleware
 
 from . import log, request_id
 from .config import Config
+from .exchange import Exchange
 from .metrics import NONE, Metrics
-from .relay import Exchange
 
 _access = log.get("gateway.access")
 

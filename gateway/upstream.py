@@ -1,14 +1,20 @@
 """The one seam to the network: the only module that uses aiohttp's client.
 
-One pooled `ClientSession` sized by `max_connections` serves every instance. Failures
-are mapped here, where they enter, to `AttemptFailed` with a short kind that the retry
-policy understands ("connect", "timeout", or "bad_response" for a response head aiohttp
-cannot parse); HTTP answers of any status come back as responses for the proxy to judge.
+One pooled `ClientSession` sized by `max_connections` serves every instance. `open()`
+returns our own `UpstreamResponse` (status, headers, the whole body or the next chunk,
+close), never aiohttp's, and every failure is mapped here, where it enters, to
+`AttemptFailed` with a short kind that the retry policy understands ("connect",
+"timeout", or "bad_response" for a response head aiohttp cannot parse). HTTP answers of
+any status come back as responses for the proxy to judge. `tests/dispatch/test_purity.py`
+checks that no other module of the gateway imports aiohttp's client, and
+`tests/fake_upstream.py` replays scripted responses through the same interface.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Protocol
 
 import aiohttp
 
@@ -24,19 +30,103 @@ class AttemptFailed(Exception):
         self.detail = detail
 
 
+class UpstreamResponse(Protocol):
+    """An instance's answer once its head arrived: what the rest of the gateway reads.
+
+    `read` and `next_chunk` raise `AttemptFailed` ("connect" when the instance breaks the
+    connection, "timeout" when `timeout` runs out); a cancelled caller gets
+    `CancelledError` as usual. `next_chunk` without a timeout leaves the bound to the
+    caller (the relay keeps one timer for a whole stream rather than one per read).
+    """
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    async def read(self, timeout: float) -> bytes:
+        """The whole body, within `timeout` seconds."""
+        ...
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes:
+        """The next bytes of the body as they arrived; b"" once it has ended."""
+        ...
+
+    def close(self) -> None:
+        """Drop the connection (idempotent): the instance sees its client leave and aborts."""
+        ...
+
+    def release(self) -> None:
+        """Hand a fully read connection back to the pool (idempotent)."""
+        ...
+
+
+class _ClientResponse:
+    """`UpstreamResponse` over aiohttp's `ClientResponse`: its errors mapped as they enter."""
+
+    __slots__ = ("_content", "_response", "headers", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self._content = response.content
+        self.status = response.status
+        self.headers: Mapping[str, str] = response.headers
+
+    @property
+    def content_type(self) -> str:
+        return self._response.content_type
+
+    async def read(self, timeout: float) -> bytes:
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._response.read()
+        except TimeoutError:
+            raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes:
+        try:
+            if timeout is None:
+                return await self._content.readany()
+            async with asyncio.timeout(timeout):
+                return await self._content.readany()
+        except TimeoutError:
+            if timeout is None:  # aiohttp's own read timer (off in our session)
+                raise AttemptFailed("timeout", "the connection's read timed out") from None
+            raise AttemptFailed("timeout", f"no bytes within {timeout:.1f}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
+
+    def close(self) -> None:
+        self._response.close()
+
+    def release(self) -> None:
+        self._response.release()
+
+    def __repr__(self) -> str:
+        return f"<UpstreamResponse status={self.status} {self._response.url}>"
+
+
 class Upstream:
-    def __init__(self, max_connections: int, timeouts: Timeouts) -> None:
+    def __init__(self, max_connections: int, timeouts: Timeouts, *, pooled: bool = True) -> None:
         self.max_connections = max_connections
         self.timeouts = timeouts
+        self.pooled = pooled  # False: one connection per request, closed after it
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
             limit=self.max_connections,
             limit_per_host=0,
+            force_close=not self.pooled,
             # vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids
             # sending a request down a socket the instance is closing.
-            keepalive_timeout=4.0,
+            keepalive_timeout=4.0 if self.pooled else None,
         )
         # No total timeout and no per-read one: a stream may run for minutes, and the relay
         # bounds the silence between data events itself (a per-read timer would be reset by
@@ -55,7 +145,7 @@ class Upstream:
             self._session = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError("Upstream.start() was not awaited")
         return self._session
@@ -68,7 +158,7 @@ class Upstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         """Send a request and return once the response headers arrived (or fail).
 
         `timeout` bounds the wait for the headers; reading the body is the caller's to
@@ -79,7 +169,7 @@ class Upstream:
             async with asyncio.timeout(timeout):
                 # Per request: a reload may change the connect timeout.
                 connect = aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect)
-                return await self.session.request(
+                response = await self._client.request(
                     method, url, data=body, headers=headers, timeout=connect
                 )
         except TimeoutError:
@@ -94,6 +184,7 @@ class Upstream:
             raise AttemptFailed("bad_response", gist) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
+        return _ClientResponse(response)
 
     async def fetch(
         self,
@@ -107,12 +198,7 @@ class Upstream:
         """A small exchange (health, metrics, models, tokenize): status and whole body."""
         response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
         try:
-            async with asyncio.timeout(timeout):
-                return response.status, await response.read()
-        except TimeoutError:
-            raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
+            return response.status, await response.read(timeout)
         finally:
             response.release()
 

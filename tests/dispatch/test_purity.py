@@ -1,4 +1,7 @@
-"""The dispatch core stays pure: no I/O, clock, threads or hidden randomness in its modules."""
+"""The dispatch core stays pure (no I/O, clock, threads or hidden randomness in its modules),
+and the shell crosses the network only through `upstream.py`: no other gateway module
+imports aiohttp's client.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import gateway
 import gateway.dispatch
 
 DISPATCH_DIR = Path(gateway.dispatch.__file__).parent
+GATEWAY_DIR = Path(gateway.__file__).parent
+SEAM = GATEWAY_DIR / "upstream.py"
 
 # Top-level module names the core may not import (I/O, clocks, loops, threads, logging, metrics).
 FORBIDDEN = frozenset(
@@ -127,3 +133,78 @@ def test_checker_ignores_relative_and_unrelated_imports() -> None:
     """Relative imports and allowed stdlib modules are not mistaken for forbidden ones."""
     source = "from . import health\nfrom .time import x\nimport enum\nimport timeit\n"
     assert impurities(source) == []
+
+
+# ------------------------------------------------------------------ the network seam
+
+# What a module other than upstream.py may take from aiohttp: the server side and the
+# version string. A bare `import aiohttp` would reach `aiohttp.ClientSession` and friends.
+SERVER_MODULES = ("aiohttp.web", "aiohttp.typedefs", "aiohttp.abc")
+SERVER_NAMES = frozenset({"web", "typedefs", "abc", "__version__"})
+
+
+def client_imports(source: str, filename: str = "<source>") -> list[str]:
+    """Return one message per import that could reach aiohttp's client in `source`."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.name
+                if name.split(".")[0] == "aiohttp" and not name.startswith(SERVER_MODULES):
+                    found.append(f"{filename}:{node.lineno}: import {name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            module = node.module
+            if module == "aiohttp":
+                names = [a.name for a in node.names if a.name not in SERVER_NAMES]
+                if names:
+                    found.append(f"{filename}:{node.lineno}: from aiohttp import {names}")
+            elif module.split(".")[0] == "aiohttp" and not module.startswith(SERVER_MODULES):
+                found.append(f"{filename}:{node.lineno}: from {module} import ...")
+    return found
+
+
+def shell_modules() -> list[Path]:
+    return sorted(p for p in GATEWAY_DIR.rglob("*.py") if p != SEAM)
+
+
+def test_seam_checker_sees_the_shell() -> None:
+    """The checker walks the real shell modules that once read aiohttp's responses."""
+    names = {p.name for p in shell_modules()}
+    assert {"proxy.py", "relay.py", "health.py", "peer_metrics.py", "metrics.py"} <= names
+    assert "upstream.py" not in names
+    assert client_imports(SEAM.read_text(encoding="utf-8")) != []  # the seam itself does
+
+
+@pytest.mark.parametrize("path", shell_modules(), ids=lambda p: str(p.relative_to(GATEWAY_DIR)))
+def test_only_upstream_imports_aiohttp_client(path: Path) -> None:
+    """No gateway module but upstream.py imports aiohttp's client (or aiohttp whole)."""
+    assert client_imports(path.read_text(encoding="utf-8"), str(path)) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import aiohttp",
+        "import aiohttp as http",
+        "import aiohttp.client",
+        "from aiohttp import ClientSession",
+        "from aiohttp import web, ClientError",
+        "from aiohttp.client_exceptions import ClientError",
+        "from aiohttp.connector import TCPConnector",
+    ],
+)
+def test_seam_checker_flags_client_imports(source: str) -> None:
+    """Every way of importing aiohttp's client is caught."""
+    assert client_imports(source) != [], source
+
+
+def test_seam_checker_allows_the_server_side() -> None:
+    """The server side, its types and the version string are not the client."""
+    source = (
+        "from aiohttp import web\n"
+        "from aiohttp.typedefs import Middleware\n"
+        "from aiohttp import __version__ as v\n"
+        "import aiohttp.web\n"
+        "from .upstream import Upstream\n"
+    )
+    assert client_imports(source) == []
