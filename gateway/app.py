@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from .dispatch.select import LeastTime
 from .dispatcher import Dispatcher
 from .health import HealthChecker
 from .health import Target as ProbeTarget
+from .lifecycle import Lifecycle
 from .metrics import Metrics, Registry
 from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
 from .proxy import Proxy, Route, Target
@@ -45,11 +45,6 @@ from .upstream import Upstream
 
 if TYPE_CHECKING:
     from .shared import SharedState
-
-
-@dataclass
-class Lifecycle:
-    draining: bool = False
 
 
 CONFIG = web.AppKey("config", Config)
@@ -66,7 +61,7 @@ PEERS = web.AppKey("peers", PeerMetrics)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(config: Config) -> web.Application:
+def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Application:
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
         middlewares=[
@@ -76,7 +71,7 @@ def build_app(config: Config) -> web.Application:
         ],
     )
     app[CONFIG] = config
-    app[LIFECYCLE] = Lifecycle()
+    app[LIFECYCLE] = lifecycle or Lifecycle()
     app.cleanup_ctx.append(_resources)
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
@@ -136,7 +131,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[METRICS] = metrics
     app[DISPATCHER] = dispatcher
     app[HEALTH] = checker
-    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
+    app[PROXY] = Proxy(
+        config, dispatcher, upstream, metrics, keys, targets, counter, app[LIFECYCLE]
+    )
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(

@@ -13,10 +13,9 @@ Relaying an answer once an attempt has one is `relay.py`'s job.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
@@ -39,6 +38,7 @@ from .dispatch import (
 from .dispatch.affinity import prompt_blocks, prompt_text
 from .dispatcher import Dispatcher
 from .intake import Intake, max_tokens_of
+from .lifecycle import Lifecycle
 from .metrics import ERROR_KINDS, Metrics
 from .recorder import EXCHANGE, Recorder
 from .relay import Exchange, Relay, Retryable
@@ -74,6 +74,7 @@ class Proxy:
         keys: KeyChecker,
         targets: dict[str, Target],
         counter: TokenCounter,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.upstream = upstream
@@ -91,11 +92,11 @@ class Proxy:
             from . import tracing  # the otel extra is imported only by a gateway that traces
 
             self.spans = tracing.start(config.otlp_traces_url, config.file.tracing.service_name)
-        # Shutdown: the tasks of requests in progress, and whether their drain time is up.
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Shutdown is the lifecycle's: it holds the requests in progress and says when
+        # their drain time is up.
+        self.lifecycle = lifecycle or Lifecycle()
         self.relay = Relay(metrics, dispatcher, config.channel.timeout.write)
+        self.lifecycle.on_abort(self._abort_streams)
         self.reconfigure(config, keys, targets)
         slo = config.file.slo
         self.recorder = Recorder(
@@ -132,27 +133,11 @@ class Proxy:
 
     @property
     def aborting(self) -> bool:
-        return self.relay.aborting
+        return self.lifecycle.aborting
 
-    async def drain(self, timeout: float) -> int:
-        """Let requests in progress finish for up to `timeout` s, then end the rest.
-
-        Streams that are still running get an in-band error event and `[DONE]`; requests
-        that have not started answering get 503 with Retry-After. Returns how many had to
-        be ended.
-        """
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-        left = len(self._tasks)
-        if left:
-            self.relay.aborting = True
-            for task in list(self._tasks):
-                task.cancel()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await self._idle.wait()
-        return left
+    def _abort_streams(self) -> None:
+        # The relay still keeps its own copy of the flag (relay.py is the seam's to change).
+        self.relay.aborting = True
 
     # ------------------------------------------------------------ handler
 
@@ -164,8 +149,7 @@ class Proxy:
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
-            self._idle.clear()
+            self.lifecycle.track(task)
         try:
             # The key first: an unauthenticated request names no metric label (its tag
             # would use up the bounded tag slots) and learns nothing about our checks.
@@ -221,9 +205,7 @@ class Proxy:
             raise
         finally:
             if task is not None:
-                self._tasks.discard(task)
-                if not self._tasks:
-                    self._idle.set()
+                self.lifecycle.done(task)
             if ex.span is not None:
                 ex.span.end(
                     ex.status,
