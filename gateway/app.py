@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import errors, recorder, request_id
+from . import auth, errors, middleware, recorder, request_id
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import (
@@ -39,7 +39,7 @@ from .lifecycle import Lifecycle
 from .metrics import Metrics, Registry
 from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
 from .proxy import Proxy, Route, Target
-from .routes import mount, summary
+from .routes import mount
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
 
@@ -59,15 +59,21 @@ SHARED: web.AppKey[SharedState] = web.AppKey("shared")
 PEERS = web.AppKey("peers", PeerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_UNKEYED = ("/healthz", "/readyz", "/metrics")  # probes and scrapes take no key
 
 
 def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Application:
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
-        middlewares=[
-            request_id.middleware,
+        middlewares=[  # the order matters: middleware.py says why
+            request_id.middleware(),
             recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
-            _openai_errors,
+            middleware.openai_errors,
+            middleware.traced(
+                lambda request: request.app[PROXY].spans,
+                (route.name for _, route in mount(config.route_prefixes)),
+            ),
+            auth.middleware(lambda request: request.app[PROXY].intake.keys, _UNKEYED),
         ],
     )
     app[CONFIG] = config
@@ -320,7 +326,6 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
-    request.app[PROXY].intake.authorize(request)
     dispatcher = request.app[DISPATCHER]
     now = dispatcher.clock()
     up = {s.name for s in dispatcher.scheduler.states if s.available(now)}
@@ -362,7 +367,6 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
 
 
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
-    request.app[PROXY].intake.authorize(request)
     scheduler = request.app[DISPATCHER].scheduler
     now = request.app[DISPATCHER].clock()
     scores = score_all(scheduler.states, now, scheduler.limits.metrics_stale_after)
@@ -425,23 +429,3 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
         "queues": queues,
     }
     return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape."""
-    try:
-        return await handler(request)
-    except errors.GatewayError as exc:
-        return exc.response()
-    except web.HTTPNotFound:
-        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return errors.MethodNotAllowed(
-            f"{request.method} is not allowed on {request.path}; use {allowed}"
-        ).response()
-    except web.HTTPRequestEntityTooLarge:
-        return errors.PayloadTooLarge(
-            "the request body is larger than the gateway's limit"
-        ).response()

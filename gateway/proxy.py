@@ -21,7 +21,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from . import errors, log, request_id, trace_context
+from . import errors, log, request_id
 from .auth import KeyChecker
 from .body import InvalidField, wants_stream
 from .config import Config
@@ -145,15 +145,13 @@ class Proxy:
         ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
         ex.route = route.name  # the middleware records it (recorder.py)
         ex.sse_done, ex.timed = route.sse_done, route.timed
-        self._start_trace(request, ex)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
             self.lifecycle.track(task)
         try:
-            # The key first: an unauthenticated request names no metric label (its tag
-            # would use up the bounded tag slots) and learns nothing about our checks.
-            self.intake.authorize(request)
+            # The key was checked first (auth.py's middleware): an unauthenticated request
+            # names no metric label (its tag would use up the bounded tag slots).
             ex.tag = self.intake.tag(request)
             if ex.tag:
                 headers["X-Request-Tag"] = ex.tag
@@ -206,31 +204,6 @@ class Proxy:
         finally:
             if task is not None:
                 self.lifecycle.done(task)
-            if ex.span is not None:
-                ex.span.end(
-                    ex.status,
-                    lane=ex.lane,
-                    model=ex.model,
-                    instance=ex.instance,
-                    attempts=ex.attempts,
-                    request_id=ex.request_id,
-                )
-
-    def _start_trace(self, request: web.Request, ex: Exchange) -> None:
-        """The request's trace: the client's, continued, or a new one; its id is logged."""
-        client = trace_context.from_headers(request.headers)
-        if self.spans is None:
-            ex.trace = client or trace_context.fresh()
-        else:
-            ex.span = self.spans.request(request.path, request.method, client)
-            ex.trace = trace_context.TraceContext(
-                ex.span.trace_id,
-                ex.span.span_id,
-                ex.span.flags,
-                client.state if client is not None else None,
-                from_client=client is not None,
-            )
-        structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
 
     async def _forward(
         self,
