@@ -33,8 +33,7 @@ from .dispatch import (
 from .dispatch.affinity import DEFAULT_INDEX_BLOCKS
 from .dispatch.select import LeastTime
 from .dispatcher import Dispatcher
-from .health import HealthChecker
-from .health import Target as ProbeTarget
+from .health import HealthChecker, ProbeTarget
 from .lifecycle import Lifecycle
 from .metrics import Metrics, Registry
 from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics

@@ -36,7 +36,7 @@ _KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 @dataclass(frozen=True)
-class Target:
+class ProbeTarget:
     name: str
     url: str
     headers: dict[str, str] = field(default_factory=dict)
@@ -106,7 +106,7 @@ def _cache_tokens(labels: dict[str, str]) -> int | None:
 class HealthChecker:
     def __init__(
         self,
-        targets: list[Target],
+        targets: list[ProbeTarget],
         upstream: Upstream,
         dispatcher: Dispatcher,
         *,
@@ -124,7 +124,7 @@ class HealthChecker:
         self.rounds = 0
         self._wake = asyncio.Event()
 
-    def reconfigure(self, targets: list[Target], probe_timeout: float) -> None:
+    def reconfigure(self, targets: list[ProbeTarget], probe_timeout: float) -> None:
         """A reloaded instance list: probe it now, so new instances get a verdict soon."""
         self.targets = targets
         self.probe_timeout = probe_timeout
@@ -159,7 +159,7 @@ class HealthChecker:
             self._wake.clear()
             await self.run_round()
 
-    async def _check(self, target: Target) -> None:
+    async def _check(self, target: ProbeTarget) -> None:
         ok = await self._probe(target)
         if self.dispatcher.probe(target.name, ok):
             # Coming up is good news (and every start-up's first verdict): info, not warning.
@@ -168,7 +168,7 @@ class HealthChecker:
         if ok:
             await asyncio.gather(self._scrape(target), self._models(target))
 
-    async def _probe(self, target: Target) -> bool:
+    async def _probe(self, target: ProbeTarget) -> bool:
         try:
             status, _ = await self.upstream.fetch(
                 target.url + "/health", headers=target.headers, timeout=self.probe_timeout
@@ -177,7 +177,7 @@ class HealthChecker:
             return False
         return status == 200
 
-    async def _scrape(self, target: Target) -> None:
+    async def _scrape(self, target: ProbeTarget) -> None:
         try:
             status, body = await self.upstream.fetch(
                 target.url + "/metrics", headers=target.headers, timeout=self.probe_timeout
@@ -196,7 +196,7 @@ class HealthChecker:
                 load.cache_tokens,
             )
 
-    async def _models(self, target: Target) -> None:
+    async def _models(self, target: ProbeTarget) -> None:
         try:
             status, body = await self.upstream.fetch(
                 target.url + "/v1/models", headers=target.headers, timeout=self.probe_timeout
