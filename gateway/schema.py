@@ -14,9 +14,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from .dispatch.model import InstanceLane
 from .dispatch.select import STRATEGIES
-
-LaneSetting = Literal["short", "long", "any"]  # an instance's [lane]; the enum is dispatch's Lane
 
 
 class Frozen(BaseModel):
@@ -260,7 +259,7 @@ class Channel(Frozen):
 class InstanceConfig(Frozen):
     url: str
     name: str | None = None
-    lane: LaneSetting = "any"
+    lane: InstanceLane = "any"
     api_key_env: str | None = None
     weight: float = Field(1.0, gt=0)
     max_num_seqs: int | None = Field(None, ge=1)
