@@ -135,20 +135,23 @@ class HealthChecker:
     async def run_round(self) -> None:
         await asyncio.gather(*(self._check(t) for t in self.targets))
         self.rounds += 1
-        for name, slow in self.dispatcher.scheduler.update_slow_flags().items():
-            state = self.dispatcher.scheduler.state(name)
+        flags = self.dispatcher.scheduler.update_slow_flags()
+        moves = self.dispatcher.update_lanes()
+        if not flags and not moves:
+            return
+        snap = {i.name: i for i in self.dispatcher.snapshot().instances}
+        for name, slow in flags.items():
             _log.warning(
                 "instance_slow" if slow else "instance_speed_recovered",
                 server=name,
-                prefill_tokens_per_s=state.speed.prefill_rate,
-                tpot_s=state.speed.tpot_value,
+                prefill_tokens_per_s=snap[name].prefill_rate,
+                tpot_s=snap[name].tpot,
             )
-        if moves := self.dispatcher.update_lanes():
-            split = self.dispatcher.scheduler.lanes
+        if moves:
             _log.info(
                 "lane_split",
                 moved={name: lane.value for name, lane in moves.items()},
-                lanes={s.name: split.lane(s) for s in self.dispatcher.scheduler.states},
+                lanes={name: i.current_lane for name, i in snap.items()},
             )
 
     async def run_forever(self) -> None:

@@ -24,6 +24,7 @@ from .model import (
 from .retry import GiveUp, RetryAfter, RetryBudget, plan_retry, reason_for_status
 from .scheduler import Scheduler, UnknownTicket
 from .select import STRATEGIES, Score, score_all
+from .snapshot import InstanceSnapshot, Snapshot
 from .speed import PeerSpeed
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Decision",
     "GiveUp",
     "HealthPolicy",
+    "InstanceSnapshot",
     "InstanceSpec",
     "InstanceState",
     "Lane",
@@ -48,6 +50,7 @@ __all__ = [
     "Scheduler",
     "Score",
     "SharedView",
+    "Snapshot",
     "Ticket",
     "UnknownTicket",
     "plan_retry",
