@@ -7,13 +7,12 @@ unauthenticated request from learning or naming anything: the key first.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
 from aiohttp import web
 
-from . import auth, errors, form
+from . import auth, errors, form, jsoncodec
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import Scheduler
@@ -88,7 +87,7 @@ class Intake:
             )
         body = await self._read(request)
         try:
-            payload = json.loads(body)
+            payload = jsoncodec.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise errors.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
         except RecursionError:

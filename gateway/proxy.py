@@ -13,7 +13,6 @@ Relaying an answer once an attempt has one is `relay.py`'s job.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from . import errors, log, request_id
+from . import errors, jsoncodec, log, request_id
 from .auth import KeyChecker
 from .body import InvalidField, wants_stream
 from .config import Config
@@ -162,8 +161,8 @@ class Proxy:
             else:
                 body, payload = await self.intake.json_body(request)
             if payload.get("model") is None and self.default_model and not route.form:
+                body = jsoncodec.with_field(body, payload, "model", self.default_model)
                 payload["model"] = self.default_model
-                body = json.dumps(payload).encode()
             try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
