@@ -12,14 +12,13 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import errors, recorder, request_id
+from . import auth, errors, middleware, recorder, request_id
 from .attempt import Endpoint
 from .auth import KeyChecker
 from .config import Config
@@ -30,27 +29,21 @@ from .dispatch import (
     Lane,
     Limits,
     Scheduler,
-    score_all,
 )
 from .dispatch.affinity import DEFAULT_INDEX_BLOCKS
 from .dispatch.select import LeastTime
 from .dispatcher import Dispatcher
-from .health import HealthChecker
-from .health import Target as ProbeTarget
+from .health import HealthChecker, ProbeTarget
+from .lifecycle import Lifecycle
 from .metrics import Metrics, Registry
 from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
 from .proxy import Proxy, Route
-from .routes import mount, summary
+from .routes import mount
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
 
 if TYPE_CHECKING:
     from .shared import SharedState
-
-
-@dataclass
-class Lifecycle:
-    draining: bool = False
 
 
 CONFIG = web.AppKey("config", Config)
@@ -65,19 +58,25 @@ SHARED: web.AppKey[SharedState] = web.AppKey("shared")
 PEERS = web.AppKey("peers", PeerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_UNKEYED = ("/healthz", "/readyz", "/metrics")  # probes and scrapes take no key
 
 
-def build_app(config: Config) -> web.Application:
+def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Application:
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
-        middlewares=[
-            request_id.middleware,
+        middlewares=[  # the order matters: middleware.py says why
+            request_id.middleware(),
             recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
-            _openai_errors,
+            middleware.openai_errors,
+            middleware.traced(
+                lambda request: request.app[PROXY].spans,
+                (route.name for _, route in mount(config.route_prefixes)),
+            ),
+            auth.middleware(lambda request: request.app[PROXY].intake.keys, _UNKEYED),
         ],
     )
     app[CONFIG] = config
-    app[LIFECYCLE] = Lifecycle()
+    app[LIFECYCLE] = lifecycle or Lifecycle()
     app.cleanup_ctx.append(_resources)
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
@@ -121,7 +120,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         strategy.decode = dispatch.least_time_decode
     scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
-    metrics.watch(scheduler, dispatcher.clock)
+    metrics.watch(dispatcher.snapshot)
     upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
     await upstream.start()
     endpoints = endpoints_of(config)
@@ -137,7 +136,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[METRICS] = metrics
     app[DISPATCHER] = dispatcher
     app[HEALTH] = checker
-    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, endpoints, counter)
+    app[PROXY] = Proxy(
+        config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
+    )
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(
@@ -324,19 +325,17 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
-    request.app[PROXY].intake.authorize(request)
     dispatcher = request.app[DISPATCHER]
-    now = dispatcher.clock()
-    up = {s.name for s in dispatcher.scheduler.states if s.available(now)}
+    up = dispatcher.snapshot().up()
     if not up:
         raise errors.NoInstanceAvailable(
             "no vLLM instance is up", retry_after=dispatcher.scheduler.limits.queue_retry_after
         )
-    data = request.app[HEALTH].model_union(up)
+    data = request.app[HEALTH].model_union({i.name for i in up})
     listed = {m["id"] for m in data}
-    for state in dispatcher.scheduler.states:  # pinned models of instances that hide the route
-        if state.name in up and state.spec.models is not None:
-            for model in sorted(state.spec.models - listed):
+    for instance in up:  # pinned models of instances that hide the route
+        if instance.pinned_models is not None:
+            for model in sorted(instance.pinned_models - listed):
                 data.append({"id": model, "object": "model", "owned_by": "vllm"})
                 listed.add(model)
     return web.json_response({"object": "list", "data": data})
@@ -347,9 +346,7 @@ async def _healthz(request: web.Request) -> web.StreamResponse:
 
 
 async def _readyz(request: web.Request) -> web.StreamResponse:
-    dispatcher = request.app[DISPATCHER]
-    now = dispatcher.clock()
-    up = sum(1 for s in dispatcher.scheduler.states if s.available(now))
+    up = len(request.app[DISPATCHER].snapshot().up())
     draining = request.app[LIFECYCLE].draining
     ready = up > 0 and not draining
     body = {"ready": ready, "instances_up": up, "draining": draining}
@@ -366,86 +363,54 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
 
 
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
-    request.app[PROXY].intake.authorize(request)
-    scheduler = request.app[DISPATCHER].scheduler
-    now = request.app[DISPATCHER].clock()
-    scores = score_all(scheduler.states, now, scheduler.limits.metrics_stale_after)
+    snap = request.app[DISPATCHER].snapshot()
     # The long lane is named by [prefill].tag here too, as in metrics and logs.
     lane_names = {lane.value: name for lane, name in request.app[METRICS].lane_names.items()}
     instances: list[dict[str, Any]] = []
-    for state in scheduler.states:
-        report = state.report
-        score = scores[state.name]
+    for i in snap.instances:
+        report = i.report
         instances.append(
             {
-                "name": state.name,
-                "state": state.verdict,
-                "available": state.available(now),
-                "ejected_for_s": round(state.ejected_until - now, 1)
-                if state.ejected_until and state.ejected_until > now
-                else None,
-                "lane": lane_names.get(state.spec.lane, state.spec.lane),
+                "name": i.name,
+                "state": i.verdict,
+                "available": i.available,
+                "ejected_for_s": None if i.ejected_for is None else round(i.ejected_for, 1),
+                "lane": lane_names.get(i.lane, i.lane),
                 # The lane it serves now: its static lane, or the one the split gave it.
-                "current_lane": lane_names.get(
-                    scheduler.lanes.lane(state), scheduler.lanes.lane(state)
-                ),
-                "weight": state.spec.weight,
-                "slots": state.spec.slots,
-                "models": None if state.models is None else sorted(state.models),
-                "models_pinned": state.spec.models is not None,
-                "prefix_index_blocks": len(state.cache),
-                "prefix_estimated_hit_ratio": round(
-                    state.prefix_hit_tokens / state.prefix_query_tokens, 4
-                )
-                if state.prefix_query_tokens
+                "current_lane": lane_names.get(i.current_lane, i.current_lane),
+                "weight": i.weight,
+                "slots": i.slots,
+                "models": None if i.models is None else sorted(i.models),
+                "models_pinned": i.pinned_models is not None,
+                "prefix_index_blocks": i.prefix_index_blocks,
+                "prefix_estimated_hit_ratio": round(i.prefix_hit_tokens / i.prefix_query_tokens, 4)
+                if i.prefix_query_tokens
                 else None,
-                "inflight": state.inflight,
-                "long_prefilling": state.long_prefilling,
-                "queue_depth": state.queue_depth(
-                    state.fresh_report(now, scheduler.limits.metrics_stale_after)
-                ),
-                "score": round(score.total, 4),
-                "load_fresh": score.fresh,
+                "inflight": i.inflight,
+                "long_prefilling": i.long_prefilling,
+                "queue_depth": i.queue_depth,
+                "score": round(i.score, 4),
+                "load_fresh": i.load_fresh,
                 "vllm": None
                 if report is None
                 else {
                     "running": report.running,
                     "waiting": report.waiting,
                     "kv_cache_usage": report.kv_usage,
-                    "age_s": round(now - report.at, 1),
+                    "age_s": round(snap.at - report.at, 1),
                 },
-                "assigned_total": state.assigned_total,
-                "failures_total": state.failures_total,
-                "consecutive_failures": state.consecutive_failures,
-                "ejections_total": state.ejections_total,
-                "recent_errors": list(state.recent_errors),
+                "assigned_total": i.assigned_total,
+                "failures_total": i.failures_total,
+                "consecutive_failures": i.consecutive_failures,
+                "ejections_total": i.ejections_total,
+                "recent_errors": list(i.recent_errors),
             }
         )
-    queues = {lane_names[lane.value]: scheduler.queue_length(lane) for lane in Lane}
+    queues = {lane_names[lane.value]: n for lane, n in snap.queues.items()}
     body = {
-        "strategy": scheduler.strategy.name,
-        "inflight": scheduler.inflight,
+        "strategy": snap.strategy,
+        "inflight": snap.inflight,
         "instances": instances,
         "queues": queues,
     }
     return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
-
-
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape."""
-    try:
-        return await handler(request)
-    except errors.GatewayError as exc:
-        return exc.response()
-    except web.HTTPNotFound:
-        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return errors.MethodNotAllowed(
-            f"{request.method} is not allowed on {request.path}; use {allowed}"
-        ).response()
-    except web.HTTPRequestEntityTooLarge:
-        return errors.PayloadTooLarge(
-            "the request body is larger than the gateway's limit"
-        ).response()

@@ -26,7 +26,7 @@ from .schema import (
     DispatchSection,
     Frozen,
     GatewaySection,
-    InstanceSpec,
+    InstanceConfig,
     PrefillSection,
     Settings,
 )
@@ -71,7 +71,7 @@ class Config(Frozen):
         return self.settings.channel
 
     @property
-    def instances(self) -> list[InstanceSpec]:
+    def instances(self) -> list[InstanceConfig]:
         return self.settings.vllm.instances
 
     @property
@@ -295,7 +295,7 @@ def _dotted(loc: tuple[str | int, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not part.isidentifier() or part in ("str", "InstanceSpec", "SecretStr"):
+        elif not part.isidentifier() or part in ("str", "InstanceConfig", "SecretStr"):
             continue  # union branch tags pydantic adds; they say nothing to an operator
         else:
             out += ("." if out else "") + part

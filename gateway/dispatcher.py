@@ -29,6 +29,7 @@ from .dispatch import (
     Rejected,
     Scheduler,
     SharedView,
+    Snapshot,
     Ticket,
 )
 from .metrics import Metrics
@@ -89,6 +90,10 @@ class Dispatcher:
         # too coarse for time-per-token.
         self.clock = clock or time.monotonic
         self._waiters: dict[int, asyncio.Future[str]] = {}
+
+    def snapshot(self) -> Snapshot:
+        """The scheduler's state now, as a frozen copy (dispatch/snapshot.py)."""
+        return self.scheduler.snapshot(self.clock())
 
     def new_ticket(
         self,

@@ -36,7 +36,7 @@ _KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 @dataclass(frozen=True)
-class Target:
+class ProbeTarget:
     name: str
     url: str
     headers: dict[str, str] = field(default_factory=dict)
@@ -106,7 +106,7 @@ def _cache_tokens(labels: dict[str, str]) -> int | None:
 class HealthChecker:
     def __init__(
         self,
-        targets: list[Target],
+        targets: list[ProbeTarget],
         upstream: Upstream,
         dispatcher: Dispatcher,
         *,
@@ -124,7 +124,7 @@ class HealthChecker:
         self.rounds = 0
         self._wake = asyncio.Event()
 
-    def reconfigure(self, targets: list[Target], probe_timeout: float) -> None:
+    def reconfigure(self, targets: list[ProbeTarget], probe_timeout: float) -> None:
         """A reloaded instance list: probe it now, so new instances get a verdict soon."""
         self.targets = targets
         self.probe_timeout = probe_timeout
@@ -135,20 +135,23 @@ class HealthChecker:
     async def run_round(self) -> None:
         await asyncio.gather(*(self._check(t) for t in self.targets))
         self.rounds += 1
-        for name, slow in self.dispatcher.scheduler.update_slow_flags().items():
-            state = self.dispatcher.scheduler.state(name)
+        flags = self.dispatcher.scheduler.update_slow_flags()
+        moves = self.dispatcher.update_lanes()
+        if not flags and not moves:
+            return
+        snap = {i.name: i for i in self.dispatcher.snapshot().instances}
+        for name, slow in flags.items():
             _log.warning(
                 "instance_slow" if slow else "instance_speed_recovered",
                 server=name,
-                prefill_tokens_per_s=state.speed.prefill_rate,
-                tpot_s=state.speed.tpot_value,
+                prefill_tokens_per_s=snap[name].prefill_rate,
+                tpot_s=snap[name].tpot,
             )
-        if moves := self.dispatcher.update_lanes():
-            split = self.dispatcher.scheduler.lanes
+        if moves:
             _log.info(
                 "lane_split",
                 moved={name: lane.value for name, lane in moves.items()},
-                lanes={s.name: split.lane(s) for s in self.dispatcher.scheduler.states},
+                lanes={name: i.current_lane for name, i in snap.items()},
             )
 
     async def run_forever(self) -> None:
@@ -159,7 +162,7 @@ class HealthChecker:
             self._wake.clear()
             await self.run_round()
 
-    async def _check(self, target: Target) -> None:
+    async def _check(self, target: ProbeTarget) -> None:
         ok = await self._probe(target)
         if self.dispatcher.probe(target.name, ok):
             # Coming up is good news (and every start-up's first verdict): info, not warning.
@@ -168,7 +171,7 @@ class HealthChecker:
         if ok:
             await asyncio.gather(self._scrape(target), self._models(target))
 
-    async def _probe(self, target: Target) -> bool:
+    async def _probe(self, target: ProbeTarget) -> bool:
         try:
             status, _ = await self.upstream.fetch(
                 target.url + "/health", headers=target.headers, timeout=self.probe_timeout
@@ -177,7 +180,7 @@ class HealthChecker:
             return False
         return status == 200
 
-    async def _scrape(self, target: Target) -> None:
+    async def _scrape(self, target: ProbeTarget) -> None:
         try:
             status, body = await self.upstream.fetch(
                 target.url + "/metrics", headers=target.headers, timeout=self.probe_timeout
@@ -196,7 +199,7 @@ class HealthChecker:
                 load.cache_tokens,
             )
 
-    async def _models(self, target: Target) -> None:
+    async def _models(self, target: ProbeTarget) -> None:
         try:
             status, body = await self.upstream.fetch(
                 target.url + "/v1/models", headers=target.headers, timeout=self.probe_timeout

@@ -7,13 +7,12 @@ unauthenticated request from learning or naming anything: the key first.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
 from aiohttp import web
 
-from . import errors, form
+from . import auth, errors, form, jsoncodec
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import Scheduler
@@ -54,11 +53,7 @@ class Intake:
         self.body_timeout = config.gateway.body_timeout
 
     def authorize(self, request: web.Request) -> None:
-        if not self.keys.check(request.headers.get("Authorization")):
-            raise errors.Unauthorized(
-                "missing or invalid API key: send the gateway's key as "
-                "'Authorization: Bearer <key>'"
-            )
+        auth.authorize(self.keys, request)  # the middleware's check, for `Expect` (app.py)
 
     def tag(self, request: web.Request) -> str:
         tag = request.headers.get("X-Request-Tag")
@@ -92,7 +87,7 @@ class Intake:
             )
         body = await self._read(request)
         try:
-            payload = json.loads(body)
+            payload = jsoncodec.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise errors.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
         except RecursionError:

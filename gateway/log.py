@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any, TextIO
 
+import orjson
 import structlog
 
 
@@ -19,7 +20,7 @@ def configure(
     stream = stream or sys.stderr
     as_json = json if json is not None else not stream.isatty()
     renderer: Any = (
-        structlog.processors.JSONRenderer()
+        structlog.processors.JSONRenderer(serializer=_orjson_text)
         if as_json
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
@@ -36,6 +37,11 @@ def configure(
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+
+
+def _orjson_text(event: dict[str, Any], **options: Any) -> str:
+    """A JSON line as orjson writes it (compact, a fraction of json's time per line)."""
+    return orjson.dumps(event, option=orjson.OPT_NON_STR_KEYS, **options).decode()
 
 
 def get(name: str) -> Any:

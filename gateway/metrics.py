@@ -2,8 +2,8 @@
 
 Request-path metrics are counters and histograms updated once per request. Everything
 that describes current state (queue depths, in-flight, up/down, scraped vLLM load) is
-read from the scheduler at scrape time by `StateCollector`, so the hot path pays nothing
-for it.
+read from a snapshot of the scheduler taken at scrape time by `StateCollector`, so the hot
+path pays nothing for it.
 
 Conventions (what a Prometheus user expects): the vLLM instance is the label `server`
 (`instance` and `job` are Prometheus' own target labels), 0..1 gauges end in `_ratio`,
@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from . import __version__
-from .dispatch import GiveUp, Lane, Rejected, Scheduler, score_all
+from .dispatch import GiveUp, Lane, Rejected, Snapshot
 from .dispatch.retry import RetryReason
 
 # TTFT spans a cached short prompt (tens of ms) to a long prefill behind a queue (a minute).
@@ -254,25 +254,20 @@ class Metrics:
             return tag
         return OTHER_TAG
 
-    def watch(self, scheduler: Scheduler, now: Callable[[], float]) -> None:
-        self.registry.register(StateCollector(scheduler, now, self.lane_names))
+    def watch(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Export the scheduler's state, from a snapshot taken at each scrape."""
+        self.registry.register(StateCollector(snapshot, self.lane_names))
 
 
 class StateCollector(Collector):
-    """Reads the scheduler's live state when Prometheus scrapes."""
+    """Turns a snapshot of the scheduler (taken when Prometheus scrapes) into gauges."""
 
-    def __init__(
-        self, scheduler: Scheduler, now: Callable[[], float], lane_names: dict[Lane, str]
-    ) -> None:
-        self.scheduler = scheduler
-        self.now = now
+    def __init__(self, snapshot: Callable[[], Snapshot], lane_names: dict[Lane, str]) -> None:
+        self.snapshot = snapshot
         self.lane_names = lane_names
 
     def collect(self) -> Iterator[Metric]:
-        now = self.now()
-        sched = self.scheduler
-        stale = sched.limits.metrics_stale_after
-        scores = score_all(sched.states, now, stale)
+        snap = self.snapshot()
         families = {
             "queue_depth": GaugeMetricFamily(
                 "gateway_instance_queue_depth",
@@ -364,28 +359,27 @@ class StateCollector(Collector):
             "Passive ejections of each instance after consecutive failures.",
             labels=["server"],
         )
-        for state in sched.states:
+        nan = float("nan")
+        for state in snap.instances:
             name = [state.name]
-            report = state.fresh_report(now, stale)
-            nan = float("nan")
-            families["queue_depth"].add_metric(name, state.queue_depth(report))
+            report = state.fresh_report
+            families["queue_depth"].add_metric(name, state.queue_depth)
             families["inflight"].add_metric(name, state.inflight)
-            families["up"].add_metric(name, 1.0 if state.available(now) else 0.0)
-            families["score"].add_metric(name, scores[state.name].total)
+            families["up"].add_metric(name, 1.0 if state.available else 0.0)
+            families["score"].add_metric(name, state.score)
             families["running"].add_metric(name, report.running if report else nan)
             families["waiting"].add_metric(name, report.waiting if report else nan)
             kv = report.kv_usage if report else None
             families["kv"].add_metric(name, nan if kv is None else kv)
             ejections.add_metric(name, state.ejections_total)
-            serves = sched.lanes.lane(state)
             for lane in Lane:
-                on = serves in (lane.value, "any")
+                on = state.current_lane in (lane.value, "any")
                 current_lane.add_metric([state.name, self.lane_names[lane]], 1.0 if on else 0.0)
-            rate, tpot = state.speed.prefill_rate, state.speed.tpot_value
-            families["prefill_rate"].add_metric(name, float("nan") if rate is None else rate)
-            families["tpot"].add_metric(name, float("nan") if tpot is None else tpot)
-            families["slow"].add_metric(name, 1.0 if state.speed.slow else 0.0)
-            prefix["index"].add_metric(name, len(state.cache))
+            rate, tpot = state.prefill_rate, state.tpot
+            families["prefill_rate"].add_metric(name, nan if rate is None else rate)
+            families["tpot"].add_metric(name, nan if tpot is None else tpot)
+            families["slow"].add_metric(name, 1.0 if state.slow else 0.0)
+            prefix["index"].add_metric(name, state.prefix_index_blocks)
             prefix["queries"].add_metric(name, state.prefix_query_tokens)
             prefix["hits"].add_metric(name, state.prefix_hit_tokens)
             last = state.report  # the instance's own counters, however old the scrape
@@ -403,5 +397,5 @@ class StateCollector(Collector):
             labels=["lane"],
         )
         for lane in Lane:
-            lanes.add_metric([self.lane_names[lane]], sched.queue_length(lane))
+            lanes.add_metric([self.lane_names[lane]], snap.queues[lane])
         yield lanes

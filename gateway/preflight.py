@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from .config import Config, ConfigError
-from .schema import LOOPBACK, InstanceSpec, host_key, is_address
+from .schema import LOOPBACK, InstanceConfig, host_key, is_address
 
 # A host name lookup at start-up waits no longer than this, all names together.
 RESOLVE_TIMEOUT_S = 2.0
@@ -85,7 +85,7 @@ def bind_problem(host: str, port: int) -> str | None:
 
 
 def resolve_all(
-    instances: Sequence[InstanceSpec],
+    instances: Sequence[InstanceConfig],
     resolve: Resolve | None = None,
     timeout: float = RESOLVE_TIMEOUT_S,
 ) -> dict[str, frozenset[str]]:
@@ -123,7 +123,7 @@ def resolve_all(
 
 
 def shared_addresses(
-    instances: Sequence[InstanceSpec], where: str, resolved: dict[str, frozenset[str]]
+    instances: Sequence[InstanceConfig], where: str, resolved: dict[str, frozenset[str]]
 ) -> list[str]:
     """A warning for each pair of instances whose names resolve to one address and port."""
     warnings = []

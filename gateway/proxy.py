@@ -16,14 +16,12 @@ answer once an attempt has one is `relay.py`'s job; the proxy alone writes the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
-from . import errors, log, request_id, trace_context
+from . import errors, jsoncodec, log, request_id
 from .attempt import Call, Committed, Endpoint, Failed, failed_to_send, send_headers
 from .auth import KeyChecker
 from .body import InvalidField, wants_stream
@@ -33,6 +31,7 @@ from .dispatch.affinity import prompt_blocks, prompt_text
 from .dispatcher import Dispatcher, Lease
 from .exchange import Exchange
 from .intake import Intake, max_tokens_of
+from .lifecycle import Lifecycle
 from .metrics import ERROR_KINDS, Metrics
 from .recorder import EXCHANGE, Recorder
 from .relay import Relay, Unusable, Whole
@@ -59,6 +58,7 @@ class Proxy:
         keys: KeyChecker,
         endpoints: dict[str, Endpoint],
         counter: TokenCounter,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.upstream = upstream
@@ -76,11 +76,11 @@ class Proxy:
             from . import tracing  # the otel extra is imported only by a gateway that traces
 
             self.spans = tracing.start(config.otlp_traces_url, config.file.tracing.service_name)
-        # Shutdown: the tasks of requests in progress, and whether their drain time is up.
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Shutdown is the lifecycle's: it holds the requests in progress and says when
+        # their drain time is up.
+        self.lifecycle = lifecycle or Lifecycle()
         self.relay = Relay(metrics, config.channel.timeout.write, dispatcher.clock)
+        self.lifecycle.on_abort(self._abort_streams)
         self.reconfigure(config, keys, endpoints)
         slo = config.file.slo
         self.recorder = Recorder(
@@ -117,43 +117,24 @@ class Proxy:
 
     @property
     def aborting(self) -> bool:
-        return self.relay.aborting
+        return self.lifecycle.aborting
 
-    async def drain(self, timeout: float) -> int:
-        """Let requests in progress finish for up to `timeout` s, then end the rest.
-
-        Streams that are still running get an in-band error event and `[DONE]`; requests
-        that have not started answering get 503 with Retry-After. Returns how many had to
-        be ended.
-        """
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._idle.wait()
-        left = len(self._tasks)
-        if left:
-            self.relay.aborting = True
-            for task in list(self._tasks):
-                task.cancel()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await self._idle.wait()
-        return left
+    def _abort_streams(self) -> None:
+        # The relay still keeps its own copy of the flag (relay.py is the seam's to change).
+        self.relay.aborting = True
 
     # ------------------------------------------------------------ handler
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
         ex.route = route.name  # the middleware records it (recorder.py)
-        self._start_trace(request, ex)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
-            self._idle.clear()
+            self.lifecycle.track(task)
         try:
-            # The key first: an unauthenticated request names no metric label (its tag
-            # would use up the bounded tag slots) and learns nothing about our checks.
-            self.intake.authorize(request)
+            # The key was checked first (auth.py's middleware): an unauthenticated request
+            # names no metric label (its tag would use up the bounded tag slots).
             ex.tag = self.intake.tag(request)
             if ex.tag:
                 headers["X-Request-Tag"] = ex.tag
@@ -164,8 +145,8 @@ class Proxy:
             else:
                 body, payload = await self.intake.json_body(request)
             if payload.get("model") is None and self.default_model and not route.form:
+                body = jsoncodec.with_field(body, payload, "model", self.default_model)
                 payload["model"] = self.default_model
-                body = json.dumps(payload).encode()
             try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
@@ -206,34 +187,7 @@ class Proxy:
             raise
         finally:
             if task is not None:
-                self._tasks.discard(task)
-                if not self._tasks:
-                    self._idle.set()
-            if ex.span is not None:
-                ex.span.end(
-                    ex.status,
-                    lane=ex.lane,
-                    model=ex.model,
-                    instance=ex.instance,
-                    attempts=ex.attempts,
-                    request_id=ex.request_id,
-                )
-
-    def _start_trace(self, request: web.Request, ex: Exchange) -> None:
-        """The request's trace: the client's, continued, or a new one; its id is logged."""
-        client = trace_context.from_headers(request.headers)
-        if self.spans is None:
-            ex.trace = client or trace_context.fresh()
-        else:
-            ex.span = self.spans.request(request.path, request.method, client)
-            ex.trace = trace_context.TraceContext(
-                ex.span.trace_id,
-                ex.span.span_id,
-                ex.span.flags,
-                client.state if client is not None else None,
-                from_client=client is not None,
-            )
-        structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
+                self.lifecycle.done(task)
 
     async def _forward(self, call: Call, ex: Exchange, ticket: Ticket) -> web.StreamResponse:
         """Attempt, and attempt again elsewhere while the retry plan allows."""

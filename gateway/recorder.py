@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -110,10 +110,18 @@ def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str
     answers as the client gets them; the proxy fills in the Exchange opened here.
     """
 
+    names: dict[str, str] = {}  # each route's name, worked out once per route
+
     @web.middleware
     async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
         own = owner(request.app)
-        ex = own.recorder.begin(request, route_of(request, prefixes), own.clock())
+        resource = request.match_info.route.resource
+        name = names.get(resource.canonical) if resource is not None else None
+        if name is None:
+            name = route_of(request, prefixes)
+            if resource is not None:
+                names[resource.canonical] = name
+        ex = own.recorder.begin(request, name, own.clock())
         response: web.StreamResponse | None = None
         try:
             response = await handler(request)
@@ -156,6 +164,15 @@ class Recorder:
     def __init__(self, metrics: Metrics, slo: dict[str, tuple[float, float]]) -> None:
         self.metrics = metrics
         self.slo = slo  # lane name -> (ttft objective, tpot objective), seconds
+        # Each labelled series once: prometheus_client's labels() checks and locks per call.
+        self._series: dict[tuple[object, ...], Any] = {}
+
+    def _series_of(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(*labels)
+        return series
 
     def begin(self, request: web.Request, route: str, started: float) -> Exchange:
         """Open the request's Exchange and leave it on the request for the handler."""
@@ -178,26 +195,28 @@ class Recorder:
         ttft_goal, tpot_goal = self.slo[lane]
         ttft_ok, tpot_ok = ex.ttft <= ttft_goal, ex.tpot <= tpot_goal
         slo = self.metrics.slo
-        slo.labels(lane, ex.instance, "ttft", "met" if ttft_ok else "missed").inc()
-        slo.labels(lane, ex.instance, "tpot", "met" if tpot_ok else "missed").inc()
+        self._series_of(slo, lane, ex.instance, "ttft", "met" if ttft_ok else "missed").inc()
+        self._series_of(slo, lane, ex.instance, "tpot", "met" if tpot_ok else "missed").inc()
         if ttft_ok and tpot_ok:
-            self.metrics.goodput.labels(lane, ex.instance).inc()
+            self._series_of(self.metrics.goodput, lane, ex.instance).inc()
 
     def record(self, ex: Exchange, duration: float) -> None:
         lane = ex.lane or NONE
-        self.metrics.requests.labels(
+        metrics = self.metrics
+        self._series_of(
+            metrics.requests,
             ex.route,
             str(ex.status),
             lane,
             ex.model or NONE,
-            self.metrics.tag_label(ex.tag or NONE),
+            metrics.tag_label(ex.tag or NONE),
         ).inc()
         if ex.instance:  # TTFT and TPOT only of requests an instance answered
-            self.metrics.duration.labels(lane).observe(duration)
+            self._series_of(metrics.duration, lane).observe(duration)
             if ex.ttft is not None:
-                self.metrics.ttft.labels(lane, ex.instance).observe(ex.ttft)
+                self._series_of(metrics.ttft, lane, ex.instance).observe(ex.ttft)
                 if ex.tpot is not None:
-                    self.metrics.tpot.labels(lane, ex.instance).observe(ex.tpot)
+                    self._series_of(metrics.tpot, lane, ex.instance).observe(ex.tpot)
                     self._account_slo(ex, lane)
         quiet = ex.route in PROBE_ROUTES and 200 <= ex.status < 300
         (_access.debug if quiet else _access.info)(

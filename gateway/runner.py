@@ -26,7 +26,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from . import errors, log
+from . import errors, log, request_id
 from .app import CONFIG, METRICS
 from .connections import ClientConnections, ConnectionLimits
 
@@ -52,6 +52,7 @@ class _OpenAIErrorsHandler(web.RequestHandler):
                 phrase.lower().replace(" ", "_"),
             ),
             content_type="application/json",
+            headers={request_id.HEADER: request_id.of_answered(request)},
         )
         response.force_close()
         return response

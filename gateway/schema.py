@@ -14,9 +14,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from .dispatch.model import InstanceLane
 from .dispatch.select import STRATEGIES
-
-Lane = Literal["short", "long", "any"]
 
 
 class Frozen(BaseModel):
@@ -257,10 +256,10 @@ class Channel(Frozen):
         return value
 
 
-class InstanceSpec(Frozen):
+class InstanceConfig(Frozen):
     url: str
     name: str | None = None
-    lane: Lane = "any"
+    lane: InstanceLane = "any"
     api_key_env: str | None = None
     weight: float = Field(1.0, gt=0)
     max_num_seqs: int | None = Field(None, ge=1)
@@ -299,7 +298,7 @@ class InstanceSpec(Frozen):
 
 
 class VllmSection(Frozen):
-    instances: list[InstanceSpec] = Field(min_length=1)
+    instances: list[InstanceConfig] = Field(min_length=1)
     tensor_parallel_size: int = Field(1, ge=1)
 
     @field_validator("instances", mode="before")
@@ -311,7 +310,7 @@ class VllmSection(Frozen):
 
     @field_validator("instances")
     @classmethod
-    def _unique(cls, value: list[InstanceSpec]) -> list[InstanceSpec]:
+    def _unique(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
         # One instance listed twice gets twice its share of traffic and twice its slots
         # counted: it overloads while the gateway believes there is room.
         endpoints: dict[tuple[str, int], int] = {}

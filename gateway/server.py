@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from . import log
-from .app import DISPATCHER, LIFECYCLE, PROXY, build_app
+from .app import DISPATCHER, PROXY, build_app
 from .config import Config
+from .lifecycle import Lifecycle
 from .reload import reload_on_signal
 from .runner import GatewayRunner, make_runner
 
@@ -60,48 +60,41 @@ async def serve(
     *,
     simulate: bool = False,
     on_ready: Callable[[str], None] | None = None,
-    stop: asyncio.Event | None = None,
+    lifecycle: Lifecycle | None = None,
 ) -> None:
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    lifecycle = lifecycle or Lifecycle()
     # SIGHUP's default action kills the process: handle it from the start, and reload
     # once there is something to reload.
     on_hup: list[Callable[[], None]] = [_too_early]
-    hup = getattr(signal, "SIGHUP", None)  # absent on Windows
-    if hup is not None:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(hup, lambda: on_hup[0]())
-    sims = await start_simulated(config) if simulate else []
-    for sim in sims:
-        _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
-    app = build_app(config)
-    runner = make_runner(app, config.gateway.drain_timeout)
-    await runner.setup()
-    on_hup[0] = reload_on_signal(app)
-    try:
-        host, port = await runner.listen(
-            config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
-        )
-        url = f"http://{host}:{port}"
-        _log.info("listening", url=url, instances=len(config.instances))
-        if on_ready:
-            on_ready(url)
-        await stop.wait()
-        await _drain(app, runner, stop)
-    finally:
-        on_hup[0] = _too_early
-        await runner.cleanup()
-        if sims:
-            from .sim.fleet import stop_fleet
+    with lifecycle.signals(on_hup=lambda: on_hup[0]()):
+        sims = await start_simulated(config) if simulate else []
+        for sim in sims:
+            _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
+        app = build_app(config, lifecycle)
+        runner = make_runner(app, config.gateway.drain_timeout)
+        await runner.setup()
+        on_hup[0] = reload_on_signal(app)
+        try:
+            host, port = await runner.listen(
+                config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
+            )
+            url = f"http://{host}:{port}"
+            _log.info("listening", url=url, instances=len(config.instances))
+            if on_ready:
+                on_ready(url)
+            await lifecycle.stopping.wait()
+            await _drain(app, runner, lifecycle)
+        finally:
+            on_hup[0] = _too_early
+            await runner.cleanup()
+            if sims:
+                from .sim.fleet import stop_fleet
 
-            await stop_fleet(sims)  # type: ignore[arg-type]
-        _log.info("stopped")
+                await stop_fleet(sims)  # type: ignore[arg-type]
+            _log.info("stopped")
 
 
-async def _drain(app: web.Application, runner: GatewayRunner, stop: asyncio.Event) -> None:
+async def _drain(app: web.Application, runner: GatewayRunner, lifecycle: Lifecycle) -> None:
     """The drain after the first stop signal; a second one ends it at once.
 
     For `drain_delay` s only readiness changes (503), so a load balancer stops sending
@@ -109,35 +102,15 @@ async def _drain(app: web.Application, runner: GatewayRunner, stop: asyncio.Even
     requests in progress get `drain_timeout` s.
     """
     gateway = app[PROXY].config.gateway  # as reloaded: the drain times may have changed
-    stop.clear()  # from here on, a second SIGTERM or SIGINT means "now"
     _log.info("draining", drain_delay_s=gateway.drain_delay, drain_timeout_s=gateway.drain_timeout)
-    app[LIFECYCLE].draining = True
-    forced = await _set_within(stop, gateway.drain_delay)
+    lifecycle.draining = True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(gateway.drain_delay):
+            await lifecycle.forced.wait()
     runner.stop_listening()  # no new connections; open ones finish their requests
     _log.info("listener_closed")
     app[DISPATCHER].close()
-    proxy = app[PROXY]
-    if not forced:
-        drained = asyncio.create_task(proxy.drain(gateway.drain_timeout))
-        second = asyncio.create_task(stop.wait())
-        await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
-        second.cancel()
-        forced = not drained.done()
-        if not forced:
-            _log.info("drained", ended_at_deadline=drained.result())
-            return
-        drained.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await drained
-    _log.warning("drain_forced", reason="a second stop signal")
-    _log.info("drained", ended_at_deadline=await proxy.drain(0))
-
-
-async def _set_within(event: asyncio.Event, seconds: float) -> bool:
-    """Whether `event` is set within `seconds`."""
-    try:
-        async with asyncio.timeout(seconds):
-            await event.wait()
-    except TimeoutError:
-        return False
-    return True
+    ended = await lifecycle.drain(gateway.drain_timeout)
+    if lifecycle.forced.is_set():
+        _log.warning("drain_forced", reason="a second stop signal")
+    _log.info("drained", ended_at_deadline=ended)

@@ -33,6 +33,7 @@ from .retry import (
 )
 from .scheduler import Scheduler, UnknownTicket
 from .select import STRATEGIES, Score, score_all
+from .snapshot import InstanceSnapshot, Snapshot
 from .speed import PeerSpeed
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Decision",
     "GiveUp",
     "HealthPolicy",
+    "InstanceSnapshot",
     "InstanceSpec",
     "InstanceState",
     "Lane",
@@ -58,6 +60,7 @@ __all__ = [
     "Scheduler",
     "Score",
     "SharedView",
+    "Snapshot",
     "Ticket",
     "UnknownTicket",
     "Verdict",

@@ -31,7 +31,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from . import admission, health
+from . import admission, health, snapshot
 from .fleet import Fleet
 from .model import (
     Assigned,
@@ -51,6 +51,7 @@ from .model import (
 )
 from .queues import WaitQueues
 from .select import Strategy
+from .snapshot import Snapshot
 from .speed import Ewma
 
 
@@ -414,6 +415,10 @@ class Scheduler(Fleet):
                     break
             if not placed:
                 return out
+
+    def snapshot(self, now: float) -> Snapshot:
+        """A frozen copy of the state, for readers (metrics, health, /admin, readiness)."""
+        return snapshot.take(self, now)
 
     def queued_tickets(self) -> Iterable[Ticket]:
         return iter(self._queues)

@@ -322,13 +322,13 @@ def test_bad_config_exits_2_without_binding_its_port(tmp_path: Path) -> None:
 @dataclass
 class Forced:
     stream: Outcome
-    readyz_before: int  # /readyz after the first SIGTERM
+    readyz_before: int | None  # /readyz after the first SIGTERM (None: the listener closed)
     exit_code: int | None
     exited_after: float | None  # seconds from the second SIGTERM
     log: str
 
 
-async def _forced_scenario(folder: Path) -> Forced:
+async def _forced_scenario(folder: Path, delay: float) -> Forced:
     sim = SimInstance(SIM)
     await sim.start()
     log = folder / "gateway.log"
@@ -337,7 +337,7 @@ async def _forced_scenario(folder: Path) -> Forced:
             folder,
             [sim.url],
             sections={
-                "gateway": {"drain_timeout": 60, "drain_delay": 60},
+                "gateway": {"drain_timeout": 60, "drain_delay": delay},
                 "dispatch": {"health_check_interval": 60},
             },
         )
@@ -356,8 +356,10 @@ async def _forced_scenario(folder: Path) -> Forced:
                 await eventually(lambda: out.first_token_at is not None, timeout=20)
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
-                async with aiohttp.ClientSession() as s, s.get(url + "/readyz") as resp:
-                    readyz = resp.status
+                readyz: int | None = None
+                with contextlib.suppress(aiohttp.ClientConnectionError):
+                    async with aiohttp.ClientSession() as s, s.get(url + "/readyz") as resp:
+                        readyz = resp.status
                 second = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
                 async with asyncio.timeout(10):
@@ -374,9 +376,21 @@ async def _forced_scenario(folder: Path) -> Forced:
 
 
 def test_a_second_sigterm_ends_the_drain_at_once(tmp_path: Path) -> None:
-    """A second SIGTERM during a long drain exits 0 at once; the stream ends in-band."""
-    forced = asyncio.run(_forced_scenario(tmp_path))
+    """A second SIGTERM during a long drain_delay exits 0 at once; the stream ends in-band."""
+    forced = asyncio.run(_forced_scenario(tmp_path, delay=60))
     assert forced.readyz_before == 503
+    assert forced.exit_code == 0, forced.log[-2000:]
+    assert forced.exited_after is not None
+    assert forced.exited_after < 3.0
+    assert forced.stream.in_band_error, forced.stream.lines[-3:]
+    assert '"drain_forced"' in forced.log
+
+
+def test_a_second_sigterm_during_the_drain_timeout_forces_the_exit(tmp_path: Path) -> None:
+    """A second SIGTERM once the listener closed and streams have 60 s left exits 0 at once,
+    the running stream ended in-band rather than cut."""
+    forced = asyncio.run(_forced_scenario(tmp_path, delay=0))
+    assert forced.readyz_before is None  # no drain_delay: the listener closed at once
     assert forced.exit_code == 0, forced.log[-2000:]
     assert forced.exited_after is not None
     assert forced.exited_after < 3.0

@@ -1,0 +1,115 @@
+"""What the scheduler looked like at one moment, as a frozen value: what metrics, health
+logs, readiness and /admin/instances read, instead of the scheduler's live state.
+
+A reader holds a copy: the scheduler moves on (a request is placed, a probe fails) and the
+snapshot a scrape is turning into text does not change under it, nor can a reader change
+the scheduler through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from .model import InstanceLane, Lane, LoadReport
+from .select import score_all
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSnapshot:
+    name: str
+    verdict: str  # up | down | unknown
+    available: bool  # up by its probes and not ejected
+    ejected_for: float | None  # seconds of ejection left
+    lane: InstanceLane  # its configured lane
+    current_lane: InstanceLane  # the lane it serves now (the split may have moved it)
+    weight: float
+    slots: int
+    models: frozenset[str] | None  # served, pinned or learned; None while unknown
+    pinned_models: frozenset[str] | None
+    inflight: int
+    long_prefilling: int
+    queue_depth: float
+    score: float
+    load_fresh: bool
+    report: LoadReport | None  # the last scrape, however old
+    fresh_report: LoadReport | None  # the last scrape if recent enough to trust
+    prefix_index_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefill_rate: float | None
+    tpot: float | None
+    slow: bool
+    assigned_total: int
+    failures_total: int
+    consecutive_failures: int
+    ejections_total: int
+    recent_errors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    at: float
+    strategy: str
+    inflight: int
+    queues: Mapping[Lane, int]  # requests waiting in the gateway, by lane
+    instances: tuple[InstanceSnapshot, ...]
+
+    def up(self) -> tuple[InstanceSnapshot, ...]:
+        """The instances that take traffic."""
+        return tuple(i for i in self.instances if i.available)
+
+
+def take(scheduler: Scheduler, now: float) -> Snapshot:
+    """The scheduler's state at `now`, copied."""
+    stale = scheduler.limits.metrics_stale_after
+    scores = score_all(scheduler.states, now, stale)
+    instances = []
+    for state in scheduler.states:
+        fresh = state.fresh_report(now, stale)
+        score = scores[state.name]
+        until = state.ejected_until
+        instances.append(
+            InstanceSnapshot(
+                name=state.name,
+                verdict=state.verdict,
+                available=state.available(now),
+                ejected_for=until - now if until is not None and until > now else None,
+                lane=state.spec.lane,
+                current_lane=scheduler.lanes.lane(state),
+                weight=state.spec.weight,
+                slots=state.spec.slots,
+                models=state.models,
+                pinned_models=state.spec.models,
+                inflight=state.inflight,
+                long_prefilling=state.long_prefilling,
+                queue_depth=state.queue_depth(fresh),
+                score=score.total,
+                load_fresh=score.fresh,
+                report=state.report,
+                fresh_report=fresh,
+                prefix_index_blocks=len(state.cache),
+                prefix_query_tokens=state.prefix_query_tokens,
+                prefix_hit_tokens=state.prefix_hit_tokens,
+                prefill_rate=state.speed.prefill_rate,
+                tpot=state.speed.tpot_value,
+                slow=state.speed.slow,
+                assigned_total=state.assigned_total,
+                failures_total=state.failures_total,
+                consecutive_failures=state.consecutive_failures,
+                ejections_total=state.ejections_total,
+                recent_errors=tuple(state.recent_errors),
+            )
+        )
+    return Snapshot(
+        at=now,
+        strategy=scheduler.strategy.name,
+        inflight=scheduler.inflight,
+        queues=MappingProxyType({lane: scheduler.queue_length(lane) for lane in Lane}),
+        instances=tuple(instances),
+    )
