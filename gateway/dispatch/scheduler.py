@@ -343,18 +343,19 @@ class Scheduler(Fleet):
         limit = self.limits.global_limit
         if limit is not None and len(self._holding) >= limit:
             return []
-        pool = [
+        # A retry goes only to instances it has not tried; the shell checks that one
+        # exists (`untried_available`) before it retries.
+        up = [
             s
             for s in self._pool[ticket.lane]
-            if s.available(now) and s.serves_model(ticket.model) and self._has_room(s, ticket)
+            if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
         ]
-        # A retry goes only to instances it has not tried; the shell checks that one
-        # exists (`untried_available`) before it retries. Prefer one that did not just
-        # answer "busy".
-        untried = [s for s in pool if s.name not in ticket.exclude] if ticket.exclude else pool
+        untried = [s for s in up if self._has_room(s, ticket)]
+        # Its own lane's instances first (see LaneSplit.prefer), and of those one that did
+        # not just say "busy"; a busy one only when no other may take it.
         fresh = [s for s in untried if not s.busy(now)]
-        # Its own lane's instances first; when it spills, see LaneSplit.prefer.
-        return self.lanes.prefer(fresh or untried, ticket.lane)
+        choice = self.lanes.prefer(fresh, ticket.lane, up) if fresh else []
+        return choice or self.lanes.prefer(untried, ticket.lane, up)
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random

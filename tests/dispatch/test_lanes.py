@@ -337,26 +337,39 @@ def settle_split(sched: Scheduler, rng: random.Random) -> None:
 
 def test_requests_prefer_their_own_lane_and_spill_only_when_it_is_full() -> None:
     """Short requests go to the short-held card until it is full, then spill to long-held
-    ones; long requests go to long-held cards, uncapped by max_long_per_instance."""
+    ones; long requests go to long-held cards up to max_long_per_instance each, and the
+    rest wait in the gateway queue for the first place there, not on the short card."""
     rng = random.Random(0)
     sched = scheduler(1, 1, 0.4)
     settle_split(sched, rng)
     assert [sched.lanes.lane(s) for s in sched.states] == ["long", "long", "short"]
     now = 20.0
-    # Two long requests on each long-held card although max_long_per_instance is 1.
     longs = [sched.submit(ticket(i, Lane.LONG), now, rng) for i in range(1, 5)]
-    assert sorted(d.instance for d in longs if isinstance(d, Assigned)) == [
-        "i0",
-        "i0",
-        "i1",
-        "i1",
-    ]
-    assert {sched.state("i0").long_prefilling, sched.state("i1").long_prefilling} == {2}
+    assert sorted(d.instance for d in longs if isinstance(d, Assigned)) == ["i0", "i1"]
+    assert all(isinstance(d, Queued) for d in longs[2:])
+    assert {sched.state("i0").long_prefilling, sched.state("i1").long_prefilling} == {1}
+    assert sched.state("i2").long_prefilling == 0
     # Short requests: the short card's two slots first.
     shorts = [sched.submit(ticket(i, Lane.SHORT), now, rng) for i in range(5, 8)]
     assert [d.instance for d in shorts[:2] if isinstance(d, Assigned)] == ["i2", "i2"]
-    # The fleet is full now (two slots each, no queue at the instance): the third waits.
-    assert isinstance(shorts[2], Queued)
+    # Then the long cards' free slot (their long prefill places are taken, not their slots).
+    assert assigned_to(shorts[2]) in {"i0", "i1"}
+
+
+def test_a_queued_long_request_takes_the_first_long_place_that_frees() -> None:
+    """With every long-held card at its cap, a long request waits at the gateway and goes
+    to whichever long card finishes a prefill first, not to the card it would have
+    picked on arrival."""
+    rng = random.Random(0)
+    sched = scheduler(1, 1, 0.4)
+    settle_split(sched, rng)
+    now = 20.0
+    first = [sched.submit(ticket(i, Lane.LONG), now, rng) for i in (1, 2)]
+    waiting = sched.submit(ticket(3, Lane.LONG), now, rng)
+    assert isinstance(waiting, Queued)
+    done = next(d for d in first if isinstance(d, Assigned) and d.instance == "i1")
+    decisions = sched.prefill_done(done.ticket.id, now + 0.5, rng)
+    assert [(d.ticket.id, assigned_to(d)) for d in decisions] == [(3, "i1")]
 
 
 def test_a_short_request_spills_to_a_long_held_card_when_its_own_is_full() -> None:
@@ -375,7 +388,7 @@ def test_a_request_spills_to_a_free_slot_rather_than_queue_at_its_own_lane() -> 
     with a free slot rather than queue at the short card; with no free slot anywhere it
     queues at its own lane's card."""
     rng = random.Random(0)
-    sched = scheduler(1, 1, 0.4, limits=Limits(max_long_per_instance=1, max_queue_per_instance=4))
+    sched = scheduler(1, 1, 0.4, limits=Limits(max_long_per_instance=2, max_queue_per_instance=4))
     settle_split(sched, rng)
     now = 20.0
     assert [assigned_to(sched.submit(ticket(i, Lane.SHORT), now, rng)) for i in (1, 2)] == [
@@ -388,19 +401,22 @@ def test_a_request_spills_to_a_free_slot_rather_than_queue_at_its_own_lane() -> 
     assert assigned_to(sched.submit(ticket(7, Lane.SHORT), now, rng)) == "i2"
 
 
-def test_a_long_request_queues_in_its_own_lane_before_it_spills() -> None:
-    """A long request waits at a long-held card rather than prefill on the short one (it
-    would stall every short sequence there); only with no room left in its lane does it
-    spill, under max_long_per_instance."""
+def test_a_long_request_spills_only_when_no_long_held_card_is_up() -> None:
+    """A long request waits for its own lane rather than prefill on the short-held card
+    (it would stall every short sequence there); with every long-held card down it
+    spills, under max_long_per_instance."""
     rng = random.Random(0)
     sched = scheduler(1, 1, 0.4, limits=Limits(max_long_per_instance=1, max_queue_per_instance=2))
     settle_split(sched, rng)
     now = 20.0
-    # Two slots and two queue places on each long card: eight long requests stay there.
-    for i in range(1, 9):
+    for i in (1, 2):
         assert assigned_to(sched.submit(ticket(i, Lane.LONG), now, rng)) in {"i0", "i1"}
-    assert assigned_to(sched.submit(ticket(9, Lane.LONG), now, rng)) == "i2"
-    assert isinstance(sched.submit(ticket(10, Lane.LONG), now, rng), Queued)
+    assert isinstance(sched.submit(ticket(3, Lane.LONG), now, rng), Queued)
+    decisions = []
+    for name in ("i0", "i1"):
+        while sched.state(name).up:
+            decisions += sched.probe(name, False, now, rng)
+    assert [(d.ticket.id, assigned_to(d)) for d in decisions] == [(3, "i2")]
 
 
 def test_a_long_request_spilling_to_a_short_held_card_is_capped() -> None:
@@ -410,35 +426,34 @@ def test_a_long_request_spilling_to_a_short_held_card_is_capped() -> None:
     settle_split(sched, rng)
     assert [sched.lanes.lane(s) for s in sched.states] == ["long", "short"]
     now = 20.0
-    assert [assigned_to(sched.submit(ticket(i, Lane.LONG), now, rng)) for i in (1, 2, 3)] == [
-        "i0",
-        "i0",
-        "i1",
-    ]
-    assert isinstance(sched.submit(ticket(4, Lane.LONG), now, rng), Queued)
+    while sched.state("i0").up:
+        sched.probe("i0", False, now, rng)
+    assert assigned_to(sched.submit(ticket(1, Lane.LONG), now, rng)) == "i1"
+    assert isinstance(sched.submit(ticket(2, Lane.LONG), now, rng), Queued)
     assert sched.state("i1").long_prefilling == 1
 
 
-def test_a_move_to_long_lets_waiting_long_requests_go() -> None:
-    """Long requests queued behind the cap on short-held cards start when one moves to long."""
+def test_a_move_to_long_keeps_the_cap_and_the_queue() -> None:
+    """A card the split moves to long stays bounded by max_long_per_instance: the long
+    request waiting at the gateway starts when a long prefill there finishes, not when
+    the card changes lane."""
     rng = random.Random(0)
     sched = scheduler(1, 1, limits=Limits(max_long_per_instance=1))
-    assert [assigned_to(sched.submit(ticket(i, Lane.LONG), 0.0, rng)) for i in (1, 2)] in (
-        ["i0", "i1"],
-        ["i1", "i0"],
-    )
+    first = [sched.submit(ticket(i, Lane.LONG), 0.0, rng) for i in (1, 2)]
+    assert sorted(assigned_to(d) for d in first) == ["i0", "i1"]
     assert isinstance(sched.submit(ticket(3, Lane.LONG), 0.0, rng), Queued)
-    decisions: list[object] = []
-    for t in range(1, 4):
+    moved: dict[str, Lane] = {}
+    for t in range(1, 6):
         sched.lanes.record(Lane.LONG, 6000, 32, float(t))
         sched.lanes.record(Lane.SHORT, 200, 32, float(t))
         moves, out = sched.update_lanes(t + 0.5, rng)
-        decisions += out
-        if moves:
-            break
-    assert len(decisions) == 1
-    assert isinstance(decisions[0], Assigned)
-    assert decisions[0].ticket.id == 3
+        assert out == []
+        moved.update(moves)
+    assert Lane.LONG in moved.values()
+    to_long = next(name for name, lane in moved.items() if lane is Lane.LONG)
+    done = next(d for d in first if isinstance(d, Assigned) and d.instance == to_long)
+    decisions = sched.prefill_done(done.ticket.id, 7.0, rng)
+    assert [(d.ticket.id, assigned_to(d)) for d in decisions] == [(3, to_long)]
 
 
 def assigned_to(decision: object) -> str:

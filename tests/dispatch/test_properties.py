@@ -227,18 +227,15 @@ class Harness:
         return self.lanes[state.name].value
 
     def capped(self, state: InstanceState) -> bool:
-        """Long requests there are bounded: a shared instance the long lane does not hold."""
-        return state.spec.lane == "any" and self.serves_now(state) != "long"
+        """Long requests there are bounded: on a shared instance, whatever lane it holds."""
+        return state.spec.lane == "any"
 
     def fits_somewhere(self, ticket: Ticket) -> bool:
         """Whether some instance may take `ticket` now (a retry never goes where it was)."""
         limit = self.limits.global_limit
         if limit is not None and len(self.held) >= limit:
             return False
-        return any(
-            self.has_room(s, ticket.lane) and s.name not in ticket.exclude
-            for s in self.sched.states
-        )
+        return any(self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.states))
 
     def lane_alive(self, lane: Lane) -> bool:
         return any(s.available(self.now) for s in self.pool(lane))
@@ -284,9 +281,19 @@ class Harness:
         if chosen.busy(self.now):
             assert not any(
                 self.has_room(s, lane) and not s.busy(self.now)
-                for s in others
-                if s.name not in exclude
+                for s in self.allowed(d.ticket, others)
             ), d
+
+    def allowed(self, ticket: Ticket, states: Sequence[InstanceState]) -> list[InstanceState]:
+        """Of `states`, those `ticket` may go to, room aside: untried ones, and for a long
+        request only its own lane's while an instance holding the long lane is up."""
+        untried = [s for s in states if s.name not in ticket.exclude]
+        if ticket.lane is Lane.LONG and any(
+            self.serves_now(s) == "long" and s.available(self.now) and s.name not in ticket.exclude
+            for s in self.pool(Lane.LONG)
+        ):
+            return [s for s in untried if self.serves_now(s) in ("long", "any")]
+        return untried
 
     # ---------------------------------------------------------------- applying decisions
 
