@@ -224,6 +224,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         interval=settings.publish_interval,
         ttl=settings.ttl,
         namespace=settings.namespace,
+        push_interval=settings.push_interval,
     )
     app[SHARED] = shared
     app[METRICS].registry.register(SharedStateCollector(shared))

@@ -7,7 +7,16 @@ import random
 import pytest
 
 from gateway.dispatch import STRATEGIES, InstanceSpec, Lane, Limits, Scheduler, Ticket
-from gateway.shared import combine, decode, encode, redacted
+from gateway.shared_codec import (
+    combine,
+    decode,
+    encode,
+    newest,
+    parse_push,
+    push_key,
+    push_message,
+    redacted,
+)
 
 FAR = 1e9
 
@@ -32,6 +41,39 @@ def test_publications_round_trip_and_sum() -> None:
     assert view.peers == 2
     assert sum(load.inflight for load in view.loads.values()) == 2
     assert len(view.speeds["a"]) == 2
+
+
+def test_of_two_publications_of_one_process_the_higher_numbered_wins() -> None:
+    """A round's key read after a newer push does not replace it: the sequence decides."""
+    sched = make(InstanceSpec("a"))
+    older = decode(encode(sched.share(), 1, 0, seq=7))
+    newer = decode(encode(sched.share(), 2, 0, seq=8))
+    assert (older.seq, newer.seq) == (7, 8)
+    assert newest(newer, older) is newer
+    assert newest(older, newer) is newer
+    assert newest(None, older) is older
+
+
+def test_a_push_names_its_process_and_carries_its_publication() -> None:
+    """A push is the process id, a space and the publication; one without an id is refused."""
+    sched = make(InstanceSpec("a"))
+    payload = encode(sched.share(), 3, 1, seq=2)
+    assert parse_push(push_message("host-12-ab", payload)) == ("host-12-ab", payload)
+    assert parse_push(push_message("host-12-ab", payload).decode()) == ("host-12-ab", payload)
+    for bad in (b"", b"no-space", b" starts-with-space"):
+        with pytest.raises(ValueError, match="malformed push"):
+            parse_push(bad)
+
+
+def test_a_push_is_due_when_load_or_queues_change_not_speeds() -> None:
+    """push_key moves with a request placed, not with a speed learned (speeds ride along)."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    before = push_key(sched.share())
+    sched.state("a").speed.observe_tpot(0.02)
+    assert push_key(sched.share()) == before
+    sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=40), 0.0, rng)
+    assert push_key(sched.share()) != before
 
 
 @pytest.mark.parametrize(
@@ -65,6 +107,7 @@ async def test_a_cancellation_swallowed_inside_a_round_still_stops_the_loop() ->
 
     shared = Swallowing.__new__(Swallowing)
     shared.interval = 0.01
+    shared.push_interval = 0  # the rounds alone: the loop under test
     task = asyncio.create_task(shared.run_forever())
     await asyncio.sleep(0.05)
     task.cancel()

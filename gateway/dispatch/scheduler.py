@@ -65,7 +65,7 @@ class _Held:
     state: InstanceState
     ticket: Ticket
     prefilling: bool = True
-    ahead: int = 0  # our uncached prompt tokens in prefill there when it was sent
+    ahead: int = 0  # uncached prompt tokens in prefill there (ours, peers') when it was sent
     uncached: int = 0  # its own prompt tokens not in the instance's prefix cache
     long_place: bool = False  # holds one of the instance's max_long_per_instance places
 
@@ -363,7 +363,9 @@ class Scheduler(Fleet):
         held = _Held(
             state,
             ticket,
-            ahead=state.pending_prefill_tokens,
+            # The peers' prefill work there is ahead of it too, as the shared view last said:
+            # leaving it out would teach every replica a slower rate than the instance's.
+            ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
         )

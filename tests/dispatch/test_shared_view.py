@@ -72,6 +72,19 @@ def test_least_time_counts_the_peers_prefill_work() -> None:
     assert decision.instance == "b"
 
 
+def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
+    """A first token that waited behind the peers' prefill teaches the rate of all that work."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), strategy="least_time")
+    view = SharedView(loads={"a": PeerLoad(inflight=1, pending_prefill_tokens=6000)}, peers=1)
+    sched.apply_shared(view, 0.0, rng)
+    decision = sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=2000), 0.0, rng)
+    assert isinstance(decision, Assigned)
+    sched.prefill_done(1, 0.4, rng, ttft=0.4)
+    # 6,000 tokens of the peers' and our 2,000 in 0.4 s: 20,000 tokens/s, not 5,000.
+    assert sched.state("a").speed.prefill.value == pytest.approx(20_000)
+
+
 def test_the_gateway_queue_bound_holds_across_processes() -> None:
     """The peers' queued requests fill the lane's bound: ours is refused queue_full."""
     rng = random.Random(0)

@@ -119,6 +119,30 @@ async def test_a_process_that_stops_publishing_leaves_the_view_within_the_ttl() 
                 await held
 
 
+async def test_a_changed_load_reaches_the_others_between_rounds() -> None:
+    """With rounds 5 s apart, A's new stream and its end reach B's view within a second (push)."""
+    with redis_server() as redis:
+        slow_rounds = sections(redis)
+        slow_rounds["shared"] = {
+            "redis_url": redis.url,
+            "publish_interval": 5.0,
+            "ttl": 10.0,
+            "push_interval": 0.02,
+        }
+        async with (
+            fleet(ONE_SLOT) as sims,
+            gateway_with(sims, sections=slow_rounds) as a,
+            gateway_with(sims, sections=slow_rounds) as b,
+        ):
+            name = a.names()[0]
+            await until(lambda: b.app[SHARED].peers == 1)  # B's first round found A's key
+            held = asyncio.create_task(stream(a, max_tokens=100))  # about a second
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1, 1.0)
+            assert (await held)[0] == 200
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 0, 1.0)
+            assert b.app[SHARED].pushes_heard >= 2
+
+
 async def test_learned_speeds_are_shared() -> None:
     """What A learned of an instance's speed reaches B's view, blended with B's own."""
     with redis_server() as redis:

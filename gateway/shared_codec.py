@@ -1,0 +1,110 @@
+"""What one gateway process publishes for the others, and how the others' are read and summed.
+
+Pure: no Redis, no clock. `shared.py` moves these bytes; this module says what they mean.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from .dispatch import Lane, LocalShare, PeerLoad, PeerSpeed, SharedView
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    """One other process's publication, decoded."""
+
+    share: LocalShare
+    requests: int
+    retries: int
+    seq: int = 0  # the publisher's count of publications: a higher one is newer
+
+
+def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> bytes:
+    """This process's publication: compact JSON, a few dozen bytes per instance."""
+    body = {
+        "loads": {name: [p.inflight, p.pending_prefill_tokens] for name, p in share.loads.items()},
+        "speeds": {
+            name: [s.prefill, s.prefill_samples, s.tpot, s.tpot_samples]
+            for name, s in share.speeds.items()
+        },
+        "queued": {lane.value: n for lane, n in share.queued.items()},
+        "budget": [requests, retries],
+        "seq": seq,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(data: bytes | str) -> PeerEntry:
+    """Another process's publication; ValueError if it is malformed."""
+    try:
+        return _decode(json.loads(data))
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"malformed publication: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(body: dict[str, Any]) -> PeerEntry:
+    loads = {name: PeerLoad(int(v[0]), int(v[1])) for name, v in body["loads"].items()}
+    speeds = {
+        name: PeerSpeed(
+            None if v[0] is None else float(v[0]),
+            int(v[1]),
+            None if v[2] is None else float(v[2]),
+            int(v[3]),
+        )
+        for name, v in body["speeds"].items()
+    }
+    queued = {Lane(lane): int(n) for lane, n in body["queued"].items()}
+    requests, retries = (int(n) for n in body["budget"])
+    return PeerEntry(LocalShare(loads, speeds, queued), requests, retries, int(body.get("seq", 0)))
+
+
+def newest(old: PeerEntry | None, new: PeerEntry) -> PeerEntry:
+    """Of two publications by one process, the later one (pushes and keys arrive unordered)."""
+    return new if old is None or new.seq >= old.seq else old
+
+
+def push_key(share: LocalShare) -> tuple[object, ...]:
+    """What a push is sent for: the load and the queues (speeds and budget ride along)."""
+    return (share.loads, share.queued)
+
+
+def push_message(process_id: str, payload: bytes) -> bytes:
+    return process_id.encode() + b" " + payload
+
+
+def parse_push(data: bytes | str) -> tuple[str, bytes]:
+    """(process id, publication) of a push; ValueError if it has no id."""
+    raw = data.encode() if isinstance(data, str) else data
+    process, sep, payload = raw.partition(b" ")
+    if not sep or not process:
+        raise ValueError("malformed push: no process id")
+    return process.decode(), payload
+
+
+def combine(entries: list[PeerEntry]) -> SharedView:
+    """The others' publications summed into one view (speeds kept apart, to blend)."""
+    inflight: dict[str, int] = {}
+    pending: dict[str, int] = {}
+    speeds: dict[str, list[PeerSpeed]] = {}
+    queued: dict[Lane, int] = {}
+    for entry in entries:
+        for name, load in entry.share.loads.items():
+            inflight[name] = inflight.get(name, 0) + load.inflight
+            pending[name] = pending.get(name, 0) + load.pending_prefill_tokens
+        for name, speed in entry.share.speeds.items():
+            speeds.setdefault(name, []).append(speed)
+        for lane, n in entry.share.queued.items():
+            queued[lane] = queued.get(lane, 0) + n
+    loads = {name: PeerLoad(inflight[name], pending[name]) for name in inflight}
+    return SharedView(loads=loads, speeds=speeds, queued=queued, peers=len(entries))
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    host = parts.hostname or parts.path or "?"
+    return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
