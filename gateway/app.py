@@ -400,6 +400,9 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 if state.prefix_query_tokens
                 else None,
                 "inflight": state.inflight,
+                # The other gateway processes' there, as the shared view last said.
+                "peers_inflight": state.peers.inflight,
+                "peers_pending_prefill_tokens": state.peers.pending_prefill_tokens,
                 "long_prefilling": state.long_prefilling,
                 "queue_depth": state.queue_depth(
                     state.fresh_report(now, scheduler.limits.metrics_stale_after)
