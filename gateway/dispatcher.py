@@ -52,6 +52,9 @@ class Dispatcher:
         # too coarse for time-per-token.
         self.clock = clock or time.monotonic
         self._waiters: dict[int, asyncio.Future[str]] = {}
+        # Called after anything that may change our load (a request placed, queued, past
+        # its prefill, released): the shared view's pusher listens (shared.py).
+        self.on_change: Callable[[], None] | None = None
 
     def new_ticket(
         self,
@@ -77,6 +80,7 @@ class Dispatcher:
         caller is cancelled (its client left), the ticket leaves the queue at once.
         """
         decision = self.scheduler.submit(ticket, self.clock(), self.rng)
+        self._changed()
         if isinstance(decision, Assigned):
             return decision.instance
         if isinstance(decision, Rejected):
@@ -119,6 +123,7 @@ class Dispatcher:
 
     def _expire(self, ticket_id: int) -> None:
         self._settle(self.scheduler.expire(ticket_id, self.clock()))
+        self._changed()
         wait_until = self.scheduler.wait_until(ticket_id)
         if wait_until is not None:  # the loop's clock ran ahead of ours: look again soon
             delay = max(0.001, wait_until - self.clock())
@@ -126,9 +131,15 @@ class Dispatcher:
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
+        self._changed()
 
     def prefill_done(self, ticket_id: int, ttft: float | None = None) -> None:
         self._settle(self.scheduler.prefill_done(ticket_id, self.clock(), self.rng, ttft))
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def observe_tpot(self, name: str, seconds: float) -> None:
         self.scheduler.observe_tpot(name, seconds)

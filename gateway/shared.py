@@ -17,9 +17,10 @@ replicas agree where a prefix lives instead of each caching it somewhere else.
 
 A view a round old is too old where requests come faster than rounds: a 6,000-token prompt
 prefills in a third of a second, and replicas that all see an instance idle for a quarter
-second all send there. So between rounds each process also pushes its load the moment it
-changes (checked every `push_interval`, 20 ms: changes within one are sent as one) on a
-Redis pub/sub channel, and every process applies the others' pushes as they arrive. Each
+second all send there. So between rounds each process also pushes its load on a Redis
+pub/sub channel when it changes (at once after a quiet spell; while it keeps changing, at
+most once per `push_interval`, 20 ms, the changes in between sent as one), and every
+process applies the others' pushes as they arrive. Each
 publication carries a sequence number, so a round's read never replaces a newer push with
 the older key. The rounds stay the source of membership and expiry: a process is in the
 view while its key lives.
@@ -101,6 +102,7 @@ class SharedState:
         self._seq = 0  # publications made, pushes and keys alike
         self._pushed: tuple[object, ...] | None = None  # what the last publication said
         self._peers: dict[str, PeerEntry] = {}  # the others' newest publications
+        self._changed = asyncio.Event()  # set by the dispatcher when our load may have moved
         # Every call is bounded: a slow Redis costs a round, never a request.
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=max(0.5, interval * 2), socket_connect_timeout=1.0
@@ -110,11 +112,13 @@ class SharedState:
         self.rounds = 0
         self.pushes_sent = 0
         self.pushes_heard = 0
+        self.listening = False  # subscribed to the others' pushes
 
     async def run_forever(self) -> None:
         """The rounds, and between them the pushes both ways, until cancelled."""
         helpers = []
         if self.push_interval > 0:
+            self.dispatcher.on_change = self._changed.set
             helpers = [
                 asyncio.create_task(self._push_forever(), name="shared-state-push"),
                 asyncio.create_task(self._listen_forever(), name="shared-state-listen"),
@@ -122,6 +126,8 @@ class SharedState:
         try:
             await self._rounds_forever()
         finally:
+            if helpers:
+                self.dispatcher.on_change = None
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
@@ -198,9 +204,12 @@ class SharedState:
         return {p: newest(self._peers.get(p), entry) for p, entry in read.items()}
 
     async def _push_forever(self) -> None:
-        """Every `push_interval`, if our load or queues changed since we last told: push."""
+        """When our load or queues change, push them: at once after a quiet spell, and at
+        most once per `push_interval` while they keep changing (the changes in between
+        go as one push)."""
         while True:
-            await asyncio.sleep(self.push_interval)
+            await self._changed.wait()
+            self._changed.clear()
             if self.up is not True or push_key(self.dispatcher.scheduler.share()) == self._pushed:
                 continue
             message = push_message(self.process_id, self._publication())
@@ -210,6 +219,7 @@ class SharedState:
                     await self._redis.publish(self._channel, message)
                     self.pushes_sent += 1
             _honour_cancel()
+            await asyncio.sleep(self.push_interval)
 
     async def _listen_forever(self) -> None:
         """The others' pushes, applied as they come; resubscribes after Redis comes back."""
@@ -217,6 +227,7 @@ class SharedState:
             try:
                 async with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self._channel)
+                    self.listening = True
                     while True:
                         message = await pubsub.get_message(timeout=1.0)
                         _honour_cancel()
@@ -224,6 +235,7 @@ class SharedState:
                             self._heard(message["data"])
             except (RedisError, OSError, TimeoutError):
                 pass  # the rounds log the outage and set the metric
+            self.listening = False
             _honour_cancel()
             await asyncio.sleep(min(BACKOFF_MAX, max(self.interval, 0.1)))
 

@@ -135,12 +135,37 @@ async def test_a_changed_load_reaches_the_others_between_rounds() -> None:
             gateway_with(sims, sections=slow_rounds) as b,
         ):
             name = a.names()[0]
-            await until(lambda: b.app[SHARED].peers == 1)  # B's first round found A's key
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
             held = asyncio.create_task(stream(a, max_tokens=100))  # about a second
             await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1, 1.0)
             assert (await held)[0] == 200
             await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 0, 1.0)
             assert b.app[SHARED].pushes_heard >= 2
+
+
+async def test_a_change_after_a_quiet_spell_is_pushed_at_once_later_ones_coalesce() -> None:
+    """With a 2 s push interval, A's first change reaches B at once; its next waits the interval."""
+    with redis_server() as redis:
+        settings = sections(redis)
+        settings["shared"] = {
+            "redis_url": redis.url,
+            "publish_interval": 5.0,
+            "ttl": 10.0,
+            "push_interval": 2.0,
+        }
+        async with (
+            fleet(ONE_SLOT) as sims,
+            gateway_with(sims, sections=settings) as a,
+            gateway_with(sims, sections=settings) as b,
+        ):
+            name = a.names()[0]
+            peers = b.dispatcher.scheduler.state(name)
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            held = asyncio.create_task(stream(a, max_tokens=30))  # about 0.3 s
+            await until(lambda: peers.peers.inflight == 1, 0.3)  # the leading edge
+            assert (await held)[0] == 200
+            assert peers.peers.inflight == 1  # its end waits for the interval to pass
+            await until(lambda: peers.peers.inflight == 0, 3.0)
 
 
 async def test_learned_speeds_are_shared() -> None:
