@@ -7,7 +7,8 @@ on its own. So every `publish_interval` (a quarter second by default, never on a
 request's path) each process writes to Redis what it holds, under a key of its own with a
 TTL, and reads every other process's key in the same round:
 
-    per instance   requests in flight, uncached prompt tokens in prefill, learned speed
+    per instance   requests in flight, uncached prompt tokens in prefill, long requests
+                   in prefill (max_long_per_instance), learned speed
     per lane       requests waiting in its queue
     retry budget   requests and retries in its window
 

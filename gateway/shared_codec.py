@@ -26,7 +26,10 @@ class PeerEntry:
 def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> bytes:
     """This process's publication: compact JSON, a few dozen bytes per instance."""
     body = {
-        "loads": {name: [p.inflight, p.pending_prefill_tokens] for name, p in share.loads.items()},
+        "loads": {
+            name: [p.inflight, p.pending_prefill_tokens, p.long_prefilling]
+            for name, p in share.loads.items()
+        },
         "speeds": {
             name: [s.prefill, s.prefill_samples, s.tpot, s.tpot_samples]
             for name, s in share.speeds.items()
@@ -47,7 +50,11 @@ def decode(data: bytes | str) -> PeerEntry:
 
 
 def _decode(body: dict[str, Any]) -> PeerEntry:
-    loads = {name: PeerLoad(int(v[0]), int(v[1])) for name, v in body["loads"].items()}
+    # A publication of a process from before long prefills were shared has two numbers.
+    loads = {
+        name: PeerLoad(int(v[0]), int(v[1]), int(v[2]) if len(v) > 2 else 0)
+        for name, v in body["loads"].items()
+    }
     speeds = {
         name: PeerSpeed(
             None if v[0] is None else float(v[0]),
@@ -87,19 +94,21 @@ def parse_push(data: bytes | str) -> tuple[str, bytes]:
 
 def combine(entries: list[PeerEntry]) -> SharedView:
     """The others' publications summed into one view (speeds kept apart, to blend)."""
-    inflight: dict[str, int] = {}
-    pending: dict[str, int] = {}
+    loads: dict[str, PeerLoad] = {}
     speeds: dict[str, list[PeerSpeed]] = {}
     queued: dict[Lane, int] = {}
     for entry in entries:
         for name, load in entry.share.loads.items():
-            inflight[name] = inflight.get(name, 0) + load.inflight
-            pending[name] = pending.get(name, 0) + load.pending_prefill_tokens
+            total = loads.get(name, PeerLoad())
+            loads[name] = PeerLoad(
+                total.inflight + load.inflight,
+                total.pending_prefill_tokens + load.pending_prefill_tokens,
+                total.long_prefilling + load.long_prefilling,
+            )
         for name, speed in entry.share.speeds.items():
             speeds.setdefault(name, []).append(speed)
         for lane, n in entry.share.queued.items():
             queued[lane] = queued.get(lane, 0) + n
-    loads = {name: PeerLoad(inflight[name], pending[name]) for name in inflight}
     return SharedView(loads=loads, speeds=speeds, queued=queued, peers=len(entries))
 
 

@@ -76,6 +76,17 @@ def test_a_push_is_due_when_load_or_queues_change_not_speeds() -> None:
     assert push_key(sched.share()) != before
 
 
+def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> None:
+    """Long prefills per instance survive the codec and add up; two-number loads mean none."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"))
+    sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+    entry = decode(encode(sched.share(), 0, 0))
+    assert combine([entry, entry]).loads["a"].long_prefilling == 2
+    old = b'{"loads":{"a":[3,500]},"speeds":{},"queued":{},"budget":[0,0]}'
+    assert decode(old).share.loads["a"].long_prefilling == 0
+
+
 @pytest.mark.parametrize(
     "data", [b"", b"{}", b'{"loads": {"a": [1]}}', b"not json", b'{"loads": 3}']
 )

@@ -155,7 +155,9 @@ class Fleet:
             and self.lanes.capped(state)
             and self._takes_long_place(state, ticket)
         ):
-            return state.long_prefilling < self.limits.max_long_per_instance
+            # Fleet-wide: the other processes' long prefills there take places too.
+            long_prefilling = state.long_prefilling + state.peers.long_prefilling
+            return long_prefilling < self.limits.max_long_per_instance
         return True
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:

@@ -62,11 +62,12 @@ class LoadReport:
 @dataclass(frozen=True)
 class PeerLoad:
     """What the other gateway processes (workers, replicas) hold on one instance, as the
-    shared view last said: requests in flight there, and their uncached prompt tokens
-    still in prefill there."""
+    shared view last said: requests in flight there, their uncached prompt tokens still in
+    prefill there, and how many of those hold a long-prefill place (max_long_per_instance)."""
 
     inflight: int = 0
     pending_prefill_tokens: int = 0
+    long_prefilling: int = 0
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,10 @@ class Scheduler(Fleet):
     def share(self) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
         return LocalShare(
-            loads={s.name: PeerLoad(s.inflight, s.pending_prefill_tokens) for s in self.states},
+            loads={
+                s.name: PeerLoad(s.inflight, s.pending_prefill_tokens, s.long_prefilling)
+                for s in self.states
+            },
             speeds={s.name: s.speed.own() for s in self.states},
             queued={lane: self._queues.length(lane) for lane in Lane},
         )

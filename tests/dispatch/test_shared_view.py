@@ -72,6 +72,33 @@ def test_least_time_counts_the_peers_prefill_work() -> None:
     assert decision.instance == "b"
 
 
+def test_peers_long_prefills_count_toward_the_long_cap() -> None:
+    """Two long prefills of the other processes on an instance fill its two long places."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"), max_long_per_instance=2)
+    view = SharedView(loads={"a": PeerLoad(2, 12_000, long_prefilling=2)}, peers=1)
+    sched.apply_shared(view, 0.0, rng)
+    for ticket_id in (1, 2):
+        decision = sched.submit(Ticket(ticket_id, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+        assert isinstance(decision, Assigned)
+        assert decision.instance == "b"
+    queued = sched.submit(Ticket(3, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+    assert isinstance(queued, Queued)  # b's two places are ours, a's are the peers'
+    # A peer's long prefill ends: its place on a goes to the request waiting here.
+    view = SharedView(loads={"a": PeerLoad(2, 6_000, long_prefilling=1)}, peers=1)
+    (placed,) = sched.apply_shared(view, 0.0, rng)
+    assert isinstance(placed, Assigned)
+    assert placed.instance == "a"
+
+
+def test_share_publishes_our_long_prefills() -> None:
+    """What we publish counts our long prefills per instance, for the others' long caps."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"))
+    sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+    assert sched.share().loads["a"] == PeerLoad(1, 6000, long_prefilling=1)
+
+
 def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
     """A first token that waited behind the peers' prefill teaches the rate of all that work."""
     rng = random.Random(0)
