@@ -60,6 +60,7 @@ from .shared_codec import (
     decode,
     encode,
     newest,
+    parse_placements,
     parse_push,
     push_key,
     push_message,
@@ -180,8 +181,7 @@ class SharedState:
             pipe.sadd(self._members, self.process_id)
             pipe.smembers(self._members)
             if placements:
-                entry = {"p": self.process_id, "d": json.dumps(placements)}
-                pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                self._add_placements(pipe, placements)
             pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
             results = await pipe.execute()
         self._learn(results[-1])
@@ -204,6 +204,10 @@ class SharedState:
         # A push heard while this round was on its way may be newer than the key.
         return {p: newest(self._peers.get(p), entry) for p, entry in read.items()}
 
+    def _add_placements(self, pipe: Any, placements: list[tuple[str, tuple[int, ...]]]) -> None:
+        entry = {"p": self.process_id, "d": json.dumps(placements)}
+        pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)
+
     async def _push_forever(self) -> None:
         """When our load or queues change, push them: at once after a quiet spell, and at
         most once per `push_interval` while they keep changing (the changes in between
@@ -213,11 +217,18 @@ class SharedState:
             self._changed.clear()
             if self.up is not True or push_key(self.dispatcher.scheduler.share()) == self._pushed:
                 continue
-            message = push_message(self.process_id, self._publication())
+            placements = self.dispatcher.scheduler.take_placements()
+            message = push_message(self.process_id, self._publication(), placements)
             # A failed push is not retried: the next change, or the next round, tells.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with asyncio.timeout(max(0.5, self.interval * 2)):
-                    await self._redis.publish(self._channel, message)
+                async with (
+                    asyncio.timeout(max(0.5, self.interval * 2)),
+                    self._redis.pipeline(transaction=False) as pipe,
+                ):
+                    pipe.publish(self._channel, message)
+                    if placements:  # the stream too: a process that starts later reads it
+                        self._add_placements(pipe, placements)
+                    await pipe.execute()
                     self.pushes_sent += 1
             _honour_cancel()
             await asyncio.sleep(self.push_interval)
@@ -245,13 +256,15 @@ class SharedState:
         if self.up is not True:
             return  # while Redis is away the view is ours alone; the next round rejoins
         try:
-            process, payload = parse_push(data)
+            process, payload, placements = parse_push(data)
             if process == self.process_id:
                 return
             entry = decode(payload)
         except ValueError:
             _log.warning("shared_state_entry_malformed", channel=self._channel)
             return
+        if placements:  # the stream brings them again at the next round: harmless
+            self.dispatcher.scheduler.learn_placements(placements)
         old = self._peers.get(process)
         if old is not None and entry.seq <= old.seq:
             return
@@ -273,9 +286,8 @@ class SharedState:
                 if _text(fields.get(b"p", b"")) == self.process_id:
                     continue
                 try:
-                    placements = json.loads(fields[b"d"])
-                    learned = [(str(name), [int(b) for b in blocks]) for name, blocks in placements]
-                except (KeyError, ValueError, TypeError):
+                    learned = parse_placements(fields[b"d"])
+                except (KeyError, ValueError):
                     _log.warning("shared_state_entry_malformed", stream=self._stream)
                     continue
                 self.dispatcher.scheduler.learn_placements(learned)

@@ -6,6 +6,7 @@ Pure: no Redis, no clock. `shared.py` moves these bytes; this module says what t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,17 +80,36 @@ def push_key(share: LocalShare) -> tuple[object, ...]:
     return (share.loads, share.queued)
 
 
-def push_message(process_id: str, payload: bytes) -> bytes:
-    return process_id.encode() + b" " + payload
+Placements = list[tuple[str, list[int]]]  # (instance, a prompt's block hashes) each
 
 
-def parse_push(data: bytes | str) -> tuple[str, bytes]:
-    """(process id, publication) of a push; ValueError if it has no id."""
+def push_message(
+    process_id: str, payload: bytes, placements: Sequence[tuple[str, Sequence[int]]] = ()
+) -> bytes:
+    """The process id, a space, the publication and, on a line of their own, the prompts
+    placed since the last push (so the others' prefix indexes learn them at once)."""
+    message = process_id.encode() + b" " + payload
+    if placements:
+        message += b"\n" + json.dumps(placements, separators=(",", ":")).encode()
+    return message
+
+
+def parse_push(data: bytes | str) -> tuple[str, bytes, Placements]:
+    """(process id, publication, placements) of a push; ValueError if it is malformed."""
     raw = data.encode() if isinstance(data, str) else data
-    process, sep, payload = raw.partition(b" ")
+    process, sep, rest = raw.partition(b" ")
     if not sep or not process:
         raise ValueError("malformed push: no process id")
-    return process.decode(), payload
+    payload, _, placed = rest.partition(b"\n")
+    return process.decode(), payload, parse_placements(placed) if placed else []
+
+
+def parse_placements(data: bytes | str) -> Placements:
+    """Placements as published (JSON pairs); ValueError if they are malformed."""
+    try:
+        return [(str(name), [int(b) for b in blocks]) for name, blocks in json.loads(data)]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed placements: {exc}") from None
 
 
 def combine(entries: list[PeerEntry]) -> SharedView:
