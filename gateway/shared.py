@@ -166,7 +166,7 @@ class SharedState:
 
     def _publication(self) -> bytes:
         """Ours now, numbered; remembered as the last thing the others were told."""
-        share = self.dispatcher.scheduler.share()
+        share = self.dispatcher.scheduler.share(self.dispatcher.clock())
         requests, retries = self.budget.own_totals(self.dispatcher.clock())
         self._seq += 1
         self._pushed = push_key(share)
@@ -215,7 +215,11 @@ class SharedState:
         while True:
             await self._changed.wait()
             self._changed.clear()
-            if self.up is not True or push_key(self.dispatcher.scheduler.share()) == self._pushed:
+            if (
+                self.up is not True
+                or push_key(self.dispatcher.scheduler.share(self.dispatcher.clock()))
+                == self._pushed
+            ):
                 continue
             placements = self.dispatcher.scheduler.take_placements()
             message = push_message(self.process_id, self._publication(), placements)

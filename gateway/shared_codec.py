@@ -36,6 +36,7 @@ def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> byte
             for name, s in share.speeds.items()
         },
         "queued": {lane.value: n for lane, n in share.queued.items()},
+        "rates": [[lane.value, model, rate] for (lane, model), rate in share.rates.items()],
         "budget": [requests, retries],
         "seq": seq,
     }
@@ -66,8 +67,14 @@ def _decode(body: dict[str, Any]) -> PeerEntry:
         for name, v in body["speeds"].items()
     }
     queued = {Lane(lane): int(n) for lane, n in body["queued"].items()}
+    rates: dict[tuple[Lane, str | None], float] = {
+        (Lane(lane), None if model is None else str(model)): float(rate)
+        for lane, model, rate in body.get("rates", ())
+    }
     requests, retries = (int(n) for n in body["budget"])
-    return PeerEntry(LocalShare(loads, speeds, queued), requests, retries, int(body.get("seq", 0)))
+    return PeerEntry(
+        LocalShare(loads, speeds, queued, rates), requests, retries, int(body.get("seq", 0))
+    )
 
 
 def newest(old: PeerEntry | None, new: PeerEntry) -> PeerEntry:
@@ -117,6 +124,7 @@ def combine(entries: list[PeerEntry]) -> SharedView:
     loads: dict[str, PeerLoad] = {}
     speeds: dict[str, list[PeerSpeed]] = {}
     queued: dict[Lane, int] = {}
+    rates: dict[tuple[Lane, str | None], float] = {}
     for entry in entries:
         for name, load in entry.share.loads.items():
             total = loads.get(name, PeerLoad())
@@ -129,7 +137,9 @@ def combine(entries: list[PeerEntry]) -> SharedView:
             speeds.setdefault(name, []).append(speed)
         for lane, n in entry.share.queued.items():
             queued[lane] = queued.get(lane, 0) + n
-    return SharedView(loads=loads, speeds=speeds, queued=queued, peers=len(entries))
+        for key, rate in entry.share.rates.items():
+            rates[key] = rates.get(key, 0.0) + rate
+    return SharedView(loads=loads, speeds=speeds, queued=queued, peers=len(entries), rates=rates)
 
 
 def redacted(url: str) -> str:

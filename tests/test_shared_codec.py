@@ -6,7 +6,15 @@ import random
 
 import pytest
 
-from gateway.dispatch import STRATEGIES, InstanceSpec, Lane, Limits, Scheduler, Ticket
+from gateway.dispatch import (
+    STRATEGIES,
+    InstanceSpec,
+    Lane,
+    Limits,
+    LocalShare,
+    Scheduler,
+    Ticket,
+)
 from gateway.shared_codec import (
     combine,
     decode,
@@ -34,8 +42,8 @@ def test_publications_round_trip_and_sum() -> None:
     sched = make(InstanceSpec("a"), InstanceSpec("b"))
     sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=40), 0.0, rng)
     sched.state("a").speed.observe_tpot(0.02)
-    entry = decode(encode(sched.share(), 12, 3))
-    assert entry.share == sched.share()
+    entry = decode(encode(sched.share(0.0), 12, 3))
+    assert entry.share == sched.share(0.0)
     assert (entry.requests, entry.retries) == (12, 3)
     view = combine([entry, entry])
     assert view.peers == 2
@@ -46,8 +54,8 @@ def test_publications_round_trip_and_sum() -> None:
 def test_of_two_publications_of_one_process_the_higher_numbered_wins() -> None:
     """A round's key read after a newer push does not replace it: the sequence decides."""
     sched = make(InstanceSpec("a"))
-    older = decode(encode(sched.share(), 1, 0, seq=7))
-    newer = decode(encode(sched.share(), 2, 0, seq=8))
+    older = decode(encode(sched.share(0.0), 1, 0, seq=7))
+    newer = decode(encode(sched.share(0.0), 2, 0, seq=8))
     assert (older.seq, newer.seq) == (7, 8)
     assert newest(newer, older) is newer
     assert newest(older, newer) is newer
@@ -57,7 +65,7 @@ def test_of_two_publications_of_one_process_the_higher_numbered_wins() -> None:
 def test_a_push_names_its_process_and_carries_its_publication() -> None:
     """A push is the process id, the publication and the new placements; no id: refused."""
     sched = make(InstanceSpec("a"))
-    payload = encode(sched.share(), 3, 1, seq=2)
+    payload = encode(sched.share(0.0), 3, 1, seq=2)
     assert parse_push(push_message("host-12-ab", payload)) == ("host-12-ab", payload, [])
     message = push_message("host-12-ab", payload, [("a", (7, 8, 9))])
     assert parse_push(message.decode()) == ("host-12-ab", payload, [("a", [7, 8, 9])])
@@ -70,11 +78,11 @@ def test_a_push_is_due_when_load_or_queues_change_not_speeds() -> None:
     """push_key moves with a request placed, not with a speed learned (speeds ride along)."""
     rng = random.Random(0)
     sched = make(InstanceSpec("a"), InstanceSpec("b"))
-    before = push_key(sched.share())
+    before = push_key(sched.share(0.0))
     sched.state("a").speed.observe_tpot(0.02)
-    assert push_key(sched.share()) == before
+    assert push_key(sched.share(0.0)) == before
     sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=40), 0.0, rng)
-    assert push_key(sched.share()) != before
+    assert push_key(sched.share(0.0)) != before
 
 
 def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> None:
@@ -82,10 +90,18 @@ def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> 
     rng = random.Random(0)
     sched = make(InstanceSpec("a"))
     sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
-    entry = decode(encode(sched.share(), 0, 0))
+    entry = decode(encode(sched.share(0.0), 0, 0))
     assert combine([entry, entry]).loads["a"].long_prefilling == 2
     old = b'{"loads":{"a":[3,500]},"speeds":{},"queued":{},"budget":[0,0]}'
     assert decode(old).share.loads["a"].long_prefilling == 0
+
+
+def test_drain_rates_travel_by_lane_and_model_and_sum() -> None:
+    """Each process's saturated drain rates survive the codec and add up per lane and model."""
+    share = LocalShare({}, {}, {}, {(Lane.SHORT, None): 2.0, (Lane.LONG, "m"): 0.5})
+    entry = decode(encode(share, 0, 0))
+    assert entry.share.rates == share.rates
+    assert combine([entry, entry]).rates == {(Lane.SHORT, None): 4.0, (Lane.LONG, "m"): 1.0}
 
 
 @pytest.mark.parametrize(

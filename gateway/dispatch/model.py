@@ -78,6 +78,8 @@ class SharedView:
     speeds: Mapping[str, Sequence[PeerSpeed]] = field(default_factory=dict)
     queued: Mapping[Lane, int] = field(default_factory=dict)  # their gateway queues
     peers: int = 0  # how many other processes contributed
+    # Their saturated drain rates (departures/s) per lane and model, summed (admission.py).
+    rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class LocalShare:
     loads: Mapping[str, PeerLoad]
     speeds: Mapping[str, PeerSpeed]
     queued: Mapping[Lane, int]
+    # Our saturated drain rate per lane and model, where known: with several processes
+    # each drains a share of the fleet's, and admission predicts with the sum.
+    rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

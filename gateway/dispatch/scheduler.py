@@ -131,8 +131,14 @@ class Scheduler(Fleet):
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        rate = self._departures(lane, model).rate(now)
-        return admission.predicted_wait(self.ahead(lane, model), rate)
+        return admission.predicted_wait(self.ahead(lane, model), self._rate(lane, model, now))
+
+    def _rate(self, lane: Lane, model: str | None, now: float) -> float | None:
+        """How fast the fleet drains `lane` for `model` while saturated: ours, plus what the
+        other processes drain (their queues count in `ahead`, so their rates must too)."""
+        own = self._departures(lane, model).rate(now)
+        peers = self._shared.rates.get((lane, model))
+        return own if peers is None else (own or 0.0) + peers
 
     def _departures(self, lane: Lane, model: str | None) -> admission.Throughput:
         key = (lane, model)
@@ -163,7 +169,7 @@ class Scheduler(Fleet):
             wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        rate = self._departures(ticket.lane, ticket.model).rate(now)
+        rate = self._rate(ticket.lane, ticket.model, now)
         ahead = self.ahead(ticket.lane, ticket.model)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
@@ -322,7 +328,7 @@ class Scheduler(Fleet):
         # Peers may have let go of places: waiting requests may fit now.
         return self._drain(now, rng) if self._queues else []
 
-    def share(self) -> LocalShare:
+    def share(self, now: float) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
         return LocalShare(
             loads={
@@ -331,6 +337,11 @@ class Scheduler(Fleet):
             },
             speeds={s.name: s.speed.own() for s in self.states},
             queued={lane: self._queues.length(lane) for lane in Lane},
+            rates={
+                key: rate
+                for key, throughput in self._throughput.items()
+                if (rate := throughput.rate(now)) is not None
+            },
         )
 
     def close(self) -> list[Decision]:

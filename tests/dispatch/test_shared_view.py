@@ -12,6 +12,7 @@ from gateway.dispatch import (
     InstanceSpec,
     Lane,
     Limits,
+    Outcome,
     PeerLoad,
     PeerSpeed,
     Queued,
@@ -96,7 +97,7 @@ def test_share_publishes_our_long_prefills() -> None:
     rng = random.Random(0)
     sched = make(InstanceSpec("a"))
     sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
-    assert sched.share().loads["a"] == PeerLoad(1, 6000, long_prefilling=1)
+    assert sched.share(0.0).loads["a"] == PeerLoad(1, 6000, long_prefilling=1)
 
 
 def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
@@ -110,6 +111,25 @@ def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
     sched.prefill_done(1, 0.4, rng, ttft=0.4)
     # 6,000 tokens of the peers' and our 2,000 in 0.4 s: 20,000 tokens/s, not 5,000.
     assert sched.state("a").speed.prefill.value == pytest.approx(20_000)
+
+
+def test_the_drain_rate_for_admission_adds_the_peers_rates() -> None:
+    """With the others draining a lane too, a queued request's predicted wait is the
+    fleet's: ahead over every process's saturated departure rate, not ours alone."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0)
+    assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng), Assigned)
+    for i, now in enumerate((0.5, 1.0, 1.5, 2.0, 2.5), start=2):  # one departure per 0.5 s
+        assert isinstance(sched.submit(Ticket(i, Lane.SHORT, FAR), now - 0.1, rng), Queued)
+        (moved,) = sched.release(i - 1, Outcome.SUCCESS, now, rng)
+        assert isinstance(moved, Assigned)
+    assert sched.share(2.5).rates == {(Lane.SHORT, None): pytest.approx(2.0)}
+    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)  # 1 ahead, 2/s
+    view = SharedView(rates={(Lane.SHORT, None): 6.0}, peers=3)
+    sched.apply_shared(view, 2.5, rng)
+    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(1 / 8.0)
+    sched.apply_shared(SharedView(), 2.5, rng)  # Redis away: our own rate again
+    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)
 
 
 def test_the_gateway_queue_bound_holds_across_processes() -> None:
@@ -135,7 +155,7 @@ def test_speeds_blend_by_samples_capped() -> None:
     sched.apply_shared(SharedView(speeds={"a": peers}, peers=1), 0.0, rng)
     assert speed.tpot_value == pytest.approx(0.02)  # both capped: equal weights
     assert speed.tpot.value == pytest.approx(0.01)  # our own stays ours
-    assert sched.share().speeds["a"].tpot == pytest.approx(0.01)  # and is what we publish
+    assert sched.share(0.0).speeds["a"].tpot == pytest.approx(0.01)  # and is what we publish
 
 
 def test_share_publishes_only_our_own_load() -> None:
@@ -146,7 +166,7 @@ def test_share_publishes_only_our_own_load() -> None:
     sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=300), 0.0, rng)
     sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng)
     sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=7)}, peers=1), 0.0, rng)
-    share = sched.share()
+    share = sched.share(0.0)
     assert share.loads["a"] == PeerLoad(inflight=1, pending_prefill_tokens=300)
     assert share.queued[Lane.SHORT] == 1
 
