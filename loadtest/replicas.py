@@ -84,6 +84,8 @@ class ReplicaOptions:
     prefix_duration: float = 30.0
     cost_requests: int = 0  # streamed requests per arm of the cost part; 0 skips it
     cost_rounds: int = 3
+    # Run the one-replica baseline twice: the ratio of the two is the run's noise floor.
+    baseline_twice: bool = False
 
 
 @contextlib.asynccontextmanager
@@ -217,12 +219,15 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     slow_card: dict[str, dict[str, Any]] = {}
     for strategy in opts.strategies:
         runs: dict[str, report.Summary] = {}
-        for label, replicas_, shared, push in (
+        setups = [
             ("1 replica", 1, False, True),
             (f"{n} replicas shared", n, True, True),
             (f"{n} replicas shared, rounds only", n, True, False),
             (f"{n} replicas not shared", n, False, True),
-        ):
+        ]
+        if opts.baseline_twice:
+            setups.append(("1 replica, again", 1, False, True))
+        for label, replicas_, shared, push in setups:
             name = f"{strategy}: {label}"
             runs[label], _ = await _one_setup(
                 name,
@@ -251,6 +256,11 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
                 runs[f"{n} replicas shared, rounds only"]["output_tokens_per_s"],
                 one["output_tokens_per_s"],
             ),
+            "p99_ttft_again_over_one": _ratio(
+                runs["1 replica, again"]["ttft_s"]["p99"], one["ttft_s"]["p99"]
+            )
+            if "1 replica, again" in runs
+            else None,
             "tok_s_unshared_over_one": _ratio(
                 runs[f"{n} replicas not shared"]["output_tokens_per_s"], one["output_tokens_per_s"]
             ),
@@ -392,6 +402,11 @@ def _print(body: dict[str, Any], n: int) -> None:
             f"{_x(part['tok_s_rounds_only_over_one'])}; "
             f"not shared: {_x(part['p99_ttft_unshared_over_one'])}, "
             f"{_x(part['tok_s_unshared_over_one'])}"
+            + (
+                f"; 1 replica again: p99 TTFT {_x(part['p99_ttft_again_over_one'])}"
+                if part.get("p99_ttft_again_over_one")
+                else ""
+            )
         )
     cost = body.get("cost")
     if cost:
@@ -473,6 +488,11 @@ def _parser() -> argparse.ArgumentParser:
         default=2000,
         help="streamed requests per arm and round of the cost part; 0 skips it",
     )
+    p.add_argument(
+        "--baseline-twice",
+        action="store_true",
+        help="run the one-replica setup a second time, as the run's noise floor",
+    )
     p.add_argument("--seed", type=int, default=1, help="workload and simulator seed")
     p.add_argument("--out", type=Path, default="loadtest/results", help="report folder")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
@@ -493,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix=not args.no_prefix,
         prefix_duration=args.duration,
         cost_requests=args.cost_requests,
+        baseline_twice=args.baseline_twice,
     )
     ref = harness.pin_ref(args.gateway_ref)
     with harness.exported_gateway(ref) as folder:
