@@ -190,6 +190,8 @@ class Dispatcher:
         self._settle(self.scheduler.close())
 
     def _settle(self, decisions: list[Decision]) -> None:
+        if decisions:  # queued requests placed or refused (a peer's push may free room)
+            self._changed()
         for decision in decisions:
             future = self._waiters.get(decision.ticket.id)
             if future is None or future.done():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Callable
 
@@ -141,6 +142,30 @@ async def test_a_changed_load_reaches_the_others_between_rounds() -> None:
             assert (await held)[0] == 200
             await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 0, 1.0)
             assert b.app[SHARED].pushes_heard >= 2
+
+
+async def test_a_queued_request_placed_on_a_peers_push_is_pushed_too() -> None:
+    """B's waiting request takes the slot A's push freed; A sees B's request there at once."""
+    with redis_server() as redis:
+        slow_rounds = sections(redis)
+        slow_rounds["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
+        async with (
+            # A slow prefill: B's first token comes long after it is placed, so only the
+            # placement itself can tell A in time.
+            fleet(dataclasses.replace(ONE_SLOT, prefill_tokens_per_s=2)) as sims,
+            gateway_with(sims, sections=slow_rounds) as a,
+            gateway_with(sims, sections=slow_rounds) as b,
+        ):
+            name = a.names()[0]
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            await until(lambda: a.app[SHARED].listening)
+            held = asyncio.create_task(stream(a, max_tokens=3))
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1, 1.0)
+            waiting = asyncio.create_task(stream(b, max_tokens=3))
+            await until(lambda: b.dispatcher.scheduler.queue_length(Lane.SHORT) == 1)
+            assert (await held)[0] == 200
+            await until(lambda: a.dispatcher.scheduler.state(name).peers.inflight == 1, 0.5)
+            assert (await waiting)[0] == 200
 
 
 async def test_a_change_after_a_quiet_spell_is_pushed_at_once_later_ones_coalesce() -> None:
