@@ -55,6 +55,7 @@ class Dispatcher:
         # Called after anything that may change our load (a request placed, queued, past
         # its prefill, released): the shared view's pusher listens (shared.py).
         self.on_change: Callable[[], None] | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
 
     def new_ticket(
         self,
@@ -167,9 +168,26 @@ class Dispatcher:
         )
         self.scheduler.report_load(name, report)
 
-    def apply_shared(self, view: SharedView) -> None:
-        """The other gateway processes' load, queues and speeds (shared.py)."""
-        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
+    def apply_shared(self, view: SharedView, stagger: float = 0.0) -> None:
+        """The other gateway processes' load, queues and speeds (shared.py).
+
+        With `stagger`, requests waiting in our queue are placed after a random delay of
+        up to that many seconds rather than at once: every process hears a push in the
+        same instant, and if each put a waiting request into the room it freed, they
+        would overfill it together. Staggered, the first one's push (a millisecond or
+        two) reaches the others before they look.
+        """
+        if stagger <= 0 or not self.scheduler.queued:
+            self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
+            return
+        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng, drain=False))
+        if self._drain_timer is None:
+            delay = self.rng.uniform(0.0, stagger)
+            self._drain_timer = asyncio.get_running_loop().call_later(delay, self._drain_later)
+
+    def _drain_later(self) -> None:
+        self._drain_timer = None
+        self._settle(self.scheduler.drain(self.clock(), self.rng))
 
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""

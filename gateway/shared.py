@@ -157,12 +157,13 @@ class SharedState:
         self._apply()
         return self.up is True
 
-    def _apply(self) -> None:
+    def _apply(self, stagger: float = 0.0) -> None:
         entries = list(self._peers.values())
         self.peers = len(entries)
         self.budget.peer_requests = sum(e.requests for e in entries)
         self.budget.peer_retries = sum(e.retries for e in entries)
-        self.dispatcher.apply_shared(combine(entries) if entries else SharedView())
+        view = combine(entries) if entries else SharedView()
+        self.dispatcher.apply_shared(view, stagger)
 
     def _publication(self) -> bytes:
         """Ours now, numbered; remembered as the last thing the others were told."""
@@ -274,7 +275,9 @@ class SharedState:
             return
         self.pushes_heard += 1
         self._peers[process] = entry
-        self._apply()
+        # Every process hears this push at once: staggered, those with requests waiting
+        # do not all put one into the room it freed (dispatcher.apply_shared).
+        self._apply(stagger=self.push_interval / 2)
 
     async def _catch_up(self) -> None:
         """On joining, read the newest placements the others made before we started."""

@@ -314,19 +314,31 @@ class Scheduler(Fleet):
         state.observed_models = models
         return self._drain(now, rng)
 
-    def apply_shared(self, view: SharedView, now: float, rng: random.Random) -> list[Decision]:
+    def apply_shared(
+        self, view: SharedView, now: float, rng: random.Random, *, drain: bool = True
+    ) -> list[Decision]:
         """What the other gateway processes hold now (load, queues, learned speeds).
 
         Their load counts toward every instance's limit and score; their speeds blend
         with ours, so every process judges a slow card alike. An empty view (no shared
-        store, or it is away) is the local view alone.
+        store, or it is away) is the local view alone. With `drain` False, queued
+        requests wait for the shell's `drain` call even where room has freed.
         """
         self._shared = view
         for state in self.states:
             state.peers = view.loads.get(state.name, PeerLoad())
             state.speed.blend(view.speeds.get(state.name, ()))
         # Peers may have let go of places: waiting requests may fit now.
+        return self._drain(now, rng) if drain and self._queues else []
+
+    def drain(self, now: float, rng: random.Random) -> list[Decision]:
+        """Place (or turn away) the queued requests that can be now."""
         return self._drain(now, rng) if self._queues else []
+
+    @property
+    def queued(self) -> bool:
+        """Whether any request waits in the gateway queue."""
+        return bool(self._queues)
 
     def share(self, now: float) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
