@@ -448,8 +448,8 @@ def _plot(body: dict[str, Any], n: int, path: Path) -> None:
         axes[0].bar(xs, p99, width, label=label)
         axes[1].bar(xs, tok, width, label=label)
         for x, r in zip(xs, runs, strict=True):  # each bar's sample count; n/a with too few
-            n = plots.n_of(r["ttft_s"])
-            text = f"n/a\n(n={n}<100)" if report.too_few(r["ttft_s"], "p99") else f"n={n}"
+            count = plots.n_of(r["ttft_s"])  # not `n`: that is the replicas, in the title
+            text = f"n/a\n(n={count}<100)" if report.too_few(r["ttft_s"], "p99") else f"n={count}"
             axes[0].annotate(
                 text,
                 (x, 0),
