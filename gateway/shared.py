@@ -222,8 +222,9 @@ class SharedState:
                 == self._pushed
             ):
                 continue
-            placements = self.dispatcher.scheduler.take_placements()
-            message = push_message(self.process_id, self._publication(), placements)
+            scheduler = self.dispatcher.scheduler
+            placements, settled = scheduler.take_placements(), scheduler.take_settled()
+            message = push_message(self.process_id, self._publication(), placements, settled)
             # A failed push is not retried: the next change, or the next round, tells.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with (
@@ -261,7 +262,7 @@ class SharedState:
         if self.up is not True:
             return  # while Redis is away the view is ours alone; the next round rejoins
         try:
-            process, payload, placements = parse_push(data)
+            process, payload, placements, settled = parse_push(data)
             if process == self.process_id:
                 return
             entry = decode(payload)
@@ -270,6 +271,8 @@ class SharedState:
             return
         if placements:  # the stream brings them again at the next round: harmless
             self.dispatcher.scheduler.learn_placements(placements)
+        if settled:
+            self.dispatcher.scheduler.learn_settled(settled)
         old = self._peers.get(process)
         if old is not None and entry.seq <= old.seq:
             return

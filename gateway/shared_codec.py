@@ -91,24 +91,36 @@ Placements = list[tuple[str, list[int]]]  # (instance, a prompt's block hashes) 
 
 
 def push_message(
-    process_id: str, payload: bytes, placements: Sequence[tuple[str, Sequence[int]]] = ()
+    process_id: str,
+    payload: bytes,
+    placements: Sequence[tuple[str, Sequence[int]]] = (),
+    settled: Sequence[tuple[str, Sequence[int]]] = (),
 ) -> bytes:
-    """The process id, a space, the publication and, on a line of their own, the prompts
-    placed since the last push (so the others' prefix indexes learn them at once)."""
+    """The process id, a space, the publication and, each on a line of its own, the prompts
+    placed since the last push and those that had their first token (so the others'
+    prefix indexes learn where a prefix lives, and that it is computed there, at once)."""
     message = process_id.encode() + b" " + payload
-    if placements:
+    if placements or settled:
         message += b"\n" + json.dumps(placements, separators=(",", ":")).encode()
+    if settled:
+        message += b"\n" + json.dumps(settled, separators=(",", ":")).encode()
     return message
 
 
-def parse_push(data: bytes | str) -> tuple[str, bytes, Placements]:
-    """(process id, publication, placements) of a push; ValueError if it is malformed."""
+def parse_push(data: bytes | str) -> tuple[str, bytes, Placements, Placements]:
+    """(process id, publication, placements, settled) of a push; ValueError if malformed."""
     raw = data.encode() if isinstance(data, str) else data
     process, sep, rest = raw.partition(b" ")
     if not sep or not process:
         raise ValueError("malformed push: no process id")
-    payload, _, placed = rest.partition(b"\n")
-    return process.decode(), payload, parse_placements(placed) if placed else []
+    payload, _, rest = rest.partition(b"\n")
+    placed, _, settled = rest.partition(b"\n")
+    return (
+        process.decode(),
+        payload,
+        parse_placements(placed) if placed else [],
+        parse_placements(settled) if settled else [],
+    )
 
 
 def parse_placements(data: bytes | str) -> Placements:

@@ -276,7 +276,7 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
         body["cost"] = await _cost_part(opts, common)
     say(f"wrote {write_json(common, 'replicas', body)}")
     _print(body, n)
-    if plot_path(common, "replicas.png"):
+    if body["slow_card"] and plot_path(common, "replicas.png"):
         _plot(body, n, common.out / "replicas.png")
     return body
 

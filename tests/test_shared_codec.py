@@ -66,9 +66,11 @@ def test_a_push_names_its_process_and_carries_its_publication() -> None:
     """A push is the process id, the publication and the new placements; no id: refused."""
     sched = make(InstanceSpec("a"))
     payload = encode(sched.share(0.0), 3, 1, seq=2)
-    assert parse_push(push_message("host-12-ab", payload)) == ("host-12-ab", payload, [])
+    assert parse_push(push_message("host-12-ab", payload)) == ("host-12-ab", payload, [], [])
     message = push_message("host-12-ab", payload, [("a", (7, 8, 9))])
-    assert parse_push(message.decode()) == ("host-12-ab", payload, [("a", [7, 8, 9])])
+    assert parse_push(message.decode()) == ("host-12-ab", payload, [("a", [7, 8, 9])], [])
+    message = push_message("host-12-ab", payload, [], [("b", (5,))])
+    assert parse_push(message) == ("host-12-ab", payload, [], [("b", [5])])
     for bad in (b"", b"no-space", b" starts-with-space", b"id {}\n[[1]]", b"id {}\nnope"):
         with pytest.raises(ValueError, match="malformed"):
             parse_push(bad)

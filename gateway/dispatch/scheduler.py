@@ -225,7 +225,7 @@ class Scheduler(Fleet):
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
-        held.state.cache.settle(held.ticket.prefix)
+        self._settle_prefix(held)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
@@ -256,12 +256,19 @@ class Scheduler(Fleet):
         if held.prefilling:
             self._end_prefill(held, now)
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
-            held.state.cache.settle(held.ticket.prefix)
+            self._settle_prefix(held)
         if not self._departs_at_prefill(held):
             self._depart(held, now)
         held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
+
+    def _settle_prefix(self, held: _Held) -> None:
+        """Its prompt is computed there now; if that is news, the other processes hear it."""
+        prefix, cache = held.ticket.prefix, held.state.cache
+        if prefix and cache.capacity > 0 and cache.match(prefix, settled=True) < len(prefix):
+            self._settled.append((held.state.name, prefix))
+        cache.settle(prefix)
 
     def _end_prefill(self, held: _Held, now: float) -> None:
         held.prefilling = False

@@ -146,6 +146,32 @@ def test_a_view_applied_without_drain_leaves_the_queue_to_drain() -> None:
     assert not sched.queued
 
 
+def test_a_prefix_computed_for_us_is_told_settled_and_a_peer_learns_it() -> None:
+    """Our request's first token settles its new prefix there; we hand it out once, and a
+    peer that learns it lets a long prompt with that prefix skip the long cap there."""
+    rng = random.Random(0)
+    ours, theirs = make(InstanceSpec("a")), make(InstanceSpec("a"))
+    prefix = tuple(range(1, 101))  # 6,400 tokens of blocks
+    ticket = Ticket(1, Lane.LONG, FAR, tokens=6500, prefix=prefix)
+    assert isinstance(ours.submit(ticket, 0.0, rng), Assigned)
+    theirs.learn_placements(ours.take_placements())
+    assert theirs.state("a").cache.match(prefix, settled=True) == 0
+    assert ours.take_settled() == []  # no first token yet
+    ours.prefill_done(1, 0.5, rng, ttft=0.5)
+    settled = ours.take_settled()
+    assert settled == [("a", prefix)]
+    assert ours.take_settled() == []
+    theirs.learn_settled(settled)
+    assert theirs.state("a").cache.match(prefix, settled=True) == 100
+    ours.release(1, Outcome.SUCCESS, 1.0, rng)
+    # A second request there with the prefix settled already: nothing new to tell.
+    assert isinstance(
+        ours.submit(Ticket(2, Lane.LONG, FAR, tokens=6500, prefix=prefix), 1.0, rng), Assigned
+    )
+    ours.prefill_done(2, 1.2, rng, ttft=0.2)
+    assert ours.take_settled() == []
+
+
 def test_the_gateway_queue_bound_holds_across_processes() -> None:
     """The peers' queued requests fill the lane's bound: ours is refused queue_full."""
     rng = random.Random(0)

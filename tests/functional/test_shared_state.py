@@ -278,6 +278,31 @@ async def test_a_placement_reaches_the_others_with_the_push_not_the_next_round()
             await until(lambda: state.cache.match(blocks) > 40, 0.5)
 
 
+async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> None:
+    """Once A's request has its first token, B counts its prefix as computed there (a long
+    prompt with it needs no long-prefill place), within half a second, rounds 5 s apart."""
+    with redis_server() as redis:
+        fast = SimConfig(
+            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
+            prefix_cache_blocks=4000,
+        )  # fmt: skip
+        settings = sections(redis)
+        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
+        async with (
+            fleet(fast, fast) as sims,
+            gateway_with(sims, sections=settings) as a,
+            gateway_with(sims, sections=settings) as b,
+        ):
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            document = "a third shared document " * 500
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            state = b.dispatcher.scheduler.state(placed_on)
+            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            await until(lambda: state.cache.match(blocks, settled=True) > 40, 0.5)
+
+
 def user(content: str) -> dict[str, str]:
     return {"role": "user", "content": content}
 
