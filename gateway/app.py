@@ -226,6 +226,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         interval=settings.publish_interval,
         ttl=settings.ttl,
         namespace=settings.namespace,
+        push_interval=settings.push_interval,
     )
     app[SHARED] = shared
     app[METRICS].registry.register(SharedStateCollector(shared))
@@ -387,6 +388,8 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 if i.prefix_query_tokens
                 else None,
                 "inflight": i.inflight,
+                "peers_inflight": i.peers_inflight,
+                "peers_pending_prefill_tokens": i.peers_pending_prefill_tokens,
                 "long_prefilling": i.long_prefilling,
                 "queue_depth": i.queue_depth,
                 "score": round(i.score, 4),

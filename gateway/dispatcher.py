@@ -90,6 +90,10 @@ class Dispatcher:
         # too coarse for time-per-token.
         self.clock = clock or time.monotonic
         self._waiters: dict[int, asyncio.Future[str]] = {}
+        # Called after anything that may change our load (a request placed, queued, past
+        # its prefill, released): the shared view's pusher listens (shared.py).
+        self.on_change: Callable[[], None] | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
 
     def snapshot(self) -> Snapshot:
         """The scheduler's state now, as a frozen copy (dispatch/snapshot.py)."""
@@ -119,6 +123,7 @@ class Dispatcher:
         caller is cancelled (its client left), the ticket leaves the queue at once.
         """
         decision = self.scheduler.submit(ticket, self.clock(), self.rng)
+        self._changed()
         if isinstance(decision, Assigned):
             return decision.instance
         if isinstance(decision, Rejected):
@@ -165,6 +170,7 @@ class Dispatcher:
 
     def _expire(self, ticket_id: int) -> None:
         self._settle(self.scheduler.expire(ticket_id, self.clock()))
+        self._changed()
         wait_until = self.scheduler.wait_until(ticket_id)
         if wait_until is not None:  # the loop's clock ran ahead of ours: look again soon
             delay = max(0.001, wait_until - self.clock())
@@ -172,9 +178,15 @@ class Dispatcher:
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
+        self._changed()
 
     def prefill_done(self, ticket_id: int, ttft: float | None = None) -> None:
         self._settle(self.scheduler.prefill_done(ticket_id, self.clock(), self.rng, ttft))
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def observe_tpot(self, name: str, seconds: float) -> None:
         self.scheduler.observe_tpot(name, seconds)
@@ -202,9 +214,26 @@ class Dispatcher:
         )
         self.scheduler.report_load(name, report)
 
-    def apply_shared(self, view: SharedView) -> None:
-        """The other gateway processes' load, queues and speeds (shared.py)."""
-        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
+    def apply_shared(self, view: SharedView, stagger: float = 0.0) -> None:
+        """The other gateway processes' load, queues and speeds (shared.py).
+
+        With `stagger`, requests waiting in our queue are placed after a random delay of
+        up to that many seconds rather than at once: every process hears a push in the
+        same instant, and if each put a waiting request into the room it freed, they
+        would overfill it together. Staggered, the first one's push (a millisecond or
+        two) reaches the others before they look.
+        """
+        if stagger <= 0 or not self.scheduler.queued:
+            self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
+            return
+        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng, drain=False))
+        if self._drain_timer is None:
+            delay = self.rng.uniform(0.0, stagger)
+            self._drain_timer = asyncio.get_running_loop().call_later(delay, self._drain_later)
+
+    def _drain_later(self) -> None:
+        self._drain_timer = None
+        self._settle(self.scheduler.drain(self.clock(), self.rng))
 
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""
@@ -225,6 +254,8 @@ class Dispatcher:
         self._settle(self.scheduler.close())
 
     def _settle(self, decisions: list[Decision]) -> None:
+        if decisions:  # queued requests placed or refused (a peer's push may free room)
+            self._changed()
         for decision in decisions:
             future = self._waiters.get(decision.ticket.id)
             if future is None or future.done():

@@ -157,6 +157,8 @@ class SharedSection(Frozen):
 
     redis_url: SecretStr | None = None  # may hold a password: never logged
     publish_interval: float = Field(0.25, gt=0, le=5)
+    # Between rounds, a changed load is pushed within this (0: rounds only).
+    push_interval: float = Field(0.02, ge=0, le=5)
     ttl: float = Field(3.0, gt=0, le=60)  # a process's entries vanish this long after it died
     namespace: str = Field("gateway", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
 

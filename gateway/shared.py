@@ -7,13 +7,24 @@ on its own. So every `publish_interval` (a quarter second by default, never on a
 request's path) each process writes to Redis what it holds, under a key of its own with a
 TTL, and reads every other process's key in the same round:
 
-    per instance   requests in flight, uncached prompt tokens in prefill, learned speed
+    per instance   requests in flight, uncached prompt tokens in prefill, long requests
+                   in prefill (max_long_per_instance), learned speed
     per lane       requests waiting in its queue
     retry budget   requests and retries in its window
 
 and appends to one Redis stream the prompts it placed where they were not cached yet
 (instance and block hashes), which every other process reads into its prefix index: so
 replicas agree where a prefix lives instead of each caching it somewhere else.
+
+A view a round old is too old where requests come faster than rounds: a 6,000-token prompt
+prefills in a third of a second, and replicas that all see an instance idle for a quarter
+second all send there. So between rounds each process also pushes its load on a Redis
+pub/sub channel when it changes (at once after a quiet spell; while it keeps changing, at
+most once per `push_interval`, 20 ms, the changes in between sent as one), and every
+process applies the others' pushes as they arrive. Each
+publication carries a sequence number, so a round's read never replaces a newer push with
+the older key. The rounds stay the source of membership and expiry: a process is in the
+view while its key lives.
 
 The sum of the others' becomes the scheduler's `SharedView`: their load counts toward each
 instance's limit and score, their queues toward the gateway queue's bound, their retries
@@ -33,9 +44,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -43,86 +52,26 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from . import log
-from .dispatch import Lane, LocalShare, PeerLoad, PeerSpeed, RetryBudget, SharedView
+from .dispatch import RetryBudget, SharedView
 from .dispatcher import Dispatcher
+from .shared_codec import (
+    PeerEntry,
+    combine,
+    decode,
+    encode,
+    newest,
+    parse_placements,
+    parse_push,
+    push_key,
+    push_message,
+    redacted,
+)
 
 _log = log.get("gateway.shared")
 
 BACKOFF_MAX = 5.0  # seconds between attempts while Redis is away
 STREAM_MAXLEN = 20_000  # placements kept in the stream (approximately: Redis trims lazily)
 CATCH_UP = 500  # placements a new process reads back from before it started
-
-
-@dataclass(frozen=True)
-class PeerEntry:
-    """One other process's publication, decoded."""
-
-    share: LocalShare
-    requests: int
-    retries: int
-
-
-def encode(share: LocalShare, requests: int, retries: int) -> bytes:
-    """This process's publication: compact JSON, a few dozen bytes per instance."""
-    body = {
-        "loads": {name: [p.inflight, p.pending_prefill_tokens] for name, p in share.loads.items()},
-        "speeds": {
-            name: [s.prefill, s.prefill_samples, s.tpot, s.tpot_samples]
-            for name, s in share.speeds.items()
-        },
-        "queued": {lane.value: n for lane, n in share.queued.items()},
-        "budget": [requests, retries],
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def decode(data: bytes | str) -> PeerEntry:
-    """Another process's publication; ValueError if it is malformed."""
-    try:
-        return _decode(json.loads(data))
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise ValueError(f"malformed publication: {type(exc).__name__}: {exc}") from None
-
-
-def _decode(body: dict[str, Any]) -> PeerEntry:
-    loads = {name: PeerLoad(int(v[0]), int(v[1])) for name, v in body["loads"].items()}
-    speeds = {
-        name: PeerSpeed(
-            None if v[0] is None else float(v[0]),
-            int(v[1]),
-            None if v[2] is None else float(v[2]),
-            int(v[3]),
-        )
-        for name, v in body["speeds"].items()
-    }
-    queued = {Lane(lane): int(n) for lane, n in body["queued"].items()}
-    requests, retries = (int(n) for n in body["budget"])
-    return PeerEntry(LocalShare(loads, speeds, queued), requests, retries)
-
-
-def combine(entries: list[PeerEntry]) -> SharedView:
-    """The others' publications summed into one view (speeds kept apart, to blend)."""
-    inflight: dict[str, int] = {}
-    pending: dict[str, int] = {}
-    speeds: dict[str, list[PeerSpeed]] = {}
-    queued: dict[Lane, int] = {}
-    for entry in entries:
-        for name, load in entry.share.loads.items():
-            inflight[name] = inflight.get(name, 0) + load.inflight
-            pending[name] = pending.get(name, 0) + load.pending_prefill_tokens
-        for name, speed in entry.share.speeds.items():
-            speeds.setdefault(name, []).append(speed)
-        for lane, n in entry.share.queued.items():
-            queued[lane] = queued.get(lane, 0) + n
-    loads = {name: PeerLoad(inflight[name], pending[name]) for name in inflight}
-    return SharedView(loads=loads, speeds=speeds, queued=queued, peers=len(entries))
-
-
-def redacted(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    host = parts.hostname or parts.path or "?"
-    return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
 
 
 class SharedState:
@@ -136,19 +85,26 @@ class SharedState:
         ttl: float = 3.0,
         namespace: str = "gateway",
         process_id: str | None = None,
+        push_interval: float = 0.02,
     ) -> None:
         self.url = url
         self.dispatcher = dispatcher
         self.budget = budget
         self.interval = interval
         self.ttl = ttl
+        self.push_interval = push_interval  # 0: rounds only
         self.process_id = (
             process_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         )
         self._members = f"{namespace}:processes"
         self._prefix = f"{namespace}:process:"
         self._stream = f"{namespace}:placements"
+        self._channel = f"{namespace}:pushes"
         self._stream_at: str | None = None  # the last placement read
+        self._seq = 0  # publications made, pushes and keys alike
+        self._pushed: tuple[object, ...] | None = None  # what the last publication said
+        self._peers: dict[str, PeerEntry] = {}  # the others' newest publications
+        self._changed = asyncio.Event()  # set by the dispatcher when our load may have moved
         # Every call is bounded: a slow Redis costs a round, never a request.
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=max(0.5, interval * 2), socket_connect_timeout=1.0
@@ -156,17 +112,33 @@ class SharedState:
         self.up: bool | None = None  # None until the first round
         self.peers = 0
         self.rounds = 0
+        self.pushes_sent = 0
+        self.pushes_heard = 0
+        self.listening = False  # subscribed to the others' pushes
 
     async def run_forever(self) -> None:
+        """The rounds, and between them the pushes both ways, until cancelled."""
+        helpers = []
+        if self.push_interval > 0:
+            self.dispatcher.on_change = self._changed.set
+            helpers = [
+                asyncio.create_task(self._push_forever(), name="shared-state-push"),
+                asyncio.create_task(self._listen_forever(), name="shared-state-listen"),
+            ]
+        try:
+            await self._rounds_forever()
+        finally:
+            if helpers:
+                self.dispatcher.on_change = None
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+
+    async def _rounds_forever(self) -> None:
         failures = 0
-        task = asyncio.current_task()
         while True:
             ok = await self.run_round()
-            # redis-py (8.1) can swallow a cancellation that lands inside a command: the
-            # command returns as if nothing happened. Honour the request here, or shutdown
-            # would wait for this task forever.
-            if task is not None and task.cancelling():
-                raise asyncio.CancelledError
+            _honour_cancel()
             failures = 0 if ok else failures + 1
             delay = self.interval if ok else min(BACKOFF_MAX, self.interval * 2**failures)
             await asyncio.sleep(delay)
@@ -175,60 +147,140 @@ class SharedState:
         """Publish ours, read theirs, hand the view to the scheduler; False if Redis failed."""
         try:
             async with asyncio.timeout(max(1.0, self.ttl / 2)):
-                view, requests, retries = await self._exchange()
+                self._peers = await self._exchange()
         except (RedisError, OSError, TimeoutError, ValueError) as exc:
             self._set_up(False, exc)
-            view, requests, retries = SharedView(), 0, 0  # the local view alone
+            self._peers = {}  # the local view alone
         else:
             self._set_up(True)
         self.rounds += 1
-        self.peers = view.peers
-        self.budget.peer_requests, self.budget.peer_retries = requests, retries
-        self.dispatcher.apply_shared(view)
+        self._apply()
         return self.up is True
 
-    async def _exchange(self) -> tuple[SharedView, int, int]:
-        scheduler = self.dispatcher.scheduler
-        share = scheduler.share()
+    def _apply(self, stagger: float = 0.0) -> None:
+        entries = list(self._peers.values())
+        self.peers = len(entries)
+        self.budget.peer_requests = sum(e.requests for e in entries)
+        self.budget.peer_retries = sum(e.retries for e in entries)
+        view = combine(entries) if entries else SharedView()
+        self.dispatcher.apply_shared(view, stagger)
+
+    def _publication(self) -> bytes:
+        """Ours now, numbered; remembered as the last thing the others were told."""
+        share = self.dispatcher.scheduler.share(self.dispatcher.clock())
         requests, retries = self.budget.own_totals(self.dispatcher.clock())
-        placements = scheduler.take_placements()
+        self._seq += 1
+        self._pushed = push_key(share)
+        return encode(share, requests, retries, self._seq)
+
+    async def _exchange(self) -> dict[str, PeerEntry]:
+        placements = self.dispatcher.scheduler.take_placements()
         if self._stream_at is None:
             await self._catch_up()
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(
-                self._prefix + self.process_id,
-                encode(share, requests, retries),
-                px=int(self.ttl * 1000),
-            )
+            pipe.set(self._prefix + self.process_id, self._publication(), px=int(self.ttl * 1000))
             pipe.sadd(self._members, self.process_id)
             pipe.smembers(self._members)
             if placements:
-                entry = {"p": self.process_id, "d": json.dumps(placements)}
-                pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                self._add_placements(pipe, placements)
             pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
             results = await pipe.execute()
         self._learn(results[-1])
         others = sorted(m.decode() for m in results[2] if m.decode() != self.process_id)
         if not others:
-            return SharedView(), 0, 0
+            return {}
         values = await self._redis.mget([self._prefix + p for p in others])
-        entries: list[PeerEntry] = []
+        read: dict[str, PeerEntry] = {}
         gone: list[str] = []
         for process, value in zip(others, values, strict=True):
             if value is None:  # its key expired: that process died or left
                 gone.append(process)
                 continue
             try:
-                entries.append(decode(value))
+                read[process] = decode(value)
             except ValueError:
                 _log.warning("shared_state_entry_malformed", process=process)
         if gone:
             await self._redis.srem(self._members, *gone)
-        return (
-            combine(entries),
-            sum(e.requests for e in entries),
-            sum(e.retries for e in entries),
-        )
+        # A push heard while this round was on its way may be newer than the key.
+        return {p: newest(self._peers.get(p), entry) for p, entry in read.items()}
+
+    def _add_placements(self, pipe: Any, placements: list[tuple[str, tuple[int, ...]]]) -> None:
+        entry = {"p": self.process_id, "d": json.dumps(placements)}
+        pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)
+
+    async def _push_forever(self) -> None:
+        """When our load or queues change, push them: at once after a quiet spell, and at
+        most once per `push_interval` while they keep changing (the changes in between
+        go as one push)."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            if (
+                self.up is not True
+                or push_key(self.dispatcher.scheduler.share(self.dispatcher.clock()))
+                == self._pushed
+            ):
+                continue
+            scheduler = self.dispatcher.scheduler
+            placements, settled = scheduler.take_placements(), scheduler.take_settled()
+            message = push_message(self.process_id, self._publication(), placements, settled)
+            # A failed push is not retried: the next change, or the next round, tells.
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with (
+                    asyncio.timeout(max(0.5, self.interval * 2)),
+                    self._redis.pipeline(transaction=False) as pipe,
+                ):
+                    pipe.publish(self._channel, message)
+                    if placements:  # the stream too: a process that starts later reads it
+                        self._add_placements(pipe, placements)
+                    await pipe.execute()
+                    self.pushes_sent += 1
+            _honour_cancel()
+            await asyncio.sleep(self.push_interval)
+
+    async def _listen_forever(self) -> None:
+        """The others' pushes, applied as they come; resubscribes after Redis comes back."""
+        while True:
+            try:
+                async with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self._channel)
+                    self.listening = True
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        _honour_cancel()
+                        if message is not None and message.get("type") == "message":
+                            self._heard(message["data"])
+            except (RedisError, OSError, TimeoutError):
+                pass  # the rounds log the outage and set the metric
+            self.listening = False
+            _honour_cancel()
+            await asyncio.sleep(min(BACKOFF_MAX, max(self.interval, 0.1)))
+
+    def _heard(self, data: bytes | str) -> None:
+        """One push of another process: its newest load replaces what we had of it."""
+        if self.up is not True:
+            return  # while Redis is away the view is ours alone; the next round rejoins
+        try:
+            process, payload, placements, settled = parse_push(data)
+            if process == self.process_id:
+                return
+            entry = decode(payload)
+        except ValueError:
+            _log.warning("shared_state_entry_malformed", channel=self._channel)
+            return
+        if placements:  # the stream brings them again at the next round: harmless
+            self.dispatcher.scheduler.learn_placements(placements)
+        if settled:
+            self.dispatcher.scheduler.learn_settled(settled)
+        old = self._peers.get(process)
+        if old is not None and entry.seq <= old.seq:
+            return
+        self.pushes_heard += 1
+        self._peers[process] = entry
+        # Every process hears this push at once: staggered, those with requests waiting
+        # do not all put one into the room it freed (dispatcher.apply_shared).
+        self._apply(stagger=self.push_interval / 2)
 
     async def _catch_up(self) -> None:
         """On joining, read the newest placements the others made before we started."""
@@ -244,9 +296,8 @@ class SharedState:
                 if _text(fields.get(b"p", b"")) == self.process_id:
                     continue
                 try:
-                    placements = json.loads(fields[b"d"])
-                    learned = [(str(name), [int(b) for b in blocks]) for name, blocks in placements]
-                except (KeyError, ValueError, TypeError):
+                    learned = parse_placements(fields[b"d"])
+                except (KeyError, ValueError):
                     _log.warning("shared_state_entry_malformed", stream=self._stream)
                     continue
                 self.dispatcher.scheduler.learn_placements(learned)
@@ -301,6 +352,14 @@ class SharedStateCollector(Collector):
         )
         peers.add_metric([], self.shared.peers)
         yield peers
+
+
+def _honour_cancel() -> None:
+    """redis-py (8.1) can swallow a cancellation that lands inside a command: the command
+    returns as if nothing happened. Honour the request, or shutdown would wait forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _text(value: bytes | str) -> str:

@@ -6,6 +6,7 @@ of capacity) goes, side by side in one run, through
 
     1 replica                     the baseline
     N replicas, shared            each with `[shared] redis_url` on one real Redis
+    N replicas, rounds only       the same with `push_interval = 0`: what the pushes add
     N replicas, not shared        what running several copies did before
 
 for each strategy. The clients spread requests over the replicas round robin, as an L4
@@ -31,6 +32,7 @@ import contextlib
 import itertools
 import shutil
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,6 +84,8 @@ class ReplicaOptions:
     prefix_duration: float = 30.0
     cost_requests: int = 0  # streamed requests per arm of the cost part; 0 skips it
     cost_rounds: int = 3
+    # Run the one-replica baseline twice: the ratio of the two is the run's noise floor.
+    baseline_twice: bool = False
 
 
 @contextlib.asynccontextmanager
@@ -138,6 +142,7 @@ async def _one_setup(
     opts: ReplicaOptions,
     common: Common,
     prefix_cache_blocks: int = 0,
+    push: bool = True,
 ) -> tuple[report.Summary, dict[str, float | None]]:
     gw_core, fleet_core = cores(common)
     async with contextlib.AsyncExitStack() as stack:
@@ -154,6 +159,8 @@ async def _one_setup(
         if shared:
             url = await stack.enter_async_context(redis_process())
             extra["shared"] = {"redis_url": url, "namespace": "bench"}
+            if not push:  # the rounds alone, every publish_interval (what push adds)
+                extra["shared"]["push_interval"] = 0
         gateways = [
             await stack.enter_async_context(
                 harness.gateway_process(
@@ -177,12 +184,21 @@ async def _one_setup(
             await asyncio.sleep(1.0)  # a few publish rounds: every replica sees the others
         turn = itertools.cycle([gw.base_url for gw in gateways])
         client = Client(await stack.enter_async_context(session()), harness.KEY)
+        cpu_before, started = _cpu(gateways), time.monotonic()
         run = await run_open(
             client, specs, lambda spec, worker: next(turn), label=label, limit=common.limit
         )
+        cpu, wall = _cpu(gateways) - cpu_before, time.monotonic() - started
         hits = await _fleet_hit_rate(fleet.urls) if prefix_cache_blocks else {}
-        return relabel(summarize(run, common), fleet_names(fleet.urls, opts.speeds)), hits
+        summary = relabel(summarize(run, common), fleet_names(fleet.urls, opts.speeds))
+        # What the gateway processes used of their (one, shared) core while the run lasted.
+        summary["gateway_cpu"] = {"cpu_s": cpu, "wall_s": wall, "core_share": cpu / wall}
+        return summary, hits
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _cpu(gateways: Sequence[harness.GatewayProcess]) -> float:
+    return sum(harness.cpu_seconds(gw.pid) for gw in gateways)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -203,11 +219,15 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     slow_card: dict[str, dict[str, Any]] = {}
     for strategy in opts.strategies:
         runs: dict[str, report.Summary] = {}
-        for label, replicas_, shared in (
-            ("1 replica", 1, False),
-            (f"{n} replicas shared", n, True),
-            (f"{n} replicas not shared", n, False),
-        ):
+        setups = [
+            ("1 replica", 1, False, True),
+            (f"{n} replicas shared", n, True, True),
+            (f"{n} replicas shared, rounds only", n, True, False),
+            (f"{n} replicas not shared", n, False, True),
+        ]
+        if opts.baseline_twice:
+            setups.append(("1 replica, again", 1, False, True))
+        for label, replicas_, shared, push in setups:
             name = f"{strategy}: {label}"
             runs[label], _ = await _one_setup(
                 name,
@@ -217,6 +237,7 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
                 shared=shared,
                 opts=opts,
                 common=common,
+                push=push,
             )
         one, many = runs["1 replica"], runs[f"{n} replicas shared"]
         slow_card[strategy] = {
@@ -228,6 +249,18 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
             "p99_ttft_unshared_over_one": _ratio(
                 runs[f"{n} replicas not shared"]["ttft_s"]["p99"], one["ttft_s"]["p99"]
             ),
+            "p99_ttft_rounds_only_over_one": _ratio(
+                runs[f"{n} replicas shared, rounds only"]["ttft_s"]["p99"], one["ttft_s"]["p99"]
+            ),
+            "tok_s_rounds_only_over_one": _ratio(
+                runs[f"{n} replicas shared, rounds only"]["output_tokens_per_s"],
+                one["output_tokens_per_s"],
+            ),
+            "p99_ttft_again_over_one": _ratio(
+                runs["1 replica, again"]["ttft_s"]["p99"], one["ttft_s"]["p99"]
+            )
+            if "1 replica, again" in runs
+            else None,
             "tok_s_unshared_over_one": _ratio(
                 runs[f"{n} replicas not shared"]["output_tokens_per_s"], one["output_tokens_per_s"]
             ),
@@ -243,7 +276,7 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
         body["cost"] = await _cost_part(opts, common)
     say(f"wrote {write_json(common, 'replicas', body)}")
     _print(body, n)
-    if plot_path(common, "replicas.png"):
+    if body["slow_card"] and plot_path(common, "replicas.png"):
         _plot(body, n, common.out / "replicas.png")
     return body
 
@@ -355,11 +388,25 @@ def _print(body: dict[str, Any], n: int) -> None:
     for strategy, part in body["slow_card"].items():
         say(f"\n== slow-card fleet, {strategy} ==")
         say(report.seed_table(list(part["runs"].values())))
+        for label, run in part["runs"].items():
+            cpu = run.get("gateway_cpu")
+            if cpu:
+                say(
+                    f"  {label}: gateway CPU {cpu['cpu_s']:.2f} s in {cpu['wall_s']:.1f} s "
+                    f"({cpu['core_share']:.1%} of the gateway core)"
+                )
         say(
             f"{n} shared / 1: p99 TTFT {_x(part['p99_ttft_shared_over_one'])} (target <= 1.15), "
             f"tok/s {_x(part['tok_s_shared_over_one'])} (target >= 0.97); "
+            f"rounds only: {_x(part['p99_ttft_rounds_only_over_one'])}, "
+            f"{_x(part['tok_s_rounds_only_over_one'])}; "
             f"not shared: {_x(part['p99_ttft_unshared_over_one'])}, "
             f"{_x(part['tok_s_unshared_over_one'])}"
+            + (
+                f"; 1 replica again: p99 TTFT {_x(part['p99_ttft_again_over_one'])}"
+                if part.get("p99_ttft_again_over_one")
+                else ""
+            )
         )
     cost = body.get("cost")
     if cost:
@@ -390,9 +437,9 @@ def _plot(body: dict[str, Any], n: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     strategies = list(body["slow_card"])
-    labels = ["1 replica", f"{n} replicas shared", f"{n} replicas not shared"]
+    labels = list(body["slow_card"][strategies[0]]["runs"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.25
+    width = 0.8 / len(labels)
     for i, label in enumerate(labels):
         runs = [body["slow_card"][s]["runs"][label] for s in strategies]
         p99 = [plots.value_or_nan(r["ttft_s"], "p99", 1000) for r in runs]
@@ -401,8 +448,8 @@ def _plot(body: dict[str, Any], n: int, path: Path) -> None:
         axes[0].bar(xs, p99, width, label=label)
         axes[1].bar(xs, tok, width, label=label)
         for x, r in zip(xs, runs, strict=True):  # each bar's sample count; n/a with too few
-            n = plots.n_of(r["ttft_s"])
-            text = f"n/a\n(n={n}<100)" if report.too_few(r["ttft_s"], "p99") else f"n={n}"
+            count = plots.n_of(r["ttft_s"])  # not `n`: that is the replicas, in the title
+            text = f"n/a\n(n={count}<100)" if report.too_few(r["ttft_s"], "p99") else f"n={count}"
             axes[0].annotate(
                 text,
                 (x, 0),
@@ -413,7 +460,9 @@ def _plot(body: dict[str, Any], n: int, path: Path) -> None:
                 fontsize=6,
             )
     for ax, title in zip(axes, ("p99 TTFT, ms", "output tokens/s"), strict=True):
-        ax.set_xticks([x + width for x in range(len(strategies))], strategies)
+        ax.set_xticks(
+            [x + width * (len(labels) - 1) / 2 for x in range(len(strategies))], strategies
+        )
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"slow-card fleet, 75% of capacity: 1 vs {n} replicas (same CPU core)")
@@ -439,6 +488,11 @@ def _parser() -> argparse.ArgumentParser:
         default=2000,
         help="streamed requests per arm and round of the cost part; 0 skips it",
     )
+    p.add_argument(
+        "--baseline-twice",
+        action="store_true",
+        help="run the one-replica setup a second time, as the run's noise floor",
+    )
     p.add_argument("--seed", type=int, default=1, help="workload and simulator seed")
     p.add_argument("--out", type=Path, default="loadtest/results", help="report folder")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes with taskset")
@@ -459,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix=not args.no_prefix,
         prefix_duration=args.duration,
         cost_requests=args.cost_requests,
+        baseline_twice=args.baseline_twice,
     )
     ref = harness.pin_ref(args.gateway_ref)
     with harness.exported_gateway(ref) as folder:

@@ -6,8 +6,25 @@ import random
 
 import pytest
 
-from gateway.dispatch import STRATEGIES, InstanceSpec, Lane, Limits, Scheduler, Ticket
-from gateway.shared import combine, decode, encode, redacted
+from gateway.dispatch import (
+    STRATEGIES,
+    InstanceSpec,
+    Lane,
+    Limits,
+    LocalShare,
+    Scheduler,
+    Ticket,
+)
+from gateway.shared_codec import (
+    combine,
+    decode,
+    encode,
+    newest,
+    parse_push,
+    push_key,
+    push_message,
+    redacted,
+)
 
 FAR = 1e9
 
@@ -25,13 +42,68 @@ def test_publications_round_trip_and_sum() -> None:
     sched = make(InstanceSpec("a"), InstanceSpec("b"))
     sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=40), 0.0, rng)
     sched.state("a").speed.observe_tpot(0.02)
-    entry = decode(encode(sched.share(), 12, 3))
-    assert entry.share == sched.share()
+    entry = decode(encode(sched.share(0.0), 12, 3))
+    assert entry.share == sched.share(0.0)
     assert (entry.requests, entry.retries) == (12, 3)
     view = combine([entry, entry])
     assert view.peers == 2
     assert sum(load.inflight for load in view.loads.values()) == 2
     assert len(view.speeds["a"]) == 2
+
+
+def test_of_two_publications_of_one_process_the_higher_numbered_wins() -> None:
+    """A round's key read after a newer push does not replace it: the sequence decides."""
+    sched = make(InstanceSpec("a"))
+    older = decode(encode(sched.share(0.0), 1, 0, seq=7))
+    newer = decode(encode(sched.share(0.0), 2, 0, seq=8))
+    assert (older.seq, newer.seq) == (7, 8)
+    assert newest(newer, older) is newer
+    assert newest(older, newer) is newer
+    assert newest(None, older) is older
+
+
+def test_a_push_names_its_process_and_carries_its_publication() -> None:
+    """A push is the process id, the publication and the new placements; no id: refused."""
+    sched = make(InstanceSpec("a"))
+    payload = encode(sched.share(0.0), 3, 1, seq=2)
+    assert parse_push(push_message("host-12-ab", payload)) == ("host-12-ab", payload, [], [])
+    message = push_message("host-12-ab", payload, [("a", (7, 8, 9))])
+    assert parse_push(message.decode()) == ("host-12-ab", payload, [("a", [7, 8, 9])], [])
+    message = push_message("host-12-ab", payload, [], [("b", (5,))])
+    assert parse_push(message) == ("host-12-ab", payload, [], [("b", [5])])
+    for bad in (b"", b"no-space", b" starts-with-space", b"id {}\n[[1]]", b"id {}\nnope"):
+        with pytest.raises(ValueError, match="malformed"):
+            parse_push(bad)
+
+
+def test_a_push_is_due_when_load_or_queues_change_not_speeds() -> None:
+    """push_key moves with a request placed, not with a speed learned (speeds ride along)."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    before = push_key(sched.share(0.0))
+    sched.state("a").speed.observe_tpot(0.02)
+    assert push_key(sched.share(0.0)) == before
+    sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=40), 0.0, rng)
+    assert push_key(sched.share(0.0)) != before
+
+
+def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> None:
+    """Long prefills per instance survive the codec and add up; two-number loads mean none."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"))
+    sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+    entry = decode(encode(sched.share(0.0), 0, 0))
+    assert combine([entry, entry]).loads["a"].long_prefilling == 2
+    old = b'{"loads":{"a":[3,500]},"speeds":{},"queued":{},"budget":[0,0]}'
+    assert decode(old).share.loads["a"].long_prefilling == 0
+
+
+def test_drain_rates_travel_by_lane_and_model_and_sum() -> None:
+    """Each process's saturated drain rates survive the codec and add up per lane and model."""
+    share = LocalShare({}, {}, {}, {(Lane.SHORT, None): 2.0, (Lane.LONG, "m"): 0.5})
+    entry = decode(encode(share, 0, 0))
+    assert entry.share.rates == share.rates
+    assert combine([entry, entry]).rates == {(Lane.SHORT, None): 4.0, (Lane.LONG, "m"): 1.0}
 
 
 @pytest.mark.parametrize(
@@ -65,6 +137,7 @@ async def test_a_cancellation_swallowed_inside_a_round_still_stops_the_loop() ->
 
     shared = Swallowing.__new__(Swallowing)
     shared.interval = 0.01
+    shared.push_interval = 0  # the rounds alone: the loop under test
     task = asyncio.create_task(shared.run_forever())
     await asyncio.sleep(0.05)
     task.cancel()

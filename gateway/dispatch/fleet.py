@@ -32,6 +32,9 @@ class Fleet:
         # Prompts placed where they were not (all) cached yet, for the other processes'
         # prefix indexes; the newest `MAX_PLACEMENTS` only, taken each publish round.
         self._placements: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
+        # Prompts of ours whose first token came where they were not known computed yet:
+        # the other processes settle them too (a long prompt with them skips the long cap).
+        self._settled: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
         # Which lane holds each shared instance now (lanes.py); re-sized each health round.
         self.lanes = LaneSplit((), limits.lane_split)
         self.set_fleet(specs, limits, health_policy)
@@ -120,6 +123,19 @@ class Fleet:
         self._placements.clear()
         return out
 
+    def take_settled(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The prompts computed for us since the last call (instance, block hashes)."""
+        out = list(self._settled)
+        self._settled.clear()
+        return out
+
+    def learn_settled(self, settled: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Another process's request had its first token with these blocks there."""
+        for name, blocks in settled:
+            state = self._by_name.get(name)
+            if state is not None:
+                state.cache.settle(blocks)
+
     def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Another process placed these prompts: they are (about to be) cached there too,
         so every process agrees where a prefix lives."""
@@ -155,7 +171,9 @@ class Fleet:
             and self.lanes.capped(state)
             and self._takes_long_place(state, ticket)
         ):
-            return state.long_prefilling < self.limits.max_long_per_instance
+            # Fleet-wide: the other processes' long prefills there take places too.
+            long_prefilling = state.long_prefilling + state.peers.long_prefilling
+            return long_prefilling < self.limits.max_long_per_instance
         return True
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:

@@ -62,11 +62,12 @@ class LoadReport:
 @dataclass(frozen=True)
 class PeerLoad:
     """What the other gateway processes (workers, replicas) hold on one instance, as the
-    shared view last said: requests in flight there, and their uncached prompt tokens
-    still in prefill there."""
+    shared view last said: requests in flight there, their uncached prompt tokens still in
+    prefill there, and how many of those hold a long-prefill place (max_long_per_instance)."""
 
     inflight: int = 0
     pending_prefill_tokens: int = 0
+    long_prefilling: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class SharedView:
     speeds: Mapping[str, Sequence[PeerSpeed]] = field(default_factory=dict)
     queued: Mapping[Lane, int] = field(default_factory=dict)  # their gateway queues
     peers: int = 0  # how many other processes contributed
+    # Their saturated drain rates (departures/s) per lane and model, summed (admission.py).
+    rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class LocalShare:
     loads: Mapping[str, PeerLoad]
     speeds: Mapping[str, PeerSpeed]
     queued: Mapping[Lane, int]
+    # Our saturated drain rate per lane and model, where known: with several processes
+    # each drains a share of the fleet's, and admission predicts with the sum.
+    rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ class _Held:
     state: InstanceState
     ticket: Ticket
     prefilling: bool = True
-    ahead: int = 0  # our uncached prompt tokens in prefill there when it was sent
+    ahead: int = 0  # uncached prompt tokens in prefill there (ours, peers') when it was sent
     uncached: int = 0  # its own prompt tokens not in the instance's prefix cache
     long_place: bool = False  # holds one of the instance's max_long_per_instance places
 
@@ -132,8 +132,14 @@ class Scheduler(Fleet):
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        rate = self._departures(lane, model).rate(now)
-        return admission.predicted_wait(self.ahead(lane, model), rate)
+        return admission.predicted_wait(self.ahead(lane, model), self._rate(lane, model, now))
+
+    def _rate(self, lane: Lane, model: str | None, now: float) -> float | None:
+        """How fast the fleet drains `lane` for `model` while saturated: ours, plus what the
+        other processes drain (their queues count in `ahead`, so their rates must too)."""
+        own = self._departures(lane, model).rate(now)
+        peers = self._shared.rates.get((lane, model))
+        return own if peers is None else (own or 0.0) + peers
 
     def _departures(self, lane: Lane, model: str | None) -> admission.Throughput:
         key = (lane, model)
@@ -164,7 +170,7 @@ class Scheduler(Fleet):
             wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        rate = self._departures(ticket.lane, ticket.model).rate(now)
+        rate = self._rate(ticket.lane, ticket.model, now)
         ahead = self.ahead(ticket.lane, ticket.model)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
@@ -220,7 +226,7 @@ class Scheduler(Fleet):
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
-        held.state.cache.settle(held.ticket.prefix)
+        self._settle_prefix(held)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
@@ -251,12 +257,19 @@ class Scheduler(Fleet):
         if held.prefilling:
             self._end_prefill(held, now)
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
-            held.state.cache.settle(held.ticket.prefix)
+            self._settle_prefix(held)
         if not self._departs_at_prefill(held):
             self._depart(held, now)
         held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
+
+    def _settle_prefix(self, held: _Held) -> None:
+        """Its prompt is computed there now; if that is news, the other processes hear it."""
+        prefix, cache = held.ticket.prefix, held.state.cache
+        if prefix and cache.capacity > 0 and cache.match(prefix, settled=True) < len(prefix):
+            self._settled.append((held.state.name, prefix))
+        cache.settle(prefix)
 
     def _end_prefill(self, held: _Held, now: float) -> None:
         held.prefilling = False
@@ -309,26 +322,46 @@ class Scheduler(Fleet):
         state.observed_models = models
         return self._drain(now, rng)
 
-    def apply_shared(self, view: SharedView, now: float, rng: random.Random) -> list[Decision]:
+    def apply_shared(
+        self, view: SharedView, now: float, rng: random.Random, *, drain: bool = True
+    ) -> list[Decision]:
         """What the other gateway processes hold now (load, queues, learned speeds).
 
         Their load counts toward every instance's limit and score; their speeds blend
         with ours, so every process judges a slow card alike. An empty view (no shared
-        store, or it is away) is the local view alone.
+        store, or it is away) is the local view alone. With `drain` False, queued
+        requests wait for the shell's `drain` call even where room has freed.
         """
         self._shared = view
         for state in self.states:
             state.peers = view.loads.get(state.name, PeerLoad())
             state.speed.blend(view.speeds.get(state.name, ()))
         # Peers may have let go of places: waiting requests may fit now.
+        return self._drain(now, rng) if drain and self._queues else []
+
+    def drain(self, now: float, rng: random.Random) -> list[Decision]:
+        """Place (or turn away) the queued requests that can be now."""
         return self._drain(now, rng) if self._queues else []
 
-    def share(self) -> LocalShare:
+    @property
+    def queued(self) -> bool:
+        """Whether any request waits in the gateway queue."""
+        return bool(self._queues)
+
+    def share(self, now: float) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
         return LocalShare(
-            loads={s.name: PeerLoad(s.inflight, s.pending_prefill_tokens) for s in self.states},
+            loads={
+                s.name: PeerLoad(s.inflight, s.pending_prefill_tokens, s.long_prefilling)
+                for s in self.states
+            },
             speeds={s.name: s.speed.own() for s in self.states},
             queued={lane: self._queues.length(lane) for lane in Lane},
+            rates={
+                key: rate
+                for key, throughput in self._throughput.items()
+                if (rate := throughput.rate(now)) is not None
+            },
         )
 
     def close(self) -> list[Decision]:
@@ -365,7 +398,9 @@ class Scheduler(Fleet):
         held = _Held(
             state,
             ticket,
-            ahead=state.pending_prefill_tokens,
+            # The peers' prefill work there is ahead of it too, as the shared view last said:
+            # leaving it out would teach every replica a slower rate than the instance's.
+            ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
         )

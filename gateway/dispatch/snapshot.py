@@ -33,6 +33,9 @@ class InstanceSnapshot:
     models: frozenset[str] | None  # served, pinned or learned; None while unknown
     pinned_models: frozenset[str] | None
     inflight: int
+    # The other gateway processes' there, as the shared view last said.
+    peers_inflight: int
+    peers_pending_prefill_tokens: int
     long_prefilling: int
     queue_depth: float
     score: float
@@ -87,6 +90,8 @@ def take(scheduler: Scheduler, now: float) -> Snapshot:
                 models=state.models,
                 pinned_models=state.spec.models,
                 inflight=state.inflight,
+                peers_inflight=state.peers.inflight,
+                peers_pending_prefill_tokens=state.peers.pending_prefill_tokens,
                 long_prefilling=state.long_prefilling,
                 queue_depth=state.queue_depth(fresh),
                 score=score.total,

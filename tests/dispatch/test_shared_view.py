@@ -12,6 +12,7 @@ from gateway.dispatch import (
     InstanceSpec,
     Lane,
     Limits,
+    Outcome,
     PeerLoad,
     PeerSpeed,
     Queued,
@@ -72,6 +73,105 @@ def test_least_time_counts_the_peers_prefill_work() -> None:
     assert decision.instance == "b"
 
 
+def test_peers_long_prefills_count_toward_the_long_cap() -> None:
+    """Two long prefills of the other processes on an instance fill its two long places."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"), max_long_per_instance=2)
+    view = SharedView(loads={"a": PeerLoad(2, 12_000, long_prefilling=2)}, peers=1)
+    sched.apply_shared(view, 0.0, rng)
+    for ticket_id in (1, 2):
+        decision = sched.submit(Ticket(ticket_id, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+        assert isinstance(decision, Assigned)
+        assert decision.instance == "b"
+    queued = sched.submit(Ticket(3, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+    assert isinstance(queued, Queued)  # b's two places are ours, a's are the peers'
+    # A peer's long prefill ends: its place on a goes to the request waiting here.
+    view = SharedView(loads={"a": PeerLoad(2, 6_000, long_prefilling=1)}, peers=1)
+    (placed,) = sched.apply_shared(view, 0.0, rng)
+    assert isinstance(placed, Assigned)
+    assert placed.instance == "a"
+
+
+def test_share_publishes_our_long_prefills() -> None:
+    """What we publish counts our long prefills per instance, for the others' long caps."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"))
+    sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
+    assert sched.share(0.0).loads["a"] == PeerLoad(1, 6000, long_prefilling=1)
+
+
+def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
+    """A first token that waited behind the peers' prefill teaches the rate of all that work."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a"), strategy="least_time")
+    view = SharedView(loads={"a": PeerLoad(inflight=1, pending_prefill_tokens=6000)}, peers=1)
+    sched.apply_shared(view, 0.0, rng)
+    decision = sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=2000), 0.0, rng)
+    assert isinstance(decision, Assigned)
+    sched.prefill_done(1, 0.4, rng, ttft=0.4)
+    # 6,000 tokens of the peers' and our 2,000 in 0.4 s: 20,000 tokens/s, not 5,000.
+    assert sched.state("a").speed.prefill.value == pytest.approx(20_000)
+
+
+def test_the_drain_rate_for_admission_adds_the_peers_rates() -> None:
+    """With the others draining a lane too, a queued request's predicted wait is the
+    fleet's: ahead over every process's saturated departure rate, not ours alone."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0)
+    assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng), Assigned)
+    for i, now in enumerate((0.5, 1.0, 1.5, 2.0, 2.5), start=2):  # one departure per 0.5 s
+        assert isinstance(sched.submit(Ticket(i, Lane.SHORT, FAR), now - 0.1, rng), Queued)
+        (moved,) = sched.release(i - 1, Outcome.SUCCESS, now, rng)
+        assert isinstance(moved, Assigned)
+    assert sched.share(2.5).rates == {(Lane.SHORT, None): pytest.approx(2.0)}
+    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)  # 1 ahead, 2/s
+    view = SharedView(rates={(Lane.SHORT, None): 6.0}, peers=3)
+    sched.apply_shared(view, 2.5, rng)
+    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(1 / 8.0)
+    sched.apply_shared(SharedView(), 2.5, rng)  # Redis away: our own rate again
+    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)
+
+
+def test_a_view_applied_without_drain_leaves_the_queue_to_drain() -> None:
+    """apply_shared(drain=False) takes the view but places nobody; drain() then does."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0)
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=1)}, peers=1), 0.0, rng)
+    assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng), Queued)
+    assert sched.queued
+    assert sched.apply_shared(SharedView(), 0.0, rng, drain=False) == []
+    assert sched.state("a").peers.inflight == 0
+    (placed,) = sched.drain(0.0, rng)
+    assert isinstance(placed, Assigned)
+    assert not sched.queued
+
+
+def test_a_prefix_computed_for_us_is_told_settled_and_a_peer_learns_it() -> None:
+    """Our request's first token settles its new prefix there; we hand it out once, and a
+    peer that learns it lets a long prompt with that prefix skip the long cap there."""
+    rng = random.Random(0)
+    ours, theirs = make(InstanceSpec("a")), make(InstanceSpec("a"))
+    prefix = tuple(range(1, 101))  # 6,400 tokens of blocks
+    ticket = Ticket(1, Lane.LONG, FAR, tokens=6500, prefix=prefix)
+    assert isinstance(ours.submit(ticket, 0.0, rng), Assigned)
+    theirs.learn_placements(ours.take_placements())
+    assert theirs.state("a").cache.match(prefix, settled=True) == 0
+    assert ours.take_settled() == []  # no first token yet
+    ours.prefill_done(1, 0.5, rng, ttft=0.5)
+    settled = ours.take_settled()
+    assert settled == [("a", prefix)]
+    assert ours.take_settled() == []
+    theirs.learn_settled(settled)
+    assert theirs.state("a").cache.match(prefix, settled=True) == 100
+    ours.release(1, Outcome.SUCCESS, 1.0, rng)
+    # A second request there with the prefix settled already: nothing new to tell.
+    assert isinstance(
+        ours.submit(Ticket(2, Lane.LONG, FAR, tokens=6500, prefix=prefix), 1.0, rng), Assigned
+    )
+    ours.prefill_done(2, 1.2, rng, ttft=0.2)
+    assert ours.take_settled() == []
+
+
 def test_the_gateway_queue_bound_holds_across_processes() -> None:
     """The peers' queued requests fill the lane's bound: ours is refused queue_full."""
     rng = random.Random(0)
@@ -95,7 +195,7 @@ def test_speeds_blend_by_samples_capped() -> None:
     sched.apply_shared(SharedView(speeds={"a": peers}, peers=1), 0.0, rng)
     assert speed.tpot_value == pytest.approx(0.02)  # both capped: equal weights
     assert speed.tpot.value == pytest.approx(0.01)  # our own stays ours
-    assert sched.share().speeds["a"].tpot == pytest.approx(0.01)  # and is what we publish
+    assert sched.share(0.0).speeds["a"].tpot == pytest.approx(0.01)  # and is what we publish
 
 
 def test_share_publishes_only_our_own_load() -> None:
@@ -106,7 +206,7 @@ def test_share_publishes_only_our_own_load() -> None:
     sched.submit(Ticket(1, Lane.SHORT, FAR, tokens=300), 0.0, rng)
     sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng)
     sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=7)}, peers=1), 0.0, rng)
-    share = sched.share()
+    share = sched.share(0.0)
     assert share.loads["a"] == PeerLoad(inflight=1, pending_prefill_tokens=300)
     assert share.queued[Lane.SHORT] == 1
 

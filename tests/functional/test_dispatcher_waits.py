@@ -23,11 +23,15 @@ from gateway.dispatch import (
     InstanceSpec,
     Lane,
     Limits,
+    LocalShare,
     Outcome,
+    PeerLoad,
     Scheduler,
+    SharedView,
 )
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import Metrics
+from gateway.shared_codec import combine, decode, encode
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -191,3 +195,46 @@ def test_cancelled_in_the_pass_it_is_placed_hands_the_place_back(loop_name: str)
         assert dispatcher.scheduler.inflight == 0
 
     run(loop_name, scenario)
+
+
+STAGGER = 0.05
+
+
+async def test_processes_hearing_one_push_do_not_all_fill_the_room_it_freed() -> None:
+    """Two processes wait for the slot a third holds; its push frees it: with the drain
+    staggered, one takes it and the other, told by the first one's push, keeps waiting."""
+    third = {"a": PeerLoad(inflight=1)}
+    one, two = one_slot(), one_slot()
+
+    def heard_from(other: Dispatcher) -> SharedView:
+        """The view of a process whose peers are `other` and the third."""
+        shares = [other.scheduler.share(other.clock()), LocalShare(third, {}, {})]
+        return combine([decode(encode(share, 0, 0)) for share in shares])
+
+    two.rng = random.Random(1)  # processes draw their own delays
+    one.apply_shared(heard_from(two))
+    two.apply_shared(heard_from(one))
+
+    def push(sender: Dispatcher, to: Dispatcher) -> None:
+        """`sender`'s push reaches `to` 2 ms later (a Redis hop), applied staggered."""
+        loop = asyncio.get_running_loop()
+        view = heard_from(sender)
+        loop.call_later(0.002, lambda: to.apply_shared(view, stagger=STAGGER))
+
+    one.on_change = lambda: push(one, two)
+    two.on_change = lambda: push(two, one)
+    waits = [
+        asyncio.create_task(d.acquire(d.new_ticket(Lane.SHORT, time.monotonic() + 60)))
+        for d in (one, two)
+    ]
+    await asyncio.sleep(0.01)
+    assert not any(w.done() for w in waits)  # both queued behind the third's request
+    third["a"] = PeerLoad()  # the third's push: its slot is free
+    to_one, to_two = heard_from(two), heard_from(one)  # both hear it in the same instant
+    one.apply_shared(to_one, stagger=STAGGER)
+    two.apply_shared(to_two, stagger=STAGGER)
+    await asyncio.sleep(0.2)
+    assert sum(w.done() for w in waits) == 1, "both placed a request on the one free slot"
+    for w in waits:
+        w.cancel()
+    await asyncio.gather(*waits, return_exceptions=True)

@@ -42,9 +42,15 @@ async def test_replicas_report_adds_up(tmp_path: Path) -> None:
     common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
     body = await replicas.replicas(opts, common)
     part = body["slow_card"]["least_busy"]
-    assert set(part["runs"]) == {"1 replica", "2 replicas shared", "2 replicas not shared"}
+    assert set(part["runs"]) == {
+        "1 replica",
+        "2 replicas shared",
+        "2 replicas shared, rounds only",
+        "2 replicas not shared",
+    }
     for summary in part["runs"].values():
         assert summary["ok"] == summary["requests"] > 0
+        assert summary["gateway_cpu"]["cpu_s"] > 0
     assert part["tok_s_shared_over_one"] > 0
     assert part["p99_ttft_shared_over_one"] is None or part["p99_ttft_shared_over_one"] > 0
     cost = body["cost"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Callable
 
@@ -119,6 +120,79 @@ async def test_a_process_that_stops_publishing_leaves_the_view_within_the_ttl() 
                 await held
 
 
+async def test_a_changed_load_reaches_the_others_between_rounds() -> None:
+    """With rounds 5 s apart, A's new stream and its end reach B's view within a second (push)."""
+    with redis_server() as redis:
+        slow_rounds = sections(redis)
+        slow_rounds["shared"] = {
+            "redis_url": redis.url,
+            "publish_interval": 5.0,
+            "ttl": 10.0,
+            "push_interval": 0.02,
+        }
+        async with (
+            fleet(ONE_SLOT) as sims,
+            gateway_with(sims, sections=slow_rounds) as a,
+            gateway_with(sims, sections=slow_rounds) as b,
+        ):
+            name = a.names()[0]
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            held = asyncio.create_task(stream(a, max_tokens=100))  # about a second
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1, 1.0)
+            assert (await held)[0] == 200
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 0, 1.0)
+            assert b.app[SHARED].pushes_heard >= 2
+
+
+async def test_a_queued_request_placed_on_a_peers_push_is_pushed_too() -> None:
+    """B's waiting request takes the slot A's push freed; A sees B's request there at once."""
+    with redis_server() as redis:
+        slow_rounds = sections(redis)
+        slow_rounds["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
+        async with (
+            # A slow prefill: B's first token comes long after it is placed, so only the
+            # placement itself can tell A in time.
+            fleet(dataclasses.replace(ONE_SLOT, prefill_tokens_per_s=2)) as sims,
+            gateway_with(sims, sections=slow_rounds) as a,
+            gateway_with(sims, sections=slow_rounds) as b,
+        ):
+            name = a.names()[0]
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            await until(lambda: a.app[SHARED].listening)
+            held = asyncio.create_task(stream(a, max_tokens=3))
+            await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1, 1.0)
+            waiting = asyncio.create_task(stream(b, max_tokens=3))
+            await until(lambda: b.dispatcher.scheduler.queue_length(Lane.SHORT) == 1)
+            assert (await held)[0] == 200
+            await until(lambda: a.dispatcher.scheduler.state(name).peers.inflight == 1, 0.5)
+            assert (await waiting)[0] == 200
+
+
+async def test_a_change_after_a_quiet_spell_is_pushed_at_once_later_ones_coalesce() -> None:
+    """With a 2 s push interval, A's first change reaches B at once; its next waits the interval."""
+    with redis_server() as redis:
+        settings = sections(redis)
+        settings["shared"] = {
+            "redis_url": redis.url,
+            "publish_interval": 5.0,
+            "ttl": 10.0,
+            "push_interval": 2.0,
+        }
+        async with (
+            fleet(ONE_SLOT) as sims,
+            gateway_with(sims, sections=settings) as a,
+            gateway_with(sims, sections=settings) as b,
+        ):
+            name = a.names()[0]
+            peers = b.dispatcher.scheduler.state(name)
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            held = asyncio.create_task(stream(a, max_tokens=30))  # about 0.3 s
+            await until(lambda: peers.peers.inflight == 1, 0.3)  # the leading edge
+            assert (await held)[0] == 200
+            assert peers.peers.inflight == 1  # its end waits for the interval to pass
+            await until(lambda: peers.peers.inflight == 0, 3.0)
+
+
 async def test_learned_speeds_are_shared() -> None:
     """What A learned of an instance's speed reaches B's view, blended with B's own."""
     with redis_server() as redis:
@@ -177,6 +251,56 @@ async def test_replicas_agree_where_a_prefix_lives() -> None:
                 status, served_by = await chat(b, document + f"question {question}")
                 assert status == 200
                 assert served_by == placed_on
+
+
+async def test_a_placement_reaches_the_others_with_the_push_not_the_next_round() -> None:
+    """With rounds 5 s apart, B's prefix index holds A's new placement within half a second."""
+    with redis_server() as redis:
+        fast = SimConfig(
+            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
+            prefix_cache_blocks=4000,
+        )  # fmt: skip
+        settings = sections(redis)
+        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
+        async with (
+            fleet(fast, fast) as sims,
+            gateway_with(sims, sections=settings) as a,
+            gateway_with(sims, sections=settings) as b,
+        ):
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            await until(lambda: a.app[SHARED].listening)
+            document = "another shared document " * 500
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            state = b.dispatcher.scheduler.state(placed_on)
+            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            await until(lambda: state.cache.match(blocks) > 40, 0.5)
+
+
+async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> None:
+    """Once A's request has its first token, B counts its prefix as computed there (a long
+    prompt with it needs no long-prefill place), within half a second, rounds 5 s apart."""
+    with redis_server() as redis:
+        fast = SimConfig(
+            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
+            prefix_cache_blocks=4000,
+        )  # fmt: skip
+        settings = sections(redis)
+        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
+        async with (
+            fleet(fast, fast) as sims,
+            gateway_with(sims, sections=settings) as a,
+            gateway_with(sims, sections=settings) as b,
+        ):
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            document = "a third shared document " * 500
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            state = b.dispatcher.scheduler.state(placed_on)
+            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            await until(lambda: state.cache.match(blocks, settled=True) > 40, 0.5)
 
 
 def user(content: str) -> dict[str, str]:
