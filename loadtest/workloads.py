@@ -287,8 +287,13 @@ async def run_conversations(
             await asyncio.sleep(delay)
         ordered = turns if turns[0].user >= 0 else sorted(turns, key=lambda s: s.turn)
         for n, spec in enumerate(ordered):
-            if spec.think:
-                await asyncio.sleep(spec.think)
+            think = spec.think
+            if duration is not None:
+                # A user still thinking at the end sends nothing more: stop then, not
+                # when the think time is over, so the run ends with its last answer.
+                think = min(think, run.started + duration - time.perf_counter())
+            if think > 0:
+                await asyncio.sleep(think)
             if duration is not None and time.perf_counter() - run.started >= duration:
                 stopped += len(ordered) - n
                 return

@@ -56,7 +56,7 @@ async def test_users_stop_sending_at_the_duration() -> None:
     """With a duration, no request is sent after it; the requests never sent are not part
     of the run (not unfinished), and each user's requests still go one after another."""
     mix = ConversationMix(
-        turns=3, user_tokens=(40, 90), max_tokens=(3, 5), users=4, think_s=0.2,
+        turns=3, user_tokens=(40, 90), max_tokens=(3, 5), users=4, think_s=0.5,
         requests_per_user=50,
     )  # fmt: skip
     specs = make_conversations(mix, seed=7)
@@ -69,6 +69,9 @@ async def test_users_stop_sending_at_the_duration() -> None:
     assert run.unfinished == 0
     assert all(r.ok for r in run.results)
     assert all(r.sent - run.started < 1.0 for r in run.results)
+    # It ends with its last answer, not when its users' last think times would have ended.
+    last = max(r.sent + (r.latency or 0.0) for r in run.results)
+    assert run.ended - last < 0.1
     summary = report.summarize(run, ttft_slo=1.0, tpot_slo=0.1)
     assert summary["requests"] == summary["ok"] == len(run.results)
     by_index = {r.index: r for r in run.results}
