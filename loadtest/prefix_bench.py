@@ -10,7 +10,8 @@ after issue 9's targets:
   equal instances, Poisson at `load` of the warm capacity;
 - `zipf`: the same groups drawn by Zipf(1.1), speeds 1, 1, 1, 0.4, `zipf_load` of it;
 - `saturation`: the uniform groups in a closed loop of `concurrency` clients;
-- `conversations`: multi-turn conversations re-sending their history, each a closed loop;
+- `conversations`: users in multi-turn conversations re-sending their history, thinking
+  between turns, more of them than one instance's cache holds, for a fixed time;
 - `even`: four equal instances, no shared prefixes, the cache off, `compare`'s default
   mix at 75% of capacity: `least_time` with affinity on and off.
 
