@@ -235,9 +235,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=40.0, help="open loop: seconds")
     p.add_argument("--concurrency", type=int, default=64, help="saturation: closed loop")
     p.add_argument("--saturation-requests", type=int, default=768)
-    p.add_argument("--conversations", type=int, default=32)
-    p.add_argument("--turns", type=int, default=10)
+    talk = prefix_bench.PrefixOptions().conversations
+    p.add_argument("--users", type=int, default=talk.users, help="conversations: users")
+    p.add_argument("--turns", type=int, default=talk.turns, help="conversations: per conversation")
+    p.add_argument(
+        "--think", type=float, default=talk.think_s, help="conversations: mean think time, s"
+    )
+    p.add_argument(
+        "--conversation-duration",
+        type=float,
+        default=prefix_bench.PrefixOptions.conversation_duration,
+        help="conversations: seconds the users send requests",
+    )
     p.add_argument("--cache-blocks", type=int, default=4000, help="per instance, 16 tokens each")
+    p.add_argument(
+        "--conversation-cache-blocks",
+        type=int,
+        default=prefix_bench.PrefixOptions.conversation_cache_blocks,
+        help="conversations: per instance, 16 tokens each",
+    )
     _common(p)
 
     p = sub.add_parser("overload", help="admission control at 1x-10x capacity, on and off", **fmt)
@@ -374,10 +390,13 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 saturation_requests=args.saturation_requests,
                 conversations=replace(
                     prefix_bench.PrefixOptions().conversations,
-                    conversations=args.conversations,
+                    users=args.users,
                     turns=args.turns,
+                    think_s=args.think,
                 ),
+                conversation_duration=args.conversation_duration,
                 cache_blocks=args.cache_blocks,
+                conversation_cache_blocks=args.conversation_cache_blocks,
             ),
             common,
         ),

@@ -71,6 +71,10 @@ class RequestSpec:
     group: int = -1  # the shared-prefix group, if any
     conversation: int = -1  # the multi-turn conversation, if any; turn counts from 0
     turn: int = 0
+    # Conversations with users (workloads.py): the user who sends it, and the seconds they
+    # think after their previous request's answer before sending this one.
+    user: int = -1
+    think: float = 0.0
 
     @property
     def long(self) -> bool:

@@ -94,6 +94,43 @@ def test_conversations_resend_their_history() -> None:
         assert count_message_tokens(spec.chat_messages()) == spec.prompt_tokens + TEMPLATE_TOKENS
 
 
+def test_users_join_mid_conversation_think_and_start_new_ones() -> None:
+    """Each user sends requests_per_user requests in order: its first at a turn drawn
+    uniformly (re-sending that much history), each later one a think time after the last,
+    the next turn of its conversation or the first of a new one."""
+    mix = ConversationMix(
+        turns=4, user_tokens=(10, 30), max_tokens=(5, 9), users=40, think_s=2.0,
+        requests_per_user=6,
+    )  # fmt: skip
+    specs = make_conversations(mix, seed=5)
+    assert specs == make_conversations(mix, seed=5)
+    assert len(specs) == 40 * 6
+    by_user = collections.defaultdict(list)
+    for spec in specs:
+        by_user[spec.user].append(spec)
+    assert sorted(by_user) == list(range(40))
+    first_turns = collections.Counter(turns[0].turn for turns in by_user.values())
+    assert set(first_turns) == {0, 1, 2, 3}  # users join at every stage
+    thinks = []
+    for turns in by_user.values():
+        assert 0.0 <= turns[0].at <= mix.think_s
+        assert turns[0].think == 0.0
+        assert len({s.at for s in turns}) == 1
+        for before, after in itertools.pairwise(turns):
+            assert after.think > 0.0
+            thinks.append(after.think)
+            if after.conversation == before.conversation:
+                assert after.turn == before.turn + 1
+                assert ids(after)[: len(ids(before))] == ids(before)
+            else:
+                assert (before.turn, after.turn) == (mix.turns - 1, 0)
+                assert len(after.messages) == 1
+    assert 1.5 < sum(thinks) / len(thinks) < 2.5  # exponential, mean think_s
+    # A conversation belongs to one user.
+    owners = {(s.conversation, s.user) for s in specs}
+    assert len(owners) == len({s.conversation for s in specs})
+
+
 def test_mixes_refuse_bad_shapes() -> None:
     """Empty groups, negative Zipf exponents and empty ranges are refused."""
     with pytest.raises(ValueError, match="groups"):
@@ -104,3 +141,5 @@ def test_mixes_refuse_bad_shapes() -> None:
         ConversationMix(user_tokens=(5, 2))
     with pytest.raises(ValueError, match="turns"):
         ConversationMix(turns=0)
+    with pytest.raises(ValueError, match="think_s"):
+        ConversationMix(users=4, think_s=-1.0)

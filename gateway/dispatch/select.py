@@ -155,7 +155,9 @@ class LeastTime:
         ahead     = uncached prompt tokens of ours (and peers') still in prefill there
                     + others' requests (from /metrics) x uncached
         slot_wait = when all its slots are taken: (queued + 1) x max_tokens x tpot / slots
-        ttft      = (ahead + uncached) / prefill rate + slot_wait
+        behind    = uncached / prefill rate if it has requests in flight, else 0
+                    (the delay its prefill adds to them: charged once)
+        ttft      = (ahead + uncached) / prefill rate + behind + slot_wait
         decode    = max_tokens x tpot                             (decode = "full")
                     max_tokens x max(0, tpot - the lane's TPOT objective)
                                                                   (decode = "over_objective")
@@ -223,6 +225,12 @@ class LeastTime:
                 + loads[state.name].others * uncached
             )
             ttft = (ahead + uncached) / rate
+            # What its prefill costs the requests already there: they wait for it once more
+            # (batched with it or behind it). Without this a miss looks no dearer than a
+            # short queue at the instance that holds the prefix, and each request's greedy
+            # choice makes the fleet compute the prefix twice.
+            if state.fleet_inflight or loads[state.name].others:
+                ttft += uncached / rate
             queued = state.fleet_inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots

@@ -305,6 +305,47 @@ def test_a_hot_prefix_spreads_under_load_with_least_time() -> None:
         assert sched.state(name).cache.match(prompt_blocks(shared)) == len(prompt_blocks(shared))
 
 
+def _two_instances(*, home_pending: int, away_inflight: int) -> tuple[list[InstanceState], bytes]:
+    """`home` holds a 4,000-token prefix and has `home_pending` tokens of other prompts in
+    prefill; `away` holds nothing and has `away_inflight` short requests in decode."""
+    shared = text(0, 4000 * 4)
+    home = InstanceState(InstanceSpec("home"), up=True)
+    away = InstanceState(InstanceSpec("away"), up=True)
+    home.cache.insert(prompt_blocks(shared))
+    home.cache.settle(prompt_blocks(shared))
+    home.pending_prefill_tokens = home_pending
+    home.inflight = 1 if home_pending else 0
+    away.inflight = away_inflight
+    return [home, away], shared
+
+
+def test_a_miss_pays_the_prefill_it_adds_for_the_requests_already_there() -> None:
+    """A request whose prefix is cached at an instance with a prefill in progress stays
+    there rather than recompute the prefix where other requests would wait for it: the miss
+    is charged its uncached prefill once more, for the requests batched behind it."""
+    fleet, shared = _two_instances(home_pending=5000, away_inflight=3)
+    ticket = tk(1, shared + text(1, 200 * 4))
+    costs = LeastTime(30).costs(fleet, fleet, ticket, 0.0)
+    rate = LeastTime.PRIOR_PREFILL
+    uncached_home = ticket.tokens - fleet[0].cached_tokens(ticket)
+    assert costs["home"] == pytest.approx((5000 + 2 * uncached_home) / rate)
+    assert costs["away"] == pytest.approx(2 * ticket.tokens / rate)
+    # Judged on its own first token alone, the 5,000 tokens ahead at home would send it
+    # away (5,000 + 264 > 4,200 tokens): the old, greedy choice.
+    assert 5000 + uncached_home > ticket.tokens
+    assert LeastTime(30).choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "home"
+
+
+def test_a_prefix_still_spreads_to_an_idle_instance() -> None:
+    """An instance with nothing in flight delays nobody: there a miss pays only its own
+    prefill, so the same request leaves a busy home for it."""
+    fleet, shared = _two_instances(home_pending=5000, away_inflight=0)
+    ticket = tk(1, shared + text(1, 200 * 4))
+    costs = LeastTime(30).costs(fleet, fleet, ticket, 0.0)
+    assert costs["away"] == pytest.approx(ticket.tokens / LeastTime.PRIOR_PREFILL)
+    assert LeastTime(30).choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "away"
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_least_busy_affinity_decides_ties_but_never_overrides_an_imbalance(seed: int) -> None:
     """least_busy sends a cached prompt home at equal loads, elsewhere when home is busier."""

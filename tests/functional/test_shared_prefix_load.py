@@ -52,6 +52,35 @@ async def test_conversation_turns_wait_and_hit_their_history() -> None:
     assert report.summarize(run, ttft_slo=1.0, tpot_slo=0.1)["ok"] == len(specs)
 
 
+async def test_users_stop_sending_at_the_duration() -> None:
+    """With a duration, no request is sent after it; the requests never sent are not part
+    of the run (not unfinished), and each user's requests still go one after another."""
+    mix = ConversationMix(
+        turns=3, user_tokens=(40, 90), max_tokens=(3, 5), users=4, think_s=0.5,
+        requests_per_user=50,
+    )  # fmt: skip
+    specs = make_conversations(mix, seed=7)
+    async with fleet(SimConfig(prefix_cache_blocks=4096)) as sims, session() as http:
+        url = sims[0].url + "/v1"
+        run = await run_conversations(
+            Client(http, "unused"), specs, lambda s, w: url, label="users", limit=20, duration=1.0
+        )
+    assert 4 <= len(run.results) < len(specs)
+    assert run.unfinished == 0
+    assert all(r.ok for r in run.results)
+    assert all(r.sent - run.started < 1.0 for r in run.results)
+    # It ends with its last answer, not when its users' last think times would have ended.
+    last = max(r.sent + (r.latency or 0.0) for r in run.results)
+    assert run.ended - last < 0.1
+    summary = report.summarize(run, ttft_slo=1.0, tpot_slo=0.1)
+    assert summary["requests"] == summary["ok"] == len(run.results)
+    by_index = {r.index: r for r in run.results}
+    for before, after in itertools.pairwise(specs):
+        if before.user == after.user and after.index in by_index:
+            done = by_index[before.index].sent + (by_index[before.index].latency or 0.0)
+            assert by_index[after.index].sent >= done + after.think - 0.005
+
+
 async def test_run_scenario_with_prefix_groups(tmp_path: Path) -> None:
     """`run` with prefix groups hits the cache on every repeat of a group after its first."""
     prefix = PrefixMix(groups=2, prefix_tokens=160, suffix_tokens=20, max_tokens=(2, 3))
