@@ -4,6 +4,7 @@ No asyncio, aiohttp, time, random (beyond the `random.Random` type passed in),
 structlog or prometheus here; `tests/dispatch/test_purity.py` enforces it.
 """
 
+from .holding import UnknownTicket
 from .model import (
     Assigned,
     Decision,
@@ -31,7 +32,7 @@ from .retry import (
     plan_retry,
     reason_for_status,
 )
-from .scheduler import Scheduler, UnknownTicket
+from .scheduler import Scheduler
 from .select import STRATEGIES, Score, score_all
 from .snapshot import InstanceSnapshot, Snapshot
 from .speed import PeerSpeed

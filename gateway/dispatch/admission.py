@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
+
+from .model import Lane
 
 MIN_DEPARTURES = 3
 WINDOW = 30.0  # seconds of saturated departures the drain rate is measured over
@@ -90,3 +93,38 @@ def refusal(ahead: int, rate: float | None, budget: float) -> float | None:
     if wait is None or wait <= budget:
         return None
     return max(1.0, float(math.ceil(wait - budget)))
+
+
+RateKey = tuple[Lane, "str | None"]
+
+
+class DrainRates:
+    """The fleet's saturated drain rate per lane and model: our own departures, measured,
+    plus the other gateway processes' rates as they last said (their queues count in the
+    requests ahead, so their rates must count too)."""
+
+    def __init__(self) -> None:
+        self._own: dict[RateKey, Throughput] = {}
+        self.peers: Mapping[RateKey, float] = {}
+
+    def record(self, lane: Lane, model: str | None, now: float, saturated: bool) -> None:
+        key = (lane, model)
+        throughput = self._own.get(key)
+        if throughput is None:
+            throughput = self._own[key] = Throughput()
+        throughput.record(now, saturated)
+
+    def rate(self, lane: Lane, model: str | None, now: float) -> float | None:
+        """Requests a second the fleet starts while saturated (None: not known yet)."""
+        throughput = self._own.get((lane, model))
+        own = throughput.rate(now) if throughput is not None else None
+        peers = self.peers.get((lane, model))
+        return own if peers is None else (own or 0.0) + peers
+
+    def own(self, now: float) -> dict[RateKey, float]:
+        """Our own known rates, to tell the other processes."""
+        return {
+            key: rate
+            for key, throughput in self._own.items()
+            if (rate := throughput.rate(now)) is not None
+        }

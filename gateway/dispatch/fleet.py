@@ -5,6 +5,17 @@ them (is one up, does it serve a model, has it room for a request), and takes in
 shell observes of them that places no request (speeds, scrapes, other processes'
 placements). `set_fleet` swaps in a new instance list (a reload) and keeps the state of
 the instances that stay.
+
+Limits an instance holds:
+- at most `slots + max_queue_per_instance` of the fleet's requests (`slots` is its
+  `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
+  a request that would exceed it goes to another instance (overflow);
+- on an instance shared by both lanes, at most `max_long_per_instance` long requests
+  still in prefill, so short requests never wait behind a wall of long ones. With the
+  split on (`lanes.py`) each shared instance is held by one lane and a request prefers
+  its own lane's instances (a short one spills to the other's for a free running slot,
+  a long one only when no instance of its lane is up); the cap binds on every shared
+  instance, so long prompts wait in one gateway queue for the first long place free.
 """
 
 from __future__ import annotations
@@ -15,7 +26,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from . import speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
 from .lanes import LaneSplit
-from .model import HealthPolicy, InstanceSpec, InstanceState, Lane, Limits, LoadReport, Ticket
+from .model import (
+    HealthPolicy,
+    InstanceSpec,
+    InstanceState,
+    Lane,
+    Limits,
+    LoadReport,
+    PeerLoad,
+    SharedView,
+    Ticket,
+)
 
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
@@ -144,6 +165,13 @@ class Fleet:
             if state is not None:
                 state.cache.insert(blocks)
 
+    def hear_peers(self, view: SharedView) -> None:
+        """The other processes' load counts toward every instance's limit and score; their
+        speeds blend with ours, so every process judges a slow card alike."""
+        for state in self.states:
+            state.peers = view.loads.get(state.name, PeerLoad())
+            state.speed.blend(view.speeds.get(state.name, ()))
+
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name.get(name)
         if state is None:
@@ -162,6 +190,35 @@ class Fleet:
             state.cache.resize(-(-report.cache_tokens // BLOCK_TOKENS))
         state.report = report
         state.inflight_at_report = state.fleet_inflight
+
+    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
+        """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
+        limit = self.limits.global_limit
+        if limit is not None and holding >= limit:
+            return []
+        # A retry goes only to instances it has not tried; the shell checks that one
+        # exists (`untried_available`) before it retries.
+        up = [
+            s
+            for s in self._pool[ticket.lane]
+            if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
+        ]
+        untried = [s for s in up if self._has_room(s, ticket)]
+        # Its own lane's instances first (see LaneSplit.prefer), and of those one that did
+        # not just say "busy"; a busy one only when no other may take it.
+        fresh = [s for s in untried if not s.busy(now)]
+        choice = self.lanes.prefer(fresh, ticket.lane, up) if fresh else []
+        return choice or self.lanes.prefer(untried, ticket.lane, up)
+
+    def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
+        """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
+        if not ticket.prefix:
+            return
+        if state.cache.match(ticket.prefix) < len(ticket.prefix):
+            self._placements.append((state.name, ticket.prefix))  # new there: tell peers
+        state.cache.insert(ticket.prefix)
+        state.prefix_query_tokens += ticket.tokens
+        state.prefix_hit_tokens += cached
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:

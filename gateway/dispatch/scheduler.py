@@ -6,17 +6,8 @@ decisions. Decisions about requests that were waiting in the gateway queue come 
 a list from whichever call freed room (`release`, `prefill_done`, `probe`), and the
 shell wakes those requests.
 
-Limits an instance holds:
-- at most `slots + max_queue_per_instance` of our requests (`slots` is its
-  `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
-  a request that would exceed it goes to another instance (overflow);
-- on an instance shared by both lanes, at most `max_long_per_instance` long requests
-  still in prefill, so short requests never wait behind a wall of long ones; with the
-  split on (`lanes.py`), each shared instance is held by one lane, a request prefers its
-  own lane's instances and spills to the other's only when none of its own can take it
-  (a short one: has a free running slot), and the cap binds only where the long lane
-  does not hold the instance.
-When no instance has room, the request waits in a bounded FIFO queue of its lane (and
+Where a request may go (an instance's limits, its lane, its models) is `Fleet`'s to say
+(`fleet.py`). When no instance has room, the request waits in a bounded FIFO queue of its lane (and
 model), for at most its lane's `max_queue_wait` and never past its deadline; one whose
 predicted wait is already longer is refused at arrival (see `admission.py`).
 
@@ -29,10 +20,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from . import admission, health, snapshot
 from .fleet import Fleet
+from .holding import Held as _Held
+from .holding import UnknownTicket
 from .model import (
     Assigned,
     Decision,
@@ -55,22 +47,6 @@ from .snapshot import Snapshot
 from .speed import Ewma
 
 
-class UnknownTicket(KeyError):
-    """A ticket id the scheduler does not hold (released twice, or never assigned)."""
-
-
-@dataclass
-class _Held:
-    """A request on an instance: whether it is still in prefill, and the work ahead of it."""
-
-    state: InstanceState
-    ticket: Ticket
-    prefilling: bool = True
-    ahead: int = 0  # uncached prompt tokens in prefill there (ours, peers') when it was sent
-    uncached: int = 0  # its own prompt tokens not in the instance's prefix cache
-    long_place: bool = False  # holds one of the instance's max_long_per_instance places
-
-
 class Scheduler(Fleet):
     def __init__(
         self,
@@ -85,8 +61,8 @@ class Scheduler(Fleet):
         self._queues = WaitQueues()
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
-        # Departures per lane and model: each model's instances drain its own queue.
-        self._throughput: dict[tuple[Lane, str | None], admission.Throughput] = {}
+        # Drain rates per lane and model: each model's instances drain its own queue.
+        self._drained = admission.DrainRates()
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
@@ -132,21 +108,9 @@ class Scheduler(Fleet):
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return admission.predicted_wait(self.ahead(lane, model), self._rate(lane, model, now))
-
-    def _rate(self, lane: Lane, model: str | None, now: float) -> float | None:
-        """How fast the fleet drains `lane` for `model` while saturated: ours, plus what the
-        other processes drain (their queues count in `ahead`, so their rates must too)."""
-        own = self._departures(lane, model).rate(now)
-        peers = self._shared.rates.get((lane, model))
-        return own if peers is None else (own or 0.0) + peers
-
-    def _departures(self, lane: Lane, model: str | None) -> admission.Throughput:
-        key = (lane, model)
-        throughput = self._throughput.get(key)
-        if throughput is None:
-            throughput = self._throughput[key] = admission.Throughput()
-        return throughput
+        return admission.predicted_wait(
+            self.ahead(lane, model), self._drained.rate(lane, model, now)
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -162,7 +126,7 @@ class Scheduler(Fleet):
             return self._submit_retry(ticket, now, rng)
         # FIFO: nobody may overtake requests already waiting for the same lane and model.
         if not self._queues.waiting_before(ticket):
-            candidates = self._candidates(ticket, now)
+            candidates = self._candidates(ticket, now, len(self._holding))
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
@@ -170,7 +134,7 @@ class Scheduler(Fleet):
             wait = self.predicted_wait(ticket.lane, now, ticket.model)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        rate = self._rate(ticket.lane, ticket.model, now)
+        rate = self._drained.rate(ticket.lane, ticket.model, now)
         ahead = self.ahead(ticket.lane, ticket.model)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
@@ -184,7 +148,7 @@ class Scheduler(Fleet):
         """A retry goes to an untried instance with room, or waits apart for one."""
         if not self._untried_alive(ticket, now):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
-        candidates = self._candidates(ticket, now)
+        candidates = self._candidates(ticket, now, len(self._holding))
         if candidates:
             return self._assign(ticket, candidates, now, rng)
         if self._queues.retry_count() >= self.limits.gateway_queue_size:
@@ -284,7 +248,7 @@ class Scheduler(Fleet):
         saturated if requests of its lane and model were waiting for it."""
         lane, model = held.ticket.lane, held.ticket.model
         saturated = self._queues.length_for(lane, model) > 0
-        self._departures(lane, model).record(now, saturated)
+        self._drained.record(lane, model, now, saturated)
 
     @staticmethod
     def _departs_at_prefill(held: _Held) -> bool:
@@ -333,9 +297,8 @@ class Scheduler(Fleet):
         requests wait for the shell's `drain` call even where room has freed.
         """
         self._shared = view
-        for state in self.states:
-            state.peers = view.loads.get(state.name, PeerLoad())
-            state.speed.blend(view.speeds.get(state.name, ()))
+        self._drained.peers = view.rates
+        self.hear_peers(view)
         # Peers may have let go of places: waiting requests may fit now.
         return self._drain(now, rng) if drain and self._queues else []
 
@@ -357,11 +320,7 @@ class Scheduler(Fleet):
             },
             speeds={s.name: s.speed.own() for s in self.states},
             queued={lane: self._queues.length(lane) for lane in Lane},
-            rates={
-                key: rate
-                for key, throughput in self._throughput.items()
-                if (rate := throughput.rate(now)) is not None
-            },
+            rates=self._drained.own(now),
         )
 
     def close(self) -> list[Decision]:
@@ -371,24 +330,6 @@ class Scheduler(Fleet):
         return [Rejected(t, "shutting_down", after) for t in self._queues.clear()]
 
     # ------------------------------------------------------------ internals
-
-    def _candidates(self, ticket: Ticket, now: float) -> list[InstanceState]:
-        limit = self.limits.global_limit
-        if limit is not None and len(self._holding) >= limit:
-            return []
-        # A retry goes only to instances it has not tried; the shell checks that one
-        # exists (`untried_available`) before it retries.
-        up = [
-            s
-            for s in self._pool[ticket.lane]
-            if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
-        ]
-        untried = [s for s in up if self._has_room(s, ticket)]
-        # Its own lane's instances first (see LaneSplit.prefer), and of those one that did
-        # not just say "busy"; a busy one only when no other may take it.
-        fresh = [s for s in untried if not s.busy(now)]
-        choice = self.lanes.prefer(fresh, ticket.lane, up) if fresh else []
-        return choice or self.lanes.prefer(untried, ticket.lane, up)
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
@@ -411,12 +352,7 @@ class Scheduler(Fleet):
         self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)
         if held.long_place:
             state.long_prefilling += 1
-        if ticket.prefix:
-            if state.cache.match(ticket.prefix) < len(ticket.prefix):
-                self._placements.append((state.name, ticket.prefix))  # new there: tell peers
-            state.cache.insert(ticket.prefix)
-            state.prefix_query_tokens += ticket.tokens
-            state.prefix_hit_tokens += cached
+        self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
@@ -443,7 +379,7 @@ class Scheduler(Fleet):
                     out.append(Rejected(ticket, "deadline", after))
                     placed = True
                     break
-                candidates = self._candidates(ticket, now)
+                candidates = self._candidates(ticket, now, len(self._holding))
                 if candidates:
                     self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
