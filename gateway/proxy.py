@@ -127,6 +127,7 @@ class Proxy:
         self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
         self.relay.write_timeout = channel.timeout.write
         self.upstream.timeouts = channel.timeout
+        self.upstream.splice = config.gateway.splice_streams
         self.intake.reconfigure(config, keys)
 
     @property
@@ -347,6 +348,7 @@ class Proxy:
                     body=body,
                     headers=send_headers,
                     timeout=max(0.001, allowance),
+                    stream=stream,
                 )
             except AttemptFailed as failed:
                 outcome, error = Outcome.FAILURE, failed.kind

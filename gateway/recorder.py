@@ -130,7 +130,7 @@ def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str
         finally:
             if response is not None:
                 ex.status = ex.status or response.status
-                ex.bytes_sent = bytes_of(response)
+                ex.bytes_sent = bytes_of(response) + ex.bytes_spliced
             own.recorder.record(ex, own.clock() - ex.started)
 
     return record

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import errors, log, sse
+from . import errors, log, splice, sse
 from .dispatch import Outcome
 from .dispatcher import Dispatcher
 from .metrics import Metrics
@@ -72,6 +72,7 @@ class Exchange:
     span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
     sse_done: bool = True  # its stream, if any, ends with `data: [DONE]`
+    bytes_spliced: int = 0  # written below aiohttp (splice.py), so not in its count
     timed: bool = True  # its stream's first event is its first token (see Route.timed)
 
 
@@ -246,6 +247,12 @@ class Relay:
         if transport is None:  # the client left before we could answer
             return out, self._client_left(ex), None
         framer, decode, chunk = started.framer, started.decode, started.first
+        watch = transport.get_protocol()
+        if isinstance(response, splice.Source) and isinstance(watch, splice.Watch):
+            spliced = await self._splice(out, response, transport, watch, started, ex, silence)
+            if isinstance(spliced, tuple):
+                return spliced
+            return await self._conclude(out, ex, framer, spliced, first_at)
         loop = asyncio.get_running_loop()
         broken: str | None = None  # why the instance's stream is unusable, if it is
         try:
@@ -296,6 +303,17 @@ class Relay:
                         quiet.reschedule(loop.time() + silence)
         except TimeoutError:
             broken = f"sent no data event for {silence:g}s"
+        return await self._conclude(out, ex, framer, broken, first_at)
+
+    async def _conclude(
+        self,
+        out: web.StreamResponse,
+        ex: Exchange,
+        framer: sse.Framer,
+        broken: str | None,
+        first_at: float,
+    ) -> tuple[web.StreamResponse, Outcome, str | None]:
+        """End a committed stream: in-band error if it broke, the last chunk, the counts."""
         if framer.done or (not ex.sse_done and sse.responses_finished(framer.last_head)):
             broken = None  # the client has the whole answer: what follows is moot
         ex.tokens = self._stream_tokens(framer, chat=ex.route == "chat.completions")
@@ -311,6 +329,65 @@ class Relay:
             ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
             self.dispatcher.observe_tpot(ex.instance, ex.tpot)
         return result
+
+    async def _splice(
+        self,
+        out: web.StreamResponse,
+        response: splice.Source,
+        transport: asyncio.Transport,
+        watch: splice.Watch,
+        started: Started,
+        ex: Exchange,
+        silence: float,
+    ) -> tuple[web.StreamResponse, Outcome, str | None] | str | None:
+        """Relay the rest below the streams (splice.py): why it broke, None, or a result.
+
+        The first event goes through aiohttp, which sends the held response head with it;
+        the rest goes from the instance's socket to the client's with no await per chunk.
+        """
+        try:
+            if transport.get_write_buffer_size() + len(started.first) > _BACKLOG:
+                async with asyncio.timeout(self.write_timeout):
+                    await out.write(started.first)
+            else:
+                await out.write(started.first)
+        except (ConnectionResetError, TimeoutError):
+            return out, self._client_left(ex), None
+        run = splice.Splice(
+            response,
+            transport,
+            started.framer,
+            chunked=out.headers.get("Transfer-Encoding") == "chunked",
+            silence=silence,
+            write_timeout=self.write_timeout,
+            decode=started.decode,
+        )
+        try:
+            run.start(watch)
+            end = await run.done
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.aborting or task is None:
+                raise  # the client left (the proxy closes the instance's connection now)
+            task.uncancel()  # the drain deadline passed: end the stream in-band
+            self.metrics.stream_aborts.labels("shutdown").inc()
+            message = "the gateway is shutting down and its drain time is over"
+            await self._end(out, f"{message}; the answer is incomplete", 503)
+            return await self._finish(out, ex, Outcome.NEUTRAL, "drain_deadline")
+        finally:
+            run.stop(watch)
+            ex.bytes_spliced += run.sent
+        if end.why is splice.Why.CLIENT:
+            return out, self._client_left(ex), None
+        if end.why is splice.Why.QUIET:
+            return f"sent no data event for {silence:g}s"
+        if end.broken is not None:
+            return end.broken
+        if not started.framer.done:
+            return "ended the stream without " + (
+                "data: [DONE]" if ex.sse_done else "its final event"
+            )
+        return None
 
     async def _end(
         self, out: web.StreamResponse, message: str, code: int, *, mid_event: bool = False
