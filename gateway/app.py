@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import errors, recorder, request_id
+from .attempt import Endpoint
 from .auth import KeyChecker
 from .config import Config
 from .dispatch import (
@@ -38,7 +39,7 @@ from .health import HealthChecker
 from .health import Target as ProbeTarget
 from .metrics import Metrics, Registry
 from .peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
-from .proxy import Proxy, Route, Target
+from .proxy import Proxy, Route
 from .routes import mount, summary
 from .tokenizer import LocalTokenizer, TokenCounter
 from .upstream import Upstream
@@ -123,20 +124,20 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics.watch(scheduler, dispatcher.clock)
     upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
     await upstream.start()
-    targets = targets_of(config)
+    endpoints = endpoints_of(config)
     checker = HealthChecker(
-        probe_targets(targets),
+        probe_targets(endpoints),
         upstream,
         dispatcher,
         interval=dispatch.health_check_interval,
         probe_timeout=dispatch.health.probe_timeout,
     )
     keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
-    counter = _token_counter(config, upstream, dispatcher, targets)
+    counter = _token_counter(config, upstream, dispatcher, endpoints)
     app[METRICS] = metrics
     app[DISPATCHER] = dispatcher
     app[HEALTH] = checker
-    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, targets, counter)
+    app[PROXY] = Proxy(config, dispatcher, upstream, metrics, keys, endpoints, counter)
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(
@@ -199,16 +200,16 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
     return specs, limits, policy
 
 
-def targets_of(config: Config) -> dict[str, Target]:
+def endpoints_of(config: Config) -> dict[str, Endpoint]:
     """Each instance as the proxy sends to it, by name."""
     return {
-        i.label: Target(i.label, i.url, _instance_headers(config, i.api_key_env))
+        i.label: Endpoint(i.label, i.url, _instance_headers(config, i.api_key_env))
         for i in config.instances
     }
 
 
-def probe_targets(targets: dict[str, Target]) -> list[ProbeTarget]:
-    return [ProbeTarget(t.name, t.url, _probe_headers(t.headers)) for t in targets.values()]
+def probe_targets(endpoints: dict[str, Endpoint]) -> list[ProbeTarget]:
+    return [ProbeTarget(e.name, e.url, _probe_headers(e.headers)) for e in endpoints.values()]
 
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
@@ -257,7 +258,7 @@ def retry_after_503(config: Config) -> float:
 
 
 def _token_counter(
-    config: Config, upstream: Upstream, dispatcher: Dispatcher, targets: dict[str, Target]
+    config: Config, upstream: Upstream, dispatcher: Dispatcher, endpoints: dict[str, Endpoint]
 ) -> TokenCounter:
     source = config.prefill.tokenizer
     threshold = config.prefill.long_input_threshold
@@ -271,8 +272,8 @@ def _token_counter(
         up = [s for s in dispatcher.scheduler.states if s.available(now)]
         if not up:
             return None
-        target = targets[min(up, key=lambda s: s.inflight).name]
-        return target.url, target.headers
+        endpoint = endpoints[min(up, key=lambda s: s.inflight).name]
+        return endpoint.url, endpoint.headers
 
     return TokenCounter(threshold, upstream=upstream, pick_instance=least_loaded_instance)
 

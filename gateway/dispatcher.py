@@ -36,6 +36,43 @@ from .metrics import Metrics
 _ids = itertools.count(1)  # ticket ids only need to be unique and increasing
 
 
+class Lease:
+    """An instance's place, held by one attempt: what the attempt may tell the scheduler.
+
+    It owns the dispatcher and the ticket id, so the relay needs neither. `release` hands
+    the place back once: a second call (a finally after an early release) does nothing.
+    """
+
+    __slots__ = ("_dispatcher", "first_token_at", "instance", "released", "ticket_id")
+
+    def __init__(self, dispatcher: Dispatcher, ticket_id: int, instance: str) -> None:
+        self._dispatcher = dispatcher
+        self.ticket_id = ticket_id
+        self.instance = instance
+        self.first_token_at: float | None = None  # when `prefill_done` was told, if it was
+        self.released = False
+
+    def prefill_done(self, at: float, ttft: float | None) -> None:
+        """The first token reached the client at `at`; `ttft` teaches least_time (or None)."""
+        if self.first_token_at is None and not self.released:
+            self.first_token_at = at
+            self._dispatcher.prefill_done(self.ticket_id, ttft)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self._dispatcher.observe_tpot(self.instance, seconds)
+
+    def release(self, outcome: Outcome, error: str | None = None) -> None:
+        """Hand the place back with what the attempt says about the instance (once)."""
+        if self.released:
+            return
+        self.released = True
+        self._dispatcher.release(self.ticket_id, outcome, error)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<Lease {self.instance} ticket={self.ticket_id} {state}>"
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -82,6 +119,10 @@ class Dispatcher:
         if isinstance(decision, Rejected):
             raise self._rejection(decision)
         return await self._wait(decision)
+
+    async def lease(self, ticket: Ticket) -> Lease:
+        """`acquire`, with the place wrapped in the `Lease` the attempt holds."""
+        return Lease(self, ticket.id, await self.acquire(ticket))
 
     async def _wait(self, queued: Queued) -> str:
         """Wait until the scheduler places or rejects the ticket, or the caller is cancelled.

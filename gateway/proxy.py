@@ -7,7 +7,10 @@ Nothing reaches the client until an attempt is committed (a non-retryable status
 the first streamed chunk), so a retry is always invisible to the client. After that a
 failure ends the stream with an in-band SSE error and `data: [DONE]`.
 
-Relaying an answer once an attempt has one is `relay.py`'s job.
+Each attempt ends as a value (`attempt.py`: `Committed` or `Failed`), and whether a
+failed one is tried again elsewhere is the dispatch core's `plan_retry`. Relaying an
+answer once an attempt has one is `relay.py`'s job; the proxy alone writes the request's
+`Exchange`, from the records those return.
 """
 
 from __future__ import annotations
@@ -15,32 +18,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
 from . import errors, log, request_id, trace_context
+from .attempt import Call, Committed, Endpoint, Failed, failed_to_send, send_headers
 from .auth import KeyChecker
 from .body import InvalidField, wants_stream
 from .config import Config
-from .dispatch import (
-    GiveUp,
-    Lane,
-    Outcome,
-    RetryAfter,
-    RetryBudget,
-    Ticket,
-    plan_retry,
-    reason_for_status,
-)
+from .dispatch import GiveUp, Lane, Outcome, RetryBudget, Ticket, judge_status, plan_retry
 from .dispatch.affinity import prompt_blocks, prompt_text
-from .dispatcher import Dispatcher
+from .dispatcher import Dispatcher, Lease
+from .exchange import Exchange
 from .intake import Intake, max_tokens_of
 from .metrics import ERROR_KINDS, Metrics
 from .recorder import EXCHANGE, Recorder
-from .relay import Exchange, Relay, Retryable
+from .relay import Relay, Unusable, Whole
 from .routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream, UpstreamResponse
@@ -51,16 +46,7 @@ if TYPE_CHECKING:
 _log = log.get("gateway.proxy")
 
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Proxy", "Route", "Target"]
-
-
-@dataclass(frozen=True)
-class Target:
-    """An instance as the proxy sends to it: base URL and the headers it always gets."""
-
-    name: str
-    url: str
-    headers: dict[str, str]
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Endpoint", "Proxy", "Route"]
 
 
 class Proxy:
@@ -71,13 +57,13 @@ class Proxy:
         upstream: Upstream,
         metrics: Metrics,
         keys: KeyChecker,
-        targets: dict[str, Target],
+        endpoints: dict[str, Endpoint],
         counter: TokenCounter,
     ) -> None:
         self.dispatcher = dispatcher
         self.upstream = upstream
         self.metrics = metrics
-        self.targets = targets
+        self.endpoints = endpoints
         self.counter = counter
         self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
@@ -94,8 +80,8 @@ class Proxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.relay = Relay(metrics, dispatcher, config.channel.timeout.write)
-        self.reconfigure(config, keys, targets)
+        self.relay = Relay(metrics, config.channel.timeout.write, dispatcher.clock)
+        self.reconfigure(config, keys, endpoints)
         slo = config.file.slo
         self.recorder = Recorder(
             metrics,
@@ -105,15 +91,15 @@ class Proxy:
             },
         )
 
-    def reconfigure(self, config: Config, keys: KeyChecker, targets: dict[str, Target]) -> None:
+    def reconfigure(self, config: Config, keys: KeyChecker, endpoints: dict[str, Endpoint]) -> None:
         """Take a (reloaded) configuration: what is read per request changes from here on.
 
-        Requests in progress keep what they read at their start. Targets of removed
+        Requests in progress keep what they read at their start. Endpoints of removed
         instances stay known, so a request still on one finishes normally.
         """
         self.config = config
         self.keys = keys
-        self.targets.update(targets)
+        self.endpoints.update(endpoints)
         channel = config.channel
         self.default_model = channel.default_model
         self.threshold = config.prefill.long_input_threshold
@@ -159,7 +145,6 @@ class Proxy:
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
         ex.route = route.name  # the middleware records it (recorder.py)
-        ex.sse_done, ex.timed = route.sse_done, route.timed
         self._start_trace(request, ex)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         task = asyncio.current_task()
@@ -202,7 +187,8 @@ class Proxy:
                 model=model,
                 prefix=prompt_blocks(prompt_text(payload)) if self.affinity else (),
             )
-            return await self._forward(request, route, body, stream, ex, headers, ticket)
+            call = Call(request, route, body, stream, lane, ticket.deadline, headers)
+            return await self._forward(call, ex, ticket)
         except errors.GatewayError as exc:
             ex.status = exc.status
             return exc.response(headers)
@@ -250,164 +236,149 @@ class Proxy:
             )
         structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
 
-    async def _forward(
-        self,
-        request: web.Request,
-        route: Route,
-        body: bytes,
-        stream: bool,
-        ex: Exchange,
-        headers: dict[str, str],
-        ticket: Ticket,
-    ) -> web.StreamResponse:
-        lane, deadline = ticket.lane, ticket.deadline
+    async def _forward(self, call: Call, ex: Exchange, ticket: Ticket) -> web.StreamResponse:
+        """Attempt, and attempt again elsewhere while the retry plan allows."""
         self.budget.record_request(self.clock())
         tried: frozenset[str] = frozenset()
-        last_failure: Retryable | None = None
+        last: Failed | None = None
         while True:
             ex.attempts += 1
             if tried:
                 ticket = self.dispatcher.retry_ticket(ticket, tried)
             queued = self.clock()
             try:
-                instance = await self.dispatcher.acquire(ticket)
+                lease = await self.dispatcher.lease(ticket)
             except errors.GatewayError:
-                if last_failure is None:
+                if last is None:
                     raise
-                return self._give_up(last_failure, ex, headers)  # nowhere left to retry
+                return self._answer(last, ex)  # nowhere left to retry
             finally:
                 ex.queue_wait += self.clock() - queued
-            ex.instance = instance
-            structlog.contextvars.bind_contextvars(server=instance)
-            try:
-                return await self._attempt(
-                    request, route, body, lane, stream, ex, headers, ticket.id, deadline
-                )
-            except Retryable as failed:
-                tried = tried | {instance}
-                plan: RetryAfter | GiveUp = GiveUp("instances")
-                scheduler = self.dispatcher.scheduler
-                if scheduler.untried_available(lane, tried, self.clock(), ticket.model):
-                    plan = plan_retry(
-                        attempt=ex.attempts,
-                        max_attempts=self.retry.max_attempts,
-                        deadline=deadline,
-                        now=self.clock(),
-                        budget=self.budget,
-                        base=self.retry.backoff_base,
-                        cap=self.retry.backoff_max,
-                        rng=self.dispatcher.rng,
-                    )
-                if isinstance(plan, GiveUp):
-                    self.metrics.retries_refused.labels(plan.why).inc()
-                    return self._give_up(failed, ex, headers)
-                last_failure = failed
-                self.metrics.retries.labels(failed.reason).inc()
-                _log.info("retrying", reason=failed.reason, delay_s=round(plan.delay, 3))
-                await asyncio.sleep(plan.delay)
+            ex.instance = lease.instance
+            structlog.contextvars.bind_contextvars(server=lease.instance)
+            result = await self._attempt(call, ex, lease)
+            if isinstance(result, Committed):
+                return result.response
+            tried = tried | {lease.instance}
+            now = self.clock()
+            scheduler = self.dispatcher.scheduler
+            plan = plan_retry(
+                untried=scheduler.untried_available(call.lane, tried, now, ticket.model),
+                attempt=ex.attempts,
+                max_attempts=self.retry.max_attempts,
+                deadline=call.deadline,
+                now=now,
+                budget=self.budget,
+                base=self.retry.backoff_base,
+                cap=self.retry.backoff_max,
+                rng=self.dispatcher.rng,
+            )
+            if isinstance(plan, GiveUp):
+                self.metrics.retries_refused.labels(plan.why).inc()
+                return self._answer(result, ex)
+            last = result
+            self.metrics.retries.labels(result.reason).inc()
+            _log.info("retrying", reason=result.reason, delay_s=round(plan.delay, 3))
+            await asyncio.sleep(plan.delay)
 
-    async def _attempt(
-        self,
-        request: web.Request,
-        route: Route,
-        body: bytes,
-        lane: Lane,
-        stream: bool,
-        ex: Exchange,
-        headers: dict[str, str],
-        ticket_id: int,
-        deadline: float,
-    ) -> web.StreamResponse:
-        target = self.targets[ex.instance]
-        send_headers = dict(target.headers)
-        send_headers.update(ex.forward)
-        if route.form:  # its boundary is in it
-            send_headers["Content-Type"] = request.headers["Content-Type"]
-        send_headers["X-Request-Id"] = ex.request_id
+    async def _attempt(self, call: Call, ex: Exchange, lease: Lease) -> Committed | Failed:
+        """Send the request to the leased instance and judge its answer.
+
+        Whatever way it ends, cancellation included, the lease goes back once with what
+        the attempt says about the instance.
+        """
         span: Span | None = None
         if self.spans is not None and ex.span is not None:
-            span = self.spans.attempt(ex.span, ex.attempts, ex.instance)
-        if ex.trace is not None:  # the instance's spans hang under this attempt's, if any
-            send_headers["traceparent"] = ex.trace.traceparent(span.span_id if span else None)
-            if ex.trace.state:
-                send_headers["tracestate"] = ex.trace.state
-        if ex.tag:
-            send_headers["X-Request-Tag"] = ex.tag
-        remaining = deadline - self.clock()
+            span = self.spans.attempt(ex.span, ex.attempts, lease.instance)
+        endpoint = self.endpoints[lease.instance]
+        remaining = call.deadline - self.clock()
         # A stream must show its first token within the lane's allowance; a plain answer
         # arrives whole, so only the deadline bounds it.
-        allowance = min(remaining, self.ttft_allowance[lane]) if stream else remaining
-        outcome, error = Outcome.NEUTRAL, None
+        allowance = min(remaining, self.ttft_allowance[call.lane]) if call.stream else remaining
+        result: Committed | Failed | None = None  # None: cancelled
         response: UpstreamResponse | None = None
         opened = self.clock()
         try:
             try:
                 response = await self.upstream.open(
                     "POST",
-                    target.url + route.upstream_path,
-                    body=body,
-                    headers=send_headers,
+                    endpoint.url + call.route.upstream_path,
+                    body=call.body,
+                    headers=send_headers(call, ex, endpoint, span.span_id if span else None),
                     timeout=max(0.001, allowance),
-                    stream=stream,
+                    stream=call.stream,
                 )
             except AttemptFailed as failed:
-                outcome, error = Outcome.FAILURE, failed.kind
-                raise Retryable(failed.kind, self._attempt_error(failed)) from None
-            status = response.status
-            self.metrics.instance_requests.labels(ex.instance, str(status)).inc()
-            reason = reason_for_status(status)
-            if reason is not None:
-                # 502/504: the instance is failing. 429/503: busy, it never ran the request.
-                outcome = Outcome.FAILURE if status in (502, 504) else Outcome.BUSY
-                error = f"status {status}"
-                passthrough = await self.relay.whole(response, ex, headers, deadline)
-                raise Retryable(reason, passthrough)
-            if status == 200 and stream:
-                first = await self.relay.first_chunk(response, allowance - (self.clock() - opened))
-                # A stream may go without a data event for at most its lane's allowance.
-                idle = self.ttft_allowance[lane]
-                out, outcome, error = await self.relay.stream(
-                    request, response, first, ex, headers, ticket_id, opened, idle
-                )
-                return out
-            answer = await self.relay.whole(response, ex, headers, deadline)
-            outcome = Outcome.FAILURE if status >= 500 else Outcome.SUCCESS
-            return answer
-        except Retryable as failed:
-            if error is None:  # failed before commit while reading the first chunk
-                outcome, error = Outcome.FAILURE, failed.reason
-            if failed.reason in ERROR_KINDS:  # no usable answer (not a retryable status)
-                self.metrics.instance_errors.labels(ex.instance, failed.reason).inc()
-            raise
+                retry_after = self.dispatcher.scheduler.limits.queue_retry_after
+                result = failed_to_send(failed, retry_after)
+            else:
+                result = await self._judge(call, ex, lease, response, opened)
+            return result
         finally:
             if response is not None:
                 response.close()  # idempotent; closing (not pooling) aborts unfinished work
-            self.dispatcher.release(ticket_id, outcome, error)
+            if isinstance(result, Failed):
+                if result.reason in ERROR_KINDS:  # no usable answer (not a retryable status)
+                    self.metrics.instance_errors.labels(lease.instance, result.reason).inc()
+                lease.release(result.outcome, result.note)
+            elif isinstance(result, Committed):
+                lease.release(result.outcome, result.error)
+            else:
+                lease.release(Outcome.NEUTRAL)
+            if call.route.timed and lease.first_token_at is not None:
+                ex.ttft = lease.first_token_at - ex.started
             if span is not None:
-                got = response.status if response is not None else error or "cancelled"
-                span.end(got, lane=ex.lane, model=ex.model)
+                got = response.status if response is not None else None
+                reason = result.reason if isinstance(result, Failed) else "cancelled"
+                span.end(got or reason, lane=ex.lane, model=ex.model)
 
-    def _give_up(
-        self, failed: Retryable, ex: Exchange, headers: dict[str, str]
-    ) -> web.StreamResponse:
-        """Answer with the failure of the last attempt: the instance's own answer, or ours."""
-        if isinstance(failed.error, web.Response):
-            ex.status = failed.error.status
-            failed.error.headers.update(headers)
-            return failed.error
-        raise failed.error from None
+    async def _judge(
+        self,
+        call: Call,
+        ex: Exchange,
+        lease: Lease,
+        response: UpstreamResponse,
+        opened: float,
+    ) -> Committed | Failed:
+        """Pass the answer on, or fail the attempt: the status table decides which.
 
-    def _attempt_error(self, failed: AttemptFailed) -> errors.GatewayError:
-        if failed.kind == "timeout":
-            return errors.UpstreamTimeout(
-                f"the vLLM instance did not answer in time ({failed.detail})"
+        `opened` is when the request went out: the first token is due by the lane's
+        allowance after it (or the deadline, if sooner).
+        """
+        status = response.status
+        self.metrics.instance_requests.labels(lease.instance, str(status)).inc()
+        verdict = judge_status(status)
+        if verdict.retry is None and status == 200 and call.stream:
+            first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
+            started = await self.relay.first_chunk(response, first_by - self.clock())
+            if isinstance(started, Unusable):
+                return Failed(started.reason, Outcome.FAILURE, started.error)
+            ex.status = 200  # committed: a cancellation from here on is the client leaving
+            streamed = await self.relay.stream(
+                call,
+                response,
+                started,
+                lease,
+                sent_at=opened,
+                silence=self.ttft_allowance[call.lane],  # between two data events
             )
-        if failed.kind == "bad_response":
-            return errors.UpstreamError(
-                f"the vLLM instance's response header was too large or malformed ({failed.detail})"
-            )
-        # Nothing reached a GPU: the client may retry as soon as an instance is back.
-        return errors.NoInstanceAvailable(
-            f"could not reach a vLLM instance ({failed.detail})",
-            retry_after=self.dispatcher.scheduler.limits.queue_retry_after,
+            ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
+            return Committed(streamed.response, streamed.outcome, streamed.error)
+        whole = await self.relay.whole(
+            response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())
         )
+        if isinstance(whole, Unusable):
+            # A busy or failing instance's broken answer still says it was busy or failing.
+            outcome = verdict.outcome if verdict.retry is not None else Outcome.FAILURE
+            return Failed(whole.reason, outcome, whole.error)
+        if verdict.retry is not None:
+            return Failed(verdict.retry, verdict.outcome, whole)
+        ex.status, ex.tokens = status, whole.tokens
+        return Committed(whole.response, verdict.outcome)
+
+    def _answer(self, failed: Failed, ex: Exchange) -> web.StreamResponse:
+        """Answer with the last attempt's failure: the instance's own answer, or ours."""
+        if isinstance(failed.answer, Whole):
+            ex.status, ex.tokens = failed.answer.response.status, failed.answer.tokens
+            return failed.answer.response
+        raise failed.answer

@@ -19,8 +19,8 @@ from aiohttp.typedefs import Middleware
 
 from . import log, request_id
 from .config import Config
+from .exchange import Exchange
 from .metrics import NONE, Metrics
-from .relay import Exchange
 
 _access = log.get("gateway.access")
 
@@ -130,7 +130,7 @@ def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str
         finally:
             if response is not None:
                 ex.status = ex.status or response.status
-                ex.bytes_sent = bytes_of(response) + ex.bytes_spliced
+                ex.bytes_sent = bytes_of(response)
             own.recorder.record(ex, own.clock() - ex.started)
 
     return record

@@ -8,8 +8,12 @@ only (so an in-band error never lands inside a half-sent one) and counts them th
 however TCP split them; it parses no JSON. It times only the writes that may block, so a
 client that keeps up costs nothing extra.
 
-Failures before the commit raise `Retryable`. After it, a stream the instance breaks,
-ends without `data: [DONE]`, or leaves without a data event for longer than the silence
+Every method returns a value and writes no one else's state: before the commit an answer
+that cannot be passed on is `Unusable` (why, and the error for the client); a committed
+stream ends in a `Streamed` record that the proxy copies into the request's `Exchange`.
+The relay holds the attempt's `Lease`, through which it tells the scheduler of the first
+token and the time per token. After the commit, a stream the instance breaks, ends
+without `data: [DONE]`, or leaves without a data event for longer than the silence
 allowed ends with an in-band error event and `data: [DONE]`.
 """
 
@@ -18,20 +22,20 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from . import errors, log, splice, sse
 from .dispatch import Outcome
-from .dispatcher import Dispatcher
+from .dispatcher import Lease
 from .metrics import Metrics
-from .trace_context import TraceContext
+from .routes import CHAT
 from .upstream import AttemptFailed, UpstreamResponse
 
 if TYPE_CHECKING:
-    from .tracing import Span
+    from .attempt import Call
 
 _log = log.get("gateway.proxy")
 
@@ -43,40 +47,23 @@ _MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not 
 Decode = Callable[[bytes], bytes]
 
 
-@dataclass
-class Exchange:
-    """What one request did, for its access-log line and metrics."""
+@dataclass(frozen=True)
+class Unusable:
+    """An answer that cannot be passed on (nothing of it was sent): why, and our error."""
 
-    route: str  # a bounded name: the route's, or "other" for a path no route serves
-    request_id: str
-    started: float
-    tag: str = ""
-    model: str = ""  # as a metric label: a model the fleet serves, else "other"
-    lane: str = ""
-    instance: str = ""
-    status: int = 0
-    attempts: int = 0
-    ttft: float | None = None
-    tpot: float | None = None
-    tokens: int | None = None
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    # For the access log only (never labels: unbounded, or chosen by the client).
-    method: str = ""
-    path: str = ""
-    client: str = ""  # the peer address (proxy headers are not trusted)
-    user_agent: str = ""
-    queue_wait: float = 0.0  # seconds in the gateway queue, all attempts together
-    bytes_sent: int = 0
-    trace: TraceContext | None = None
-    span: Span | None = None  # with OpenTelemetry on: the request's span
-    forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
-    sse_done: bool = True  # its stream, if any, ends with `data: [DONE]`
-    bytes_spliced: int = 0  # written below aiohttp (splice.py), so not in its count
-    timed: bool = True  # its stream's first event is its first token (see Route.timed)
+    reason: str  # "connect", "timeout" or "bad_response", as `AttemptFailed.kind`
+    error: errors.GatewayError
 
 
-@dataclass
+@dataclass(frozen=True)
+class Whole:
+    """A complete answer, ready to pass on, and its completion tokens when readable."""
+
+    response: web.Response
+    tokens: int | None
+
+
+@dataclass(frozen=True)
 class Started:
     """A stream whose first data event arrived: its framer, its decoder, the bytes to send."""
 
@@ -85,95 +72,101 @@ class Started:
     first: bytes
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """What relaying a committed stream did, for the proxy to record."""
+
+    response: web.StreamResponse
+    status: int  # 200, or 499 when the client left
+    outcome: Outcome  # what it says about the instance
+    error: str | None  # why it ended badly, for the instance's record
+    tokens: int | None = None
+    tpot: float | None = None  # seconds per output token after the first, when measured
+
+
+class _Out(web.StreamResponse):
+    """A stream answer whose bytes written below aiohttp (splice.py) count as its own."""
+
+    spliced = 0
+
+    @property
+    def body_length(self) -> int:
+        return super().body_length + self.spliced
+
+
 def _stream_decoder(response: UpstreamResponse) -> Decode | None:
     """How to undo the stream's Content-Encoding (None: it has none).
 
     The gateway never asks for compression, but a stream that comes compressed anyway is
     decoded here rather than passed on encoded: the framer must see the events to pass on
     whole ones, count tokens and append an in-band error, none of which works on gzip bytes.
+    Raises ValueError, with the message for the client, for an encoding it cannot undo.
     """
     encoding = response.headers.get("Content-Encoding", "").strip().lower()
     if encoding in ("", "identity"):
         return None
     if encoding in ("gzip", "x-gzip", "deflate"):
         return zlib.decompressobj(32 + zlib.MAX_WBITS).decompress  # gzip or zlib header
-    raise Retryable(
-        "bad_response",
-        errors.UpstreamError(
-            f"the vLLM instance sent its stream with Content-Encoding {encoding[:40]!r}, "
-            "which the gateway cannot decode: expected none, gzip or deflate"
-        ),
+    raise ValueError(
+        f"the vLLM instance sent its stream with Content-Encoding {encoding[:40]!r}, "
+        "which the gateway cannot decode: expected none, gzip or deflate"
     )
 
 
-class Retryable(Exception):
-    """An attempt failed before anything reached the client: `error` is what to answer."""
-
-    def __init__(self, reason: str, error: errors.GatewayError | web.Response) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
-
-
 class Relay:
-    def __init__(
-        self,
-        metrics: Metrics,
-        dispatcher: Dispatcher,
-        write_timeout: float,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
+    def __init__(self, metrics: Metrics, write_timeout: float, clock: Callable[[], float]) -> None:
         self.metrics = metrics
-        self.dispatcher = dispatcher
         self.write_timeout = write_timeout
-        self.clock = clock or dispatcher.clock
+        self.clock = clock
         self.aborting = False  # set when the drain deadline passed: end streams in-band
 
     async def whole(
         self,
         response: UpstreamResponse,
-        ex: Exchange,
+        instance: str,
         headers: dict[str, str],
-        deadline: float,
-    ) -> web.Response:
-        """Read a whole (non-streamed or error) answer and pass it on unchanged."""
+        timeout: float,
+    ) -> Whole | Unusable:
+        """Read a whole (non-streamed or error) answer within `timeout`, to pass on unchanged."""
         try:
-            data = await response.read(max(0.001, deadline - self.clock()))
+            data = await response.read(timeout)
         except AttemptFailed as failed:
             if failed.kind == "timeout":
-                error: errors.GatewayError = errors.UpstreamTimeout(
-                    "the vLLM instance did not finish in time"
+                return Unusable(
+                    "timeout", errors.UpstreamTimeout("the vLLM instance did not finish in time")
                 )
-            else:
-                error = errors.UpstreamError(
-                    f"the vLLM instance broke the connection: {failed.detail}"
-                )
-            raise Retryable(failed.kind, error) from None
-        ex.status = response.status
+            return Unusable(
+                failed.kind,
+                errors.UpstreamError(f"the vLLM instance broke the connection: {failed.detail}"),
+            )
         out_headers = dict(headers)
-        out_headers["X-Gateway-Instance"] = ex.instance
+        out_headers["X-Gateway-Instance"] = instance
         # An encoding the gateway did not ask for goes on with the bytes it describes; the
         # token count is then unknown (the usage object is inside the compressed bytes).
         encoding = response.headers.get("Content-Encoding")
+        tokens = None
         if encoding:
             out_headers["Content-Encoding"] = encoding
-            ex.tokens = None
         else:
-            ex.tokens = sse.completion_tokens(data, max(0, len(data) - 512))
-        return web.Response(
+            tokens = sse.completion_tokens(data, max(0, len(data) - 512))
+        answer = web.Response(
             status=response.status,
             body=data,
             headers=out_headers,
             content_type=response.content_type or "application/json",
         )
+        return Whole(answer, tokens)
 
-    async def first_chunk(self, response: UpstreamResponse, timeout: float) -> Started:
+    async def first_chunk(self, response: UpstreamResponse, timeout: float) -> Started | Unusable:
         """Read until the stream's first data event, within `timeout` (nothing is sent yet).
 
         Comment events before it (keep-alives) are dropped: passing one on would commit the
         200 before the instance has shown a token, and a retry would no longer be possible.
         """
-        decode = _stream_decoder(response)
+        try:
+            decode = _stream_decoder(response)
+        except ValueError as unknown:
+            return Unusable("bad_response", errors.UpstreamError(str(unknown)))
         framer = sse.Framer(_MAX_EVENT)
         try:
             async with asyncio.timeout(max(0.001, timeout)):
@@ -185,23 +178,23 @@ class Relay:
                     if framer.events:
                         return Started(framer, decode, first)
         except TimeoutError:
-            raise Retryable(
+            return Unusable(
                 "timeout",
                 errors.UpstreamTimeout("the vLLM instance sent no token within the allowance"),
-            ) from None
+            )
         except AttemptFailed as failed:
-            raise Retryable(
+            return Unusable(
                 "connect",
                 errors.UpstreamError(f"the vLLM instance broke the stream: {failed.detail}"),
-            ) from None
+            )
         except zlib.error as exc:
-            raise Retryable(
+            return Unusable(
                 "bad_response",
                 errors.UpstreamError(
                     f"the vLLM instance sent a stream that does not decode: {exc}"
                 ),
-            ) from None
-        raise Retryable(
+            )
+        return Unusable(
             "bad_response",
             errors.UpstreamError(
                 "the vLLM instance ended its 200 answer without a server-sent data event"
@@ -211,48 +204,47 @@ class Relay:
 
     async def stream(
         self,
-        request: web.Request,
+        call: Call,
         response: UpstreamResponse,
         started: Started,
-        ex: Exchange,
-        headers: dict[str, str],
-        ticket_id: int,
+        lease: Lease,
         sent_at: float,
         silence: float,
-    ) -> tuple[web.StreamResponse, Outcome, str | None]:
+    ) -> Streamed:
         """Commit: send headers and the first event, then copy events as they arrive.
 
-        `silence` bounds the time between two data events. Only data events reset it:
-        comment events (keep-alives) are passed on as they come but cannot hold a stream
-        open; the bytes of an unfinished event held when the time is up are dropped, not
-        sent half.
+        `sent_at` is when the request went out (its TTFT counts from there). `silence`
+        bounds the time between two data events. Only data events reset it: comment
+        events (keep-alives) are passed on as they come but cannot hold a stream open;
+        the bytes of an unfinished event held when the time is up are dropped, not sent
+        half.
         """
-        out_headers = dict(headers)
-        out_headers["X-Gateway-Instance"] = ex.instance
+        route = call.route
+        out_headers = dict(call.headers)
+        out_headers["X-Gateway-Instance"] = lease.instance
         out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
         out_headers["Cache-Control"] = "no-cache"
-        out = web.StreamResponse(status=200, headers=out_headers)
-        ex.status = 200
+        out = _Out(status=200, headers=out_headers)
         try:
-            await out.prepare(request)
+            await out.prepare(call.request)
         except ConnectionResetError:
-            return out, self._client_left(ex), None
+            return self._client_left(out)
         first_at = self.clock()
         # Only a stream whose first event is its first token measures TTFT and teaches
         # least_time a prefill speed; the Responses API's first event comes before any.
-        if ex.timed:
-            ex.ttft = first_at - ex.started
-        self.dispatcher.prefill_done(ticket_id, first_at - sent_at if ex.timed else None)
-        transport = request.transport
+        lease.prefill_done(first_at, first_at - sent_at if route.timed else None)
+        transport = call.request.transport
         if transport is None:  # the client left before we could answer
-            return out, self._client_left(ex), None
+            return self._client_left(out)
         framer, decode, chunk = started.framer, started.decode, started.first
         watch = transport.get_protocol()
         if isinstance(response, splice.Source) and isinstance(watch, splice.Watch):
-            spliced = await self._splice(out, response, transport, watch, started, ex, silence)
-            if isinstance(spliced, tuple):
+            spliced = await self._splice(
+                out, response, transport, watch, started, silence, route.sse_done
+            )
+            if isinstance(spliced, Streamed):
                 return spliced
-            return await self._conclude(out, ex, framer, spliced, first_at)
+            return await self._conclude(call, out, lease, framer, spliced, first_at)
         loop = asyncio.get_running_loop()
         broken: str | None = None  # why the instance's stream is unusable, if it is
         try:
@@ -273,7 +265,7 @@ class Relay:
                             else:
                                 await out.write(chunk)
                         except (ConnectionResetError, TimeoutError):
-                            return out, self._client_left(ex), None
+                            return self._client_left(out)
                     try:
                         data = await response.next_chunk()
                     except asyncio.CancelledError:
@@ -284,13 +276,13 @@ class Relay:
                         self.metrics.stream_aborts.labels("shutdown").inc()
                         message = "the gateway is shutting down and its drain time is over"
                         await self._end(out, f"{message}; the answer is incomplete", 503)
-                        return await self._finish(out, ex, Outcome.NEUTRAL, "drain_deadline")
+                        return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
                     except AttemptFailed as failed:
                         broken = f"broke the stream after it started ({failed.detail})"
                         break
                     if not data:
                         broken = "ended the stream without " + (
-                            "data: [DONE]" if ex.sse_done else "its final event"
+                            "data: [DONE]" if route.sse_done else "its final event"
                         )
                         break
                     events = framer.events
@@ -303,44 +295,47 @@ class Relay:
                         quiet.reschedule(loop.time() + silence)
         except TimeoutError:
             broken = f"sent no data event for {silence:g}s"
-        return await self._conclude(out, ex, framer, broken, first_at)
+        return await self._conclude(call, out, lease, framer, broken, first_at)
 
     async def _conclude(
         self,
+        call: Call,
         out: web.StreamResponse,
-        ex: Exchange,
+        lease: Lease,
         framer: sse.Framer,
         broken: str | None,
         first_at: float,
-    ) -> tuple[web.StreamResponse, Outcome, str | None]:
+    ) -> Streamed:
         """End a committed stream: in-band error if it broke, the last chunk, the counts."""
-        if framer.done or (not ex.sse_done and sse.responses_finished(framer.last_head)):
+        route = call.route
+        if framer.done or (not route.sse_done and sse.responses_finished(framer.last_head)):
             broken = None  # the client has the whole answer: what follows is moot
-        ex.tokens = self._stream_tokens(framer, chat=ex.route == "chat.completions")
+        tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
         if broken is not None:
             self.metrics.stream_aborts.labels("upstream").inc()
             _log.warning("stream_aborted", side="upstream", why=broken, held=framer.held)
-            message = f"the vLLM instance {ex.instance} {broken}; the answer is incomplete"
+            message = f"the vLLM instance {lease.instance} {broken}; the answer is incomplete"
             if not await self._end(out, message, 502, mid_event=framer.mid_event):
-                return out, self._client_left(ex), None
-            return await self._finish(out, ex, Outcome.FAILURE, "stream_broken")
-        result = await self._finish(out, ex, Outcome.SUCCESS, None)
-        if result[1] is Outcome.SUCCESS and ex.timed and ex.tokens and ex.tokens > 1:
-            ex.tpot = (self.clock() - first_at) / (ex.tokens - 1)
-            self.dispatcher.observe_tpot(ex.instance, ex.tpot)
+                return self._client_left(out, tokens)
+            return await self._finish(out, Outcome.FAILURE, "stream_broken", tokens)
+        result = await self._finish(out, Outcome.SUCCESS, None, tokens)
+        if result.outcome is Outcome.SUCCESS and route.timed and tokens and tokens > 1:
+            tpot = (self.clock() - first_at) / (tokens - 1)
+            lease.observe_tpot(tpot)
+            return Streamed(out, result.status, result.outcome, None, tokens, tpot)
         return result
 
     async def _splice(
         self,
-        out: web.StreamResponse,
+        out: _Out,
         response: splice.Source,
         transport: asyncio.Transport,
         watch: splice.Watch,
         started: Started,
-        ex: Exchange,
         silence: float,
-    ) -> tuple[web.StreamResponse, Outcome, str | None] | str | None:
-        """Relay the rest below the streams (splice.py): why it broke, None, or a result.
+        sse_done: bool,
+    ) -> Streamed | str | None:
+        """Relay the rest below the streams (splice.py): why it broke, None, or a record.
 
         The first event goes through aiohttp, which sends the held response head with it;
         the rest goes from the instance's socket to the client's with no await per chunk.
@@ -352,7 +347,7 @@ class Relay:
             else:
                 await out.write(started.first)
         except (ConnectionResetError, TimeoutError):
-            return out, self._client_left(ex), None
+            return self._client_left(out)
         run = splice.Splice(
             response,
             transport,
@@ -373,20 +368,18 @@ class Relay:
             self.metrics.stream_aborts.labels("shutdown").inc()
             message = "the gateway is shutting down and its drain time is over"
             await self._end(out, f"{message}; the answer is incomplete", 503)
-            return await self._finish(out, ex, Outcome.NEUTRAL, "drain_deadline")
+            return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
         finally:
             run.stop(watch)
-            ex.bytes_spliced += run.sent
+            out.spliced += run.sent
         if end.why is splice.Why.CLIENT:
-            return out, self._client_left(ex), None
+            return self._client_left(out)
         if end.why is splice.Why.QUIET:
             return f"sent no data event for {silence:g}s"
         if end.broken is not None:
             return end.broken
         if not started.framer.done:
-            return "ended the stream without " + (
-                "data: [DONE]" if ex.sse_done else "its final event"
-            )
+            return "ended the stream without " + ("data: [DONE]" if sse_done else "its final event")
         return None
 
     async def _end(
@@ -402,18 +395,21 @@ class Relay:
         return True
 
     async def _finish(
-        self, out: web.StreamResponse, ex: Exchange, outcome: Outcome, error: str | None
-    ) -> tuple[web.StreamResponse, Outcome, str | None]:
+        self,
+        out: web.StreamResponse,
+        outcome: Outcome,
+        error: str | None,
+        tokens: int | None = None,
+    ) -> Streamed:
         try:
             await out.write_eof()
         except ConnectionResetError:
-            return out, self._client_left(ex), None
-        return out, outcome, error
+            return self._client_left(out, tokens)
+        return Streamed(out, 200, outcome, error, tokens)
 
-    def _client_left(self, ex: Exchange) -> Outcome:
-        ex.status = 499
+    def _client_left(self, out: web.StreamResponse, tokens: int | None = None) -> Streamed:
         self.metrics.stream_aborts.labels("client").inc()
-        return Outcome.NEUTRAL
+        return Streamed(out, 499, Outcome.NEUTRAL, None, tokens)
 
     @staticmethod
     def _stream_tokens(framer: sse.Framer, *, chat: bool) -> int:
@@ -426,4 +422,5 @@ class Relay:
             return usage
         return max(0, framer.events - framer.done - chat)
 
-    # ------------------------------------------------------------ records
+    def __repr__(self) -> str:
+        return f"<Relay write_timeout={self.write_timeout:g} aborting={self.aborting}>"

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from . import log
-from .app import DISPATCHER, HEALTH, PROXY, probe_targets, scheduler_inputs, targets_of
+from .app import DISPATCHER, HEALTH, PROXY, endpoints_of, probe_targets, scheduler_inputs
 from .auth import KeyChecker
 from .config import Config, ConfigError, load
 from .schema import ConfigFile, Settings
@@ -115,19 +115,19 @@ def reload(app: web.Application) -> bool:
     if restart:
         _log.warning("reload_needs_restart", settings=restart, kept="the running values")
     before = {i.label for i in old.instances}
-    targets = targets_of(config)
+    endpoints = endpoints_of(config)
     specs, limits, policy = scheduler_inputs(config)
     app[DISPATCHER].reconfigure(specs, limits, policy)
-    proxy.reconfigure(config, KeyChecker(k.get_secret_value() for k in config.api_keys), targets)
-    app[HEALTH].reconfigure(probe_targets(targets), config.dispatch.health.probe_timeout)
+    proxy.reconfigure(config, KeyChecker(k.get_secret_value() for k in config.api_keys), endpoints)
+    app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
     proxy.metrics.config_reloads.labels("applied").inc()
     proxy.metrics.config_last_reload_successful.set(1)
     _log.info(
         "reloaded",
         changed=changed,
-        instances_added=sorted(set(targets) - before),
-        instances_removed=sorted(before - set(targets)),
-        instances=len(targets),
+        instances_added=sorted(set(endpoints) - before),
+        instances_removed=sorted(before - set(endpoints)),
+        instances=len(endpoints),
     )
     return True
 

@@ -21,12 +21,22 @@ from .model import (
     SharedView,
     Ticket,
 )
-from .retry import GiveUp, RetryAfter, RetryBudget, plan_retry, reason_for_status
+from .retry import (
+    STATUS_VERDICTS,
+    GiveUp,
+    RetryAfter,
+    RetryBudget,
+    Verdict,
+    judge_status,
+    plan_retry,
+    reason_for_status,
+)
 from .scheduler import Scheduler, UnknownTicket
 from .select import STRATEGIES, Score, score_all
 from .speed import PeerSpeed
 
 __all__ = [
+    "STATUS_VERDICTS",
     "STRATEGIES",
     "Assigned",
     "Decision",
@@ -50,6 +60,8 @@ __all__ = [
     "SharedView",
     "Ticket",
     "UnknownTicket",
+    "Verdict",
+    "judge_status",
     "plan_retry",
     "reason_for_status",
     "score_all",

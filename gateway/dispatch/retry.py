@@ -7,19 +7,47 @@ exists, within the request deadline and under a fleet-wide budget.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .model import Outcome
+
 RetryReason = Literal["connect", "timeout", "status_429", "status_502", "status_503", "status_504"]
 
-RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+@dataclass(frozen=True)
+class Verdict:
+    """What an instance's HTTP status means: retry elsewhere (and why), and for its health."""
+
+    retry: RetryReason | None  # None: the answer goes to the client as it is
+    outcome: Outcome
+
+
+# The one table of statuses the gateway treats specially. 429 and vLLM's 503 "engine
+# busy" mean the request never reached the GPU: the instance is alive but full. 502 and
+# 504 mean the instance (or something before it) is failing. Both kinds go elsewhere.
+STATUS_VERDICTS: Mapping[int, Verdict] = {
+    429: Verdict("status_429", Outcome.BUSY),
+    502: Verdict("status_502", Outcome.FAILURE),
+    503: Verdict("status_503", Outcome.BUSY),
+    504: Verdict("status_504", Outcome.FAILURE),
+}
+_ANSWERED = Verdict(None, Outcome.SUCCESS)  # the instance worked, whatever it answered
+_FAULT = Verdict(None, Outcome.FAILURE)  # another 5xx: passed on, but counts against it
+
+
+def judge_status(status: int) -> Verdict:
+    """The verdict on a status: the table's entry, else a fault from 500 up, else answered."""
+    verdict = STATUS_VERDICTS.get(status)
+    if verdict is not None:
+        return verdict
+    return _FAULT if status >= 500 else _ANSWERED
 
 
 def reason_for_status(status: int) -> RetryReason | None:
-    """429 and vLLM's 503 "engine busy" mean the request never reached the GPU."""
-    if status in RETRYABLE_STATUSES:
-        return f"status_{status}"  # type: ignore[return-value]
-    return None
+    """The retry reason of a status, if it is retried (see `STATUS_VERDICTS`)."""
+    return judge_status(status).retry
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
@@ -107,6 +135,7 @@ class GiveUp:
 
 def plan_retry(
     *,
+    untried: bool,
     attempt: int,
     max_attempts: int,
     deadline: float,
@@ -116,7 +145,14 @@ def plan_retry(
     cap: float,
     rng: random.Random,
 ) -> RetryAfter | GiveUp:
-    """After failed attempt number `attempt`, decide: retry after a delay, or give up."""
+    """After failed attempt number `attempt`, decide: retry after a delay, or give up.
+
+    `untried`: whether an instance the request has not tried yet could take it now.
+    Retries only go elsewhere, so without one there is nothing to plan (and no budget
+    spent).
+    """
+    if not untried:
+        return GiveUp("instances")
     if attempt >= max_attempts:
         return GiveUp("attempts")
     delay = backoff_delay(attempt, base, cap, rng)

@@ -6,7 +6,17 @@ import random
 
 import pytest
 
-from gateway.dispatch import GiveUp, RetryAfter, RetryBudget, plan_retry, reason_for_status
+from gateway.dispatch import (
+    STATUS_VERDICTS,
+    GiveUp,
+    Outcome,
+    RetryAfter,
+    RetryBudget,
+    Verdict,
+    judge_status,
+    plan_retry,
+    reason_for_status,
+)
 from gateway.dispatch.retry import backoff_delay
 
 # The docstring's ranges for base 0.5 and cap 8, attempts 1..7.
@@ -46,6 +56,34 @@ def test_retryable_statuses_have_a_reason(status: int) -> None:
 def test_other_statuses_are_not_retried(status: int) -> None:
     """Client errors, 500 and success are not retryable."""
     assert reason_for_status(status) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [
+        (200, Verdict(None, Outcome.SUCCESS)),
+        (400, Verdict(None, Outcome.SUCCESS)),  # the instance worked; the request was bad
+        (404, Verdict(None, Outcome.SUCCESS)),
+        (429, Verdict("status_429", Outcome.BUSY)),
+        (500, Verdict(None, Outcome.FAILURE)),
+        (501, Verdict(None, Outcome.FAILURE)),
+        (502, Verdict("status_502", Outcome.FAILURE)),
+        (503, Verdict("status_503", Outcome.BUSY)),
+        (504, Verdict("status_504", Outcome.FAILURE)),
+        (599, Verdict(None, Outcome.FAILURE)),
+    ],
+)
+def test_each_status_has_one_verdict(status: int, verdict: Verdict) -> None:
+    """Busy statuses retry as BUSY, failing gateways retry as FAILURE, other 5xx pass on as
+    FAILURE and everything below 500 passes on as SUCCESS."""
+    assert judge_status(status) == verdict
+
+
+def test_the_table_holds_exactly_the_retried_statuses() -> None:
+    """Every status in the table is retried, and every retried status is in the table."""
+    assert all(v.retry == f"status_{s}" for s, v in STATUS_VERDICTS.items())
+    retried = {s for s in range(100, 600) if judge_status(s).retry is not None}
+    assert retried == set(STATUS_VERDICTS) == {429, 502, 503, 504}
 
 
 # ------------------------------------------------------------------ budget
@@ -105,6 +143,7 @@ def test_budget_memory_is_fixed() -> None:
 
 def plan(
     *,
+    untried: bool = True,
     attempt: int = 1,
     max_attempts: int = 3,
     deadline: float = 100.0,
@@ -113,6 +152,7 @@ def plan(
     seed: int = 0,
 ) -> RetryAfter | GiveUp:
     return plan_retry(
+        untried=untried,
         attempt=attempt,
         max_attempts=max_attempts,
         deadline=deadline,
@@ -122,6 +162,15 @@ def plan(
         cap=8.0,
         rng=random.Random(seed),
     )
+
+
+def test_plan_gives_up_without_an_untried_instance_before_anything_else() -> None:
+    """No untried instance: give up for instances, even past max attempts, budget untouched."""
+    budget = RetryBudget(ratio=0.0, min_retries=1)
+    assert plan(untried=False, budget=budget) == GiveUp("instances")
+    assert plan(untried=False, attempt=5, max_attempts=3) == GiveUp("instances")
+    assert plan(untried=False, deadline=0.0) == GiveUp("instances")
+    assert budget.try_spend(0.0) is True  # the refusal spent nothing
 
 
 def test_plan_gives_up_at_max_attempts() -> None:

@@ -24,7 +24,7 @@ from fakes import KEY, Gateway, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import PROXY
-from gateway.relay import Exchange
+from gateway.exchange import Exchange
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MESSAGES: list[Any] = [{"role": "user", "content": "hello"}]

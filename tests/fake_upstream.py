@@ -1,0 +1,145 @@
+"""A fake of `upstream.py`'s seam: scripted answers replayed read by read, no sockets.
+
+httpcore's mock backend is the model: a response is the list of what the instance sends,
+handed back one `next_chunk()` at a time. An item is bytes (one read, however it splits
+the events), a `Pause` (the instance goes quiet that long), or an `AttemptFailed` (the
+connection breaks there). `FakeUpstream` answers each `open()` with the next scripted
+response, or raises the next scripted `AttemptFailed`, and keeps what was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.upstream import AttemptFailed
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The instance sends nothing for `seconds`."""
+
+    seconds: float
+
+
+Item = bytes | Pause | AttemptFailed
+
+
+class FakeResponse:
+    """An `UpstreamResponse` that replays `items`; it records how it was read and let go."""
+
+    def __init__(
+        self,
+        status: int = 200,
+        items: Iterable[Item] = (),
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict(headers or {}))
+        self._items: deque[Item] = deque(items)
+        self.reads = 0  # non-empty chunks handed out
+        self.closed = False
+        self.released = False
+
+    @property
+    def content_type(self) -> str:
+        raw = self.headers.get("Content-Type", "application/octet-stream")
+        return raw.split(";", 1)[0].strip().lower()
+
+    async def read(self, timeout: float) -> bytes:
+        try:
+            async with asyncio.timeout(timeout):
+                parts = []
+                while chunk := await self._next():
+                    parts.append(chunk)
+                return b"".join(parts)
+        except TimeoutError:
+            raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes:
+        if timeout is None:
+            return await self._next()
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._next()
+        except TimeoutError:
+            raise AttemptFailed("timeout", f"no bytes within {timeout:.1f}s") from None
+
+    async def _next(self) -> bytes:
+        while self._items:
+            item = self._items.popleft()
+            if isinstance(item, Pause):
+                await asyncio.sleep(item.seconds)
+            elif isinstance(item, AttemptFailed):
+                raise item
+            elif item:
+                self.reads += 1
+                return item
+        return b""
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release(self) -> None:
+        self.released = True
+
+    def __repr__(self) -> str:
+        return f"<FakeResponse status={self.status} left={len(self._items)}>"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One request as the fake upstream received it."""
+
+    method: str
+    url: str
+    body: bytes | None
+    headers: dict[str, str]
+    timeout: float
+
+
+class FakeUpstream:
+    """`Upstream` with scripted answers, one per `open()`, in order."""
+
+    def __init__(self, *answers: FakeResponse | AttemptFailed) -> None:
+        self.answers: deque[FakeResponse | AttemptFailed] = deque(answers)
+        self.sent: list[Sent] = []
+
+    async def open(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> FakeResponse:
+        self.sent.append(Sent(method, url, body, dict(headers), timeout))
+        if not self.answers:
+            raise AssertionError(f"no scripted answer left for {method} {url}")
+        answer = self.answers.popleft()
+        if isinstance(answer, AttemptFailed):
+            raise answer
+        return answer
+
+    async def fetch(
+        self,
+        url: str,
+        *,
+        method: str = "GET",
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float,
+    ) -> tuple[int, bytes]:
+        response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
+        try:
+            return response.status, await response.read(timeout)
+        finally:
+            response.release()
+
+    def __repr__(self) -> str:
+        return f"<FakeUpstream sent={len(self.sent)} left={len(self.answers)}>"

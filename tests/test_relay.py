@@ -1,0 +1,300 @@
+"""The relay against scripted upstream answers and a mocked client: no sockets.
+
+Each test replays what an instance sends (`fake_upstream.FakeResponse`), runs one relay
+step, and checks the value it returns and, for a committed stream, the bytes the client
+got. The same behaviours are also checked end to end, through real loopback servers, in
+`functional/test_upstream_misbehaves.py` and `functional/test_faults.py`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+from fake_upstream import FakeResponse, FakeUpstream, Pause
+from prometheus_client import CollectorRegistry
+
+from gateway import errors
+from gateway.attempt import Call
+from gateway.dispatch import Lane, Outcome
+from gateway.metrics import Metrics
+from gateway.relay import Relay, Started, Streamed, Unusable, Whole
+from gateway.routes import CHAT, RESPONSES
+from gateway.upstream import AttemptFailed
+
+SSE = {"Content-Type": "text/event-stream"}
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+def token(i: int) -> bytes:
+    return b'data: {"choices":[{"index":0,"delta":{"content":"t%d "}}]}\n\n' % i
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FakeLease:
+    """What the relay tells the scheduler through the attempt's lease."""
+
+    instance: str = "a"
+    prefills: list[tuple[float, float | None]] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)
+
+    def prefill_done(self, at: float, ttft: float | None) -> None:
+        self.prefills.append((at, ttft))
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpots.append(seconds)
+
+
+def relay(clock: Clock | None = None) -> Relay:
+    return Relay(Metrics(CollectorRegistry()), write_timeout=5.0, clock=clock or Clock())
+
+
+def client(*, leaves_after: int | None = None) -> tuple[web.Request, list[bytes]]:
+    """A mocked client request and the list its answer's body bytes land in.
+
+    With `leaves_after`, the client's connection resets on that write (0: the first).
+    """
+    sent: list[bytes] = []
+
+    async def write(data: bytes) -> None:
+        if leaves_after is not None and len(sent) >= leaves_after:
+            raise ConnectionResetError("the client left")
+        sent.append(bytes(data))
+
+    writer = mock.Mock()
+    writer.write_headers = mock.AsyncMock()
+    writer.write = write
+    writer.write_eof = mock.AsyncMock()
+    writer.drain = mock.AsyncMock()
+    request = make_mocked_request("POST", "/v1/chat/completions", writer=writer)
+    request.transport.get_write_buffer_size.return_value = 0  # type: ignore[union-attr]
+    return request, sent
+
+
+def call_of(request: web.Request, route: Any = CHAT) -> Call:
+    return Call(request, route, b"{}", True, Lane.SHORT, 1e9, {"X-Request-ID": "r1"})
+
+
+def aborts(r: Relay, side: str) -> float:
+    value: float = r.metrics.stream_aborts.labels(side)._value.get()
+    return value
+
+
+async def relay_stream(
+    items: list[Any], *, leaves_after: int | None = None, route: Any = CHAT, **headers: str
+) -> tuple[Streamed, bytes, FakeLease, Relay]:
+    """Read the first event, then commit and relay the rest; what the client got."""
+    r = relay()
+    response = FakeResponse(200, items, {**SSE, **headers})
+    started = await r.first_chunk(response, timeout=5.0)
+    assert isinstance(started, Started), started
+    request, sent = client(leaves_after=leaves_after)
+    lease = FakeLease()
+    record = await r.stream(call_of(request, route), response, started, lease, 99.0, silence=5.0)
+    return record, b"".join(sent), lease, r
+
+
+def events(body: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
+
+
+# ------------------------------------------------------------------ whole answers
+
+
+async def test_a_whole_answer_passes_on_with_its_status_type_and_token_count() -> None:
+    """Status, content type and body go on unchanged; the usage count is read from it."""
+    body = json.dumps({"choices": [], "usage": {"completion_tokens": 12}}).encode()
+    response = FakeResponse(200, [body[:10], body[10:]], {"Content-Type": "application/json"})
+    whole = await relay().whole(response, "a", {"X-Request-ID": "r1"}, timeout=1.0)
+    assert isinstance(whole, Whole)
+    assert whole.tokens == 12
+    assert whole.response.status == 200
+    assert whole.response.body == body
+    assert whole.response.content_type == "application/json"
+    assert whole.response.headers["X-Gateway-Instance"] == "a"
+    assert whole.response.headers["X-Request-ID"] == "r1"
+
+
+async def test_a_compressed_whole_answer_keeps_its_encoding_and_counts_nothing() -> None:
+    """An encoded answer goes on with its Content-Encoding; its tokens are unknown."""
+    body = gzip.compress(b'{"usage":{"completion_tokens":3}}')
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    whole = await relay().whole(FakeResponse(200, [body], headers), "a", {}, timeout=1.0)
+    assert isinstance(whole, Whole)
+    assert whole.tokens is None
+    assert whole.response.headers["Content-Encoding"] == "gzip"
+    assert whole.response.body == body
+
+
+@pytest.mark.parametrize(
+    ("item", "reason", "error"),
+    [
+        (AttemptFailed("connect", "ClientPayloadError: cut"), "connect", errors.UpstreamError),
+        (Pause(1.0), "timeout", errors.UpstreamTimeout),
+    ],
+)
+async def test_a_whole_answer_that_breaks_or_stalls_is_unusable(
+    item: Any, reason: str, error: type[errors.GatewayError]
+) -> None:
+    """A body cut off is a connect failure (502); one slower than its time, a timeout (504)."""
+    response = FakeResponse(503, [b'{"error":', item, b"}"])
+    got = await relay().whole(response, "a", {}, timeout=0.05)
+    assert isinstance(got, Unusable)
+    assert got.reason == reason
+    assert type(got.error) is error
+
+
+# ------------------------------------------------------------------ before the commit
+
+
+async def test_comments_before_the_first_data_event_are_dropped() -> None:
+    """Keep-alive comments before the first token are not sent; the first event is whole."""
+    first = token(0)
+    response = FakeResponse(200, [b": ping\n\n", b": ping\n\n" + first[:9], first[9:]], SSE)
+    started = await relay().first_chunk(response, timeout=1.0)
+    assert isinstance(started, Started)
+    assert started.first == first
+    assert started.framer.events == 1
+
+
+async def test_an_answer_without_a_data_event_is_a_bad_response() -> None:
+    """A 200 that ends before any data event is unusable, naming the bytes it held."""
+    response = FakeResponse(200, [b'{"not": "an event stream"}'], SSE)
+    got = await relay().first_chunk(response, timeout=1.0)
+    assert isinstance(got, Unusable)
+    assert got.reason == "bad_response"
+    assert "26 bytes that are not one" in got.error.message
+
+
+async def test_no_token_within_the_allowance_is_a_timeout() -> None:
+    """Comments alone do not count: no data event within the allowance is a timeout."""
+    response = FakeResponse(200, [b": ping\n\n", Pause(1.0), token(0)], SSE)
+    got = await relay().first_chunk(response, timeout=0.05)
+    assert isinstance(got, Unusable)
+    assert (got.reason, type(got.error)) == ("timeout", errors.UpstreamTimeout)
+
+
+async def test_a_stream_broken_before_its_first_token_is_a_connect_failure() -> None:
+    """A connection that breaks before the first event is retryable as "connect"."""
+    response = FakeResponse(200, [b": ping\n\n", AttemptFailed("connect", "reset")], SSE)
+    got = await relay().first_chunk(response, timeout=1.0)
+    assert isinstance(got, Unusable)
+    assert got.reason == "connect"
+    assert "reset" in got.error.message
+
+
+async def test_an_unknown_stream_encoding_is_a_bad_response_before_any_read() -> None:
+    """A stream in an encoding the framer cannot read is refused without reading it."""
+    response = FakeResponse(200, [token(0)], {**SSE, "Content-Encoding": "br"})
+    got = await relay().first_chunk(response, timeout=1.0)
+    assert isinstance(got, Unusable)
+    assert got.reason == "bad_response"
+    assert "'br'" in got.error.message
+    assert response.reads == 0
+
+
+# ------------------------------------------------------------------ the committed stream
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 10_000])
+async def test_events_reach_the_client_whole_however_the_reads_split_them(size: int) -> None:
+    """Split into reads of any size, the client gets the same whole events and count."""
+    wire = b"".join(token(i) for i in range(5)) + USAGE + DONE
+    reads = [wire[i : i + size] for i in range(0, len(wire), size)]
+    record, body, lease, _ = await relay_stream(reads)
+    assert body == wire
+    assert events(body) == events(wire)
+    assert (record.status, record.outcome, record.error) == (200, Outcome.SUCCESS, None)
+    assert record.tokens == 7  # from the usage chunk
+    sent_headers = record.response.headers
+    assert (sent_headers["X-Gateway-Instance"], sent_headers["X-Request-ID"]) == ("a", "r1")
+    assert lease.prefills == [(100.0, 1.0)]  # first token at 100, sent at 99
+
+
+async def test_a_stream_without_done_ends_with_one_in_band_error_event() -> None:
+    """An instance that stops without [DONE] leaves the client an error event, then [DONE]."""
+    record, body, _, r = await relay_stream([token(0), token(1)])
+    sent = events(body)
+    assert sent[:2] == [token(0), token(1)]
+    assert sent[-1] == DONE
+    error = json.loads(sent[-2].removeprefix(b"data: "))["error"]
+    assert "ended the stream without data: [DONE]" in error["message"]
+    assert (record.status, record.outcome, record.error) == (200, Outcome.FAILURE, "stream_broken")
+    assert aborts(r, "upstream") == 1
+
+
+async def test_a_break_in_the_middle_of_an_event_closes_it_before_the_error() -> None:
+    """Broken mid-event, the held half is not sent and the error event stands alone."""
+    half = token(1)[:20]
+    record, body, _, _ = await relay_stream(
+        [token(0), half, AttemptFailed("connect", "ClientPayloadError: cut")]
+    )
+    assert b"t1 " not in body  # whole events only: the held half is dropped
+    assert body.startswith(token(0) + b'data: {"error"')
+    assert body.endswith(DONE)
+    assert b"broke the stream after it started (ClientPayloadError: cut)" in body
+    assert record.outcome is Outcome.FAILURE
+
+
+async def test_a_responses_stream_ends_at_its_final_event_without_done() -> None:
+    """A Responses API stream is whole at `response.completed`, with no [DONE] to wait for."""
+    created = b'event: response.created\ndata: {"type":"response.created"}\n\n'
+    done = b'event: response.completed\ndata: {"type":"response.completed"}\n\n'
+    record, body, lease, _ = await relay_stream([created, done], route=RESPONSES)
+    assert body == created + done
+    assert (record.status, record.outcome) == (200, Outcome.SUCCESS)
+    assert lease.prefills == [(100.0, None)]  # its first event is no token: nothing learned
+
+
+async def test_a_client_that_leaves_mid_stream_is_a_499_that_says_nothing_of_the_instance() -> None:
+    """A write to a gone client ends the relay: 499, a neutral outcome, counted once."""
+    record, body, _, r = await relay_stream([token(0), token(1), token(2), DONE], leaves_after=1)
+    assert body == token(0)
+    assert (record.status, record.outcome, record.error) == (499, Outcome.NEUTRAL, None)
+    assert aborts(r, "client") == 1
+    assert aborts(r, "upstream") == 0
+
+
+async def test_a_timed_stream_reports_its_time_per_token_through_the_lease() -> None:
+    """A chat stream that ends well tells the lease its time per output token."""
+    clock = Clock()
+    r = relay(clock)
+    response = FakeResponse(200, [token(0), token(1), token(2), DONE], SSE)
+    started = await r.first_chunk(response, timeout=1.0)
+    assert isinstance(started, Started)
+    request, _ = client()
+    lease = FakeLease()
+
+    async def later(data: bytes) -> None:
+        clock.now += 0.5  # each write takes half a second of the test's clock
+
+    request._payload_writer.write = later  # type: ignore[attr-defined]
+    record = await r.stream(call_of(request), response, started, lease, 99.0, silence=5.0)
+    assert record.tokens == 2  # three content events, less the role-only first one
+    assert record.tpot == lease.tpots[0] > 0
+
+
+async def test_the_fake_upstream_replays_answers_in_order_and_keeps_what_was_sent() -> None:
+    """The fake answers each open with the next script and records the request."""
+    upstream = FakeUpstream(AttemptFailed("connect", "refused"), FakeResponse(200, [b"ok"]))
+    with pytest.raises(AttemptFailed):
+        await upstream.open("POST", "http://a/v1/x", body=b"{}", headers={}, timeout=1.0)
+    assert await upstream.fetch("http://b/health", timeout=1.0) == (200, b"ok")
+    assert [s.url for s in upstream.sent] == ["http://a/v1/x", "http://b/health"]
