@@ -18,6 +18,8 @@ sees its client leave and aborts the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections import deque
 from collections.abc import Mapping
 from typing import Protocol, cast
@@ -216,6 +218,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # the request goes in one write, but a token must not wait
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, data: bytes, head: asyncio.Future[Response]) -> None:
         assert self.transport is not None
@@ -422,18 +428,24 @@ class Pool:
                     lambda: _Connection(self, key), key[0], key[1]
                 )
         except TimeoutError:
-            raise Failed("connect", f"no connection within {self.connect_timeout:g}s") from None
-        except OSError as exc:
-            raise Failed("connect", f"cannot connect: {exc}") from None
-        finally:
             self._connecting -= 1
             self._wake()
-        conn = protocol
-        if conn.transport is None:  # lost while we were being scheduled
-            raise Failed("connect", "the connection closed as it opened")
+            raise Failed("connect", f"no connection within {self.connect_timeout:g}s") from None
+        except BaseException as exc:
+            self._connecting -= 1
+            self._wake()
+            if isinstance(exc, OSError):
+                raise Failed("connect", f"cannot connect: {exc}") from None
+            raise
+        # Counted as open before it stops counting as connecting: no gap another
+        # request could take to go over the limit.
+        self._all.add(protocol)
+        self._connecting -= 1
         self.opened += 1
-        self._all.add(conn)
-        return conn
+        if protocol.transport is None:  # lost while we were being scheduled
+            self._drop(protocol)
+            raise Failed("connect", "the connection closed as it opened")
+        return protocol
 
     def _evict_idle(self) -> bool:
         """Close the longest idle connection to any instance, to make room for one."""
