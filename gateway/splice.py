@@ -23,7 +23,7 @@ import enum
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from . import sse
 
@@ -42,7 +42,6 @@ class End:
     broken: str | None = None  # with ENDED: why the instance's stream is unusable, if it is
 
 
-@runtime_checkable
 class Source(Protocol):
     """The instance's answer (h1.Response): its body pushed to a sink, its reads paused."""
 
@@ -53,7 +52,6 @@ class Source(Protocol):
     def resume_reading(self) -> None: ...
 
 
-@runtime_checkable
 class Watch(Protocol):
     """The client's connection: tells a listener when its write buffer is over the mark."""
 

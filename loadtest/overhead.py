@@ -81,6 +81,7 @@ async def _system(
     max_num_seqs: int,
     max_connections: int = 64,
     decode_slowdown: float | None = None,
+    max_client_connections: int | None = None,
 ) -> AsyncIterator[System]:
     gw_core, fleet_core = cores(common)
     async with (
@@ -97,7 +98,10 @@ async def _system(
             strategy="least_busy",
             max_num_seqs=max_num_seqs,
             core=gw_core,
-            gateway={"max_connections": max_connections},
+            gateway={"max_connections": max_connections}
+            | (
+                {"max_client_connections": max_client_connections} if max_client_connections else {}
+            ),
             source=common.gateway_dir,
         ) as gw,
         session() as http,
@@ -270,7 +274,13 @@ async def _memory(opts: OverheadOptions, common: Common) -> dict[str, Any]:
     speeds = (0.5, 0.5, 0.5, 0.5)
     seqs = max(16, -(-opts.streams // len(speeds)) + 8)
     async with _system(
-        common, speeds, instant=False, max_num_seqs=seqs, max_connections=opts.streams + 64
+        common,
+        speeds,
+        instant=False,
+        max_num_seqs=seqs,
+        max_connections=opts.streams + 64,
+        # Else the gateway's own cap (900 by default) answers the rest 503.
+        max_client_connections=opts.streams + 64,
     ) as system:
         pid = system.gw.pid
         at_start = harness.memory_kib(pid)
