@@ -150,6 +150,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._got_bytes = False  # of the request whose head is awaited
+        self._writing_paused = False  # the transport's buffer is over its high-water mark
+        self._on_writing: Callable[[bool], None] | None = None  # a spliced stream (splice.py)
         # Counted from here, not connection_made: one accept burst makes many protocols
         # before any is connected, and the cap must see each of them.
         owner.open.add(self)
@@ -178,10 +180,22 @@ class _Connection(asyncio.Protocol):
         return self.inner.eof_received()
 
     def pause_writing(self) -> None:
+        self._writing_paused = True
         self.inner.pause_writing()
+        if self._on_writing is not None:
+            self._on_writing(False)
 
     def resume_writing(self) -> None:
+        self._writing_paused = False
         self.inner.resume_writing()
+        if self._on_writing is not None:
+            self._on_writing(True)
+
+    def watch_writing(self, listener: Callable[[bool], None] | None) -> bool:
+        """Tell `listener` when the write buffer goes over its high-water mark (False) and
+        back under the low one (True); None stops. Returns whether it is over now."""
+        self._on_writing = listener
+        return self._writing_paused
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -113,6 +113,7 @@ class Proxy:
         self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
         self.relay.write_timeout = channel.timeout.write
         self.upstream.timeouts = channel.timeout
+        self.upstream.splice = config.gateway.splice_streams
         self.intake.reconfigure(config, keys)
 
     @property
@@ -259,6 +260,7 @@ class Proxy:
                     body=call.body,
                     headers=send_headers(call, ex, endpoint, span.span_id if span else None),
                     timeout=max(0.001, allowance),
+                    stream=call.stream,
                 )
             except AttemptFailed as failed:
                 retry_after = self.dispatcher.scheduler.limits.queue_retry_after

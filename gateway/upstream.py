@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
 from .schema import Timeouts
+
+if TYPE_CHECKING:
+    from .h1 import Response
+    from .h1_pool import Pool
 
 
 class AttemptFailed(Exception):
@@ -118,8 +122,14 @@ class Upstream:
         self.timeouts = timeouts
         self.pooled = pooled  # False: one connection per request, closed after it
         self._session: aiohttp.ClientSession | None = None
+        self._streams: Pool | None = None  # h1.py's pool: the streams that are spliced
+        self.splice = True  # streamed answers come from h1.py's pool (splice.py relays them)
 
     async def start(self) -> None:
+        from . import h1_pool  # it raises this module's AttemptFailed: imported once this is loaded
+
+        keepalive = 4.0 if self.pooled else 0.0  # the same expiry as the session's, below
+        self._streams = h1_pool.Pool(self.max_connections, self.timeouts.connect, keepalive)
         connector = aiohttp.TCPConnector(
             limit=self.max_connections,
             limit_per_host=0,
@@ -140,6 +150,9 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
+            self._streams = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -158,13 +171,17 @@ class Upstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
+        stream: bool = False,
     ) -> UpstreamResponse:
         """Send a request and return once the response headers arrived (or fail).
 
         `timeout` bounds the wait for the headers; reading the body is the caller's to
-        bound. On timeout or cancellation aiohttp closes the half-open connection, so the
-        instance sees its client leave and aborts.
+        bound. On timeout or cancellation the half-open connection is closed, so the
+        instance sees its client leave and aborts. A `stream` goes through h1.py (unless
+        `splice` is off), whose answer the relay can splice.
         """
+        if stream and self.splice and self._streams is not None and body is not None:
+            return await self.open_stream(url, body=body, headers=headers, timeout=timeout)
         try:
             async with asyncio.timeout(timeout):
                 # Per request: a reload may change the connect timeout.
@@ -185,6 +202,34 @@ class Upstream:
         except (aiohttp.ClientError, OSError) as exc:
             raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
         return _ClientResponse(response)
+
+    @property
+    def streams(self) -> Pool | None:
+        """h1.py's pool of the spliced streams' connections (None until started)."""
+        return self._streams
+
+    async def open_stream(
+        self,
+        url: str,
+        *,
+        body: bytes,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> Response:
+        """POST a streamed request on h1.py's pool: its answer's body can be spliced.
+
+        Same contract as `open` (AttemptFailed on no answer); the answer also offers
+        `splice(sink)`, which hands each body chunk on as it arrives (splice.py).
+        """
+        if self._streams is None:
+            raise RuntimeError("Upstream.start() was not awaited")
+        self._streams.connect_timeout = self.timeouts.connect  # a reload may change it
+        try:
+            return await self._streams.request(
+                "POST", url, body=body, headers=headers, timeout=timeout
+            )
+        except ValueError as exc:  # a header that cannot be sent (aiohttp refuses it too)
+            raise AttemptFailed("connect", str(exc)) from None
 
     async def fetch(
         self,

@@ -273,6 +273,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32, help="loaded run")
     p.add_argument("--streams", type=int, default=2000, help="open streams for the memory run")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
+    p.add_argument(
+        "--front-requests", type=int, default=3000, help="per front, fleet and concurrency"
+    )
+    p.add_argument(
+        "--no-fronts", action="store_true", help="skip the side-by-side nginx/vllm-router part"
+    )
     _common(p)
     return parser
 
@@ -420,6 +426,8 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 concurrency=args.concurrency,
                 streams=args.streams,
                 profile=not args.no_profile,
+                fronts=not args.no_fronts,
+                front_requests=args.front_requests,
             ),
             common,
         ),

@@ -135,7 +135,9 @@ http {{
 
 
 @contextlib.asynccontextmanager
-async def nginx_process(instances: Sequence[str], *, core: int | None) -> AsyncIterator[str]:
+async def nginx_process(
+    instances: Sequence[str], *, core: int | None, pids: list[int] | None = None
+) -> AsyncIterator[str]:
     """nginx with `least_conn` before `instances`, config in a temp folder; yields its URL."""
     binary = _nginx()
     if binary is None:
@@ -150,6 +152,8 @@ async def nginx_process(instances: Sequence[str], *, core: int | None) -> AsyncI
         proc = await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
         )
+        if pids is not None:  # taskset execs the binary: the pid is nginx's
+            pids.append(proc.pid)
         try:
             url = f"http://127.0.0.1:{port}"
             await _wait_http(url + "/health", proc, log)
@@ -159,7 +163,9 @@ async def nginx_process(instances: Sequence[str], *, core: int | None) -> AsyncI
 
 
 @contextlib.asynccontextmanager
-async def vllm_router_process(instances: Sequence[str], *, core: int | None) -> AsyncIterator[str]:
+async def vllm_router_process(
+    instances: Sequence[str], *, core: int | None, pids: list[int] | None = None
+) -> AsyncIterator[str]:
     """vLLM's Rust router, `--policy cache_aware` with its defaults; yields its URL."""
     binary = _vllm_router()
     if binary is None:
@@ -183,6 +189,8 @@ async def vllm_router_process(instances: Sequence[str], *, core: int | None) -> 
             proc = await asyncio.create_subprocess_exec(
                 *args, stdout=sink, stderr=asyncio.subprocess.STDOUT
             )
+        if pids is not None:
+            pids.append(proc.pid)
         try:
             url = f"http://127.0.0.1:{port}"
             await _wait_http(url + "/health", proc, log)
@@ -192,13 +200,19 @@ async def vllm_router_process(instances: Sequence[str], *, core: int | None) -> 
 
 
 def front(
-    name: str, instances: Sequence[str], *, core: int | None, seed: int
+    name: str,
+    instances: Sequence[str],
+    *,
+    core: int | None,
+    seed: int,
+    pids: list[int] | None = None,
 ) -> contextlib.AbstractAsyncContextManager[str]:
-    """The context manager that starts baseline `name` before `instances`."""
+    """The context manager that starts baseline `name` before `instances`; nginx's and
+    vllm-router's process id is appended to `pids` (for their CPU time)."""
     if name == "sticky":
         return sticky_process(instances, core=core, seed=seed)
     if name == "nginx":
-        return nginx_process(instances, core=core)
+        return nginx_process(instances, core=core, pids=pids)
     if name == "vllm-router":
-        return vllm_router_process(instances, core=core)
+        return vllm_router_process(instances, core=core, pids=pids)
     raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")

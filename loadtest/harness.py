@@ -140,6 +140,7 @@ async def fleet_process(
     core: int | None = None,
     prefix_cache_blocks: int = 0,
     max_num_batched_tokens: int | None = None,
+    decode_slowdown: float | None = None,
 ) -> AsyncIterator[FleetProc]:
     """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
 
@@ -165,6 +166,8 @@ async def fleet_process(
         args += ["--prefix-cache-blocks", str(prefix_cache_blocks)]
     if max_num_batched_tokens:
         args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if decode_slowdown is not None:
+        args += ["--decode-slowdown", str(decode_slowdown)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None

@@ -7,10 +7,14 @@ load generator share core 1. Four measurements, side by side in one run:
    so drift hits both arms alike; the added latency is the difference of the medians;
 2. CPU per streamed request (16 tokens): utime + stime of the gateway process from
    /proc/<pid>/stat around a closed-loop run, once with an instant instance (the chunks
-   arrive in bursts) and once with tokens paced 2 ms apart (one chunk per token);
-3. hot spots: py-spy sampling the gateway during a longer run of the paced streams;
+   arrive in bursts) and once with tokens paced 5 ms apart (one chunk per token, four
+   instances);
+3. hot spots: py-spy sampling the gateway during a longer run of the paced streams
+   (concurrency 128);
 4. memory: VmHWM from /proc/<pid>/status with `streams` streams open at once against
-   slow-decoding instances.
+   slow-decoding instances;
+5. side by side (overhead_fronts.py): CPU per streamed request, requests/s and added
+   latency of the gateway, nginx and vLLM's Rust router, instant and paced, c=32 and 128.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest import harness, plots, report
+from loadtest import harness, overhead_fronts, plots, report
 from loadtest.loadgen import Client, Mix, Run, make_workload, run_closed, session
 from loadtest.scenarios import (
     Common,
@@ -55,7 +59,10 @@ class OverheadOptions:
     streams: int = 2000
     profile: bool = True
     profile_requests: int = 6000  # paced streams sampled by py-spy (its own run)
+    profile_concurrency: int = 128
     rounds: int = 4  # idle blocks per arm
+    fronts: bool = True  # the side-by-side part (overhead_fronts.py)
+    front_requests: int = 3000  # per front, fleet and concurrency
 
 
 @dataclass
@@ -73,18 +80,28 @@ async def _system(
     instant: bool,
     max_num_seqs: int,
     max_connections: int = 64,
+    decode_slowdown: float | None = None,
+    max_client_connections: int | None = None,
 ) -> AsyncIterator[System]:
     gw_core, fleet_core = cores(common)
     async with (
         harness.fleet_process(
-            speeds, max_num_seqs=max_num_seqs, seed=common.seed, instant=instant, core=fleet_core
+            speeds,
+            max_num_seqs=max_num_seqs,
+            seed=common.seed,
+            instant=instant,
+            core=fleet_core,
+            decode_slowdown=decode_slowdown,
         ) as fleet,
         harness.gateway_process(
             fleet.urls,
             strategy="least_busy",
             max_num_seqs=max_num_seqs,
             core=gw_core,
-            gateway={"max_connections": max_connections},
+            gateway={"max_connections": max_connections}
+            | (
+                {"max_client_connections": max_client_connections} if max_client_connections else {}
+            ),
             source=common.gateway_dir,
         ) as gw,
         session() as http,
@@ -182,9 +199,9 @@ async def _profile(system: System, opts: OverheadOptions, common: Common, out: P
         system,
         system.gw.base_url,
         opts.profile_requests,
-        opts.concurrency,
+        opts.profile_concurrency,
         "py-spy",
-        IDLE_MIX,
+        overhead_fronts.FRONT_MIX,
         common,
     )
     proc.send_signal(signal.SIGINT)
@@ -257,7 +274,13 @@ async def _memory(opts: OverheadOptions, common: Common) -> dict[str, Any]:
     speeds = (0.5, 0.5, 0.5, 0.5)
     seqs = max(16, -(-opts.streams // len(speeds)) + 8)
     async with _system(
-        common, speeds, instant=False, max_num_seqs=seqs, max_connections=opts.streams + 64
+        common,
+        speeds,
+        instant=False,
+        max_num_seqs=seqs,
+        max_connections=opts.streams + 64,
+        # Else the gateway's own cap (900 by default) answers the rest 503.
+        max_client_connections=opts.streams + 64,
     ) as system:
         pid = system.gw.pid
         at_start = harness.memory_kib(pid)
@@ -303,10 +326,16 @@ async def overhead(opts: OverheadOptions, common: Common) -> dict[str, Any]:
         body["idle"] = await _idle(system, opts, common)
         body["cpu_instant"] = await _cpu(system, opts, common, "instant")
         body["memory_kib_loaded"] = harness.memory_kib(system.gw.pid)
-    async with _system(common, (5.0,), instant=False, max_num_seqs=256) as system:
-        body["cpu_paced"] = await _cpu(system, opts, common, "paced 2 ms/token")
+    paced = (overhead_fronts.PACED_SPEED,) * overhead_fronts.INSTANCES
+    async with _system(
+        common, paced, instant=False, max_num_seqs=256, max_connections=512, decode_slowdown=0.0
+    ) as system:
+        body["cpu_paced"] = await _cpu(system, opts, common, "paced 5 ms/token")
         # After the CPU measurements: py-spy's pauses must not be in them.
         body["profile"] = await _profile(system, opts, common, common.out) if opts.profile else {}
+    if opts.fronts:
+        fronts = overhead_fronts.FrontOptions(requests=opts.front_requests)
+        body["fronts"] = await overhead_fronts.fronts(fronts, common)
     body["streams"] = await _memory(opts, common)
     _print(body)
     say(f"wrote {write_json(common, 'overhead', body)}")
@@ -335,6 +364,8 @@ def _print(body: dict[str, Any]) -> None:
         f"{s['memory_kib_at_start']['VmRSS'] / 1024:.1f} MiB); "
         f"{s['run']['ok']}/{s['run']['requests']} ok"
     )
+    if "fronts" in body:
+        say(overhead_fronts.table(body["fronts"]))
     prof = body.get("profile") or {}
     for kind in ("self", "gateway_inclusive"):
         for name, share in prof.get(kind, [])[:12]:

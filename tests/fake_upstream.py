@@ -117,6 +117,7 @@ class FakeUpstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
+        stream: bool = False,  # the real one reads streams with h1.py; scripts replay alike
     ) -> FakeResponse:
         self.sent.append(Sent(method, url, body, dict(headers), timeout))
         if not self.answers:

@@ -106,6 +106,12 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         "--instant", action="store_true", help="answer at once, no timing model (default: off)"
     )
     parser.add_argument(
+        "--decode-slowdown",
+        type=float,
+        default=SimConfig.decode_slowdown_per_seq,
+        help="fraction a decode step slows per extra running sequence (0: evenly paced tokens)",
+    )
+    parser.add_argument(
         "--prefix-cache-blocks",
         type=int,
         default=0,
@@ -130,6 +136,7 @@ async def _run(args: argparse.Namespace) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             api_key=args.api_key,
             instant=args.instant,
+            decode_slowdown_per_seq=args.decode_slowdown,
             seed=args.seed + index,
             prefix_cache_blocks=args.prefix_cache_blocks,
             block_size=args.block_size,

@@ -249,7 +249,13 @@ async def test_overhead_smoke(tmp_path: Path, figures: list[str]) -> None:
     """overhead reports added latency, CPU per request and memory with open streams, and
     draws them (p99 n/a from 8 idle requests per arm; the loaded runs' throughput)."""
     opts = OverheadOptions(
-        idle_requests=8, rounds=2, requests=40, concurrency=4, streams=30, profile=False
+        idle_requests=8,
+        rounds=2,
+        requests=40,
+        concurrency=4,
+        streams=30,
+        profile=False,
+        front_requests=40,
     )
     body = await overhead(opts, common(tmp_path))
     for summary in body["idle"]["runs"].values():
@@ -260,6 +266,22 @@ async def test_overhead_smoke(tmp_path: Path, figures: list[str]) -> None:
     for key in ("cpu_instant", "cpu_paced"):
         assert body[key]["run"]["ok"] == 40
         assert body[key]["gateway_cpu_s"] >= 0
+    # Side by side: direct and the gateway always, nginx and vllm-router where installed.
+    cells = body["fronts"]["cells"]
+    assert set(cells) == {"instant", "paced"}
+    assert set(cells["paced"]) == {"32", "128"}
+    for by_front in (cells["instant"]["32"], cells["paced"]["32"], cells["paced"]["128"]):
+        assert {"direct", "gateway"} <= set(by_front)
+        assert set(by_front) | set(body["fronts"]["skipped"]) == {
+            "direct",
+            "gateway",
+            "nginx",
+            "vllm-router",
+        }
+        for name, cell in by_front.items():
+            assert cell["ok"] == 40, name
+            assert (cell["cpu_ms_per_request"] is None) == (name == "direct")
+    assert "rps_vs_direct" in body["fronts"]["ratios"]["paced c=128 gateway"]
     streams = body["streams"]
     assert_consistent(streams["run"])
     assert streams["run"]["ok"] == 30

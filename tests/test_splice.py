@@ -1,0 +1,171 @@
+"""splice.py without sockets: a fake instance answer, a fake client transport."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gateway import splice, sse
+
+
+class Source:
+    """The instance's answer: counts the pauses, keeps the sink."""
+
+    def __init__(self) -> None:
+        self.sink: splice.Splice | None = None
+        self.paused = 0
+        self.resumed = 0
+
+    def splice(self, sink: splice.Splice) -> None:
+        self.sink = sink
+
+    def pause_reading(self) -> None:
+        self.paused += 1
+
+    def resume_reading(self) -> None:
+        self.resumed += 1
+
+
+class Client(asyncio.Transport):
+    """The client's transport: keeps what is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class Watch:
+    def __init__(self, behind: bool = False) -> None:
+        self.listener: Callable[[bool], None] | None = None
+        self.behind = behind
+
+    def watch_writing(self, listener: Callable[[bool], None] | None) -> bool:
+        self.listener = listener
+        return self.behind
+
+
+def start(
+    *, silence: float = 10.0, write_timeout: float = 10.0, chunked: bool = True
+) -> tuple[splice.Splice, Source, Client, Watch]:
+    source, client, watch = Source(), Client(), Watch()
+    run = splice.Splice(
+        source,
+        client,
+        sse.Framer(),
+        chunked=chunked,
+        silence=silence,
+        write_timeout=write_timeout,
+    )
+    run.start(watch)
+    assert source.sink is run
+    return run, source, client, watch
+
+
+async def test_whole_events_go_out_with_chunked_framing_and_a_half_event_is_held() -> None:
+    """Each whole event is written at once in HTTP/1.1 chunk framing; a half one waits."""
+    run, _, client, _ = start()
+    run.body(b"data: 1\n\n")
+    assert bytes(client.written) == b"9\r\ndata: 1\n\n\r\n"
+    run.body(b"data: 2")
+    assert bytes(client.written) == b"9\r\ndata: 1\n\n\r\n"
+    run.body(b"\n\n")
+    assert bytes(client.written).endswith(b"9\r\ndata: 2\n\n\r\n")
+    assert run.sent == len(client.written)
+    assert run.framer.events == 2
+    run.ended(None)
+    assert (await run.done) == splice.End(splice.Why.ENDED)
+
+
+async def test_without_chunking_the_bytes_go_out_as_they_are() -> None:
+    """To a client without chunked framing (HTTP/1.0) the events are written bare."""
+    run, _, client, _ = start(chunked=False)
+    run.body(b"data: 1\n\ndata: [DONE]\n\n")
+    assert bytes(client.written) == b"data: 1\n\ndata: [DONE]\n\n"
+    assert run.framer.done
+
+
+async def test_a_client_behind_pauses_the_instance_and_catching_up_resumes_it() -> None:
+    """Over the client's high-water mark the instance's socket stops being read; back
+    under the low one it is read again."""
+    run, source, _, watch = start()
+    assert watch.listener is not None
+    watch.listener(False)
+    assert (source.paused, source.resumed) == (1, 0)
+    assert "behind=True" in repr(run)
+    watch.listener(True)
+    assert (source.paused, source.resumed) == (1, 1)
+    run.stop(watch)
+    assert watch.listener is None
+
+
+async def test_a_client_already_behind_at_the_start_pauses_at_once() -> None:
+    """A client whose buffer is over the mark when the splice starts pauses the instance."""
+    source, client, watch = Source(), Client(), Watch(behind=True)
+    run = splice.Splice(source, client, sse.Framer(), chunked=True, silence=5, write_timeout=5)
+    run.start(watch)
+    assert source.paused == 1
+    assert run.behind
+    run.stop(watch)
+
+
+async def test_a_client_behind_for_the_write_timeout_is_let_go() -> None:
+    """A client that stays behind for `write_timeout` ends the stream as the client's doing."""
+    run, _, _, watch = start(write_timeout=0.05, silence=0.01)
+    assert watch.listener is not None
+    watch.listener(False)
+    end = await asyncio.wait_for(run.done, 2)
+    assert end.why is splice.Why.CLIENT  # not QUIET: the silence clock stopped meanwhile
+
+
+async def test_silence_ends_the_stream_and_only_data_events_reset_it() -> None:
+    """No data event for `silence` seconds ends the stream, keep-alive comments or not."""
+    run, _, client, _ = start(silence=0.1)
+    await asyncio.sleep(0.06)
+    run.body(b"data: 1\n\n")  # moves the clock on
+    await asyncio.sleep(0.06)
+    assert not run.done.done()
+    run.body(b": keep-alive\n\n")  # passed on, but does not
+    end = await asyncio.wait_for(run.done, 2)
+    assert end.why is splice.Why.QUIET
+    assert client.written.endswith(b": keep-alive\n\n\r\n")
+
+
+async def test_a_client_gone_ends_the_stream() -> None:
+    """A chunk for a client whose transport is closing ends the stream as the client's."""
+    run, _, client, _ = start()
+    client.closing = True
+    run.body(b"data: 1\n\n")
+    assert (await run.done).why is splice.Why.CLIENT
+    assert client.written == b""
+
+
+async def test_a_broken_answer_and_undecodable_bytes_say_why() -> None:
+    """The instance breaking the stream, or bytes that do not decode, end it with a reason."""
+    run, _, _, _ = start()
+    run.ended("broke the stream after it started (reset)")
+    assert (await run.done) == splice.End(
+        splice.Why.ENDED, "broke the stream after it started (reset)"
+    )
+
+    source, client, watch = Source(), Client(), Watch()
+
+    def bad(data: bytes) -> bytes:
+        import zlib
+
+        return zlib.decompressobj().decompress(data)
+
+    gz = splice.Splice(
+        source, client, sse.Framer(), chunked=True, silence=5, write_timeout=5, decode=bad
+    )
+    gz.start(watch)
+    gz.body(b"not zlib")
+    assert (await gz.done).broken == "sent stream bytes that do not decode"
+    gz.body(b"data: 1\n\n")  # after the end nothing more is written
+    assert client.written == b""
