@@ -79,8 +79,9 @@ class Proxy:
         # Shutdown is the lifecycle's: it holds the requests in progress and says when
         # their drain time is up.
         self.lifecycle = lifecycle or Lifecycle()
-        self.relay = Relay(metrics, config.channel.timeout.write, dispatcher.clock)
-        self.lifecycle.on_abort(self._abort_streams)
+        self.relay = Relay(
+            metrics, config.channel.timeout.write, dispatcher.clock, lambda: self.aborting
+        )
         self.reconfigure(config, keys, endpoints)
         slo = config.file.slo
         self.recorder = Recorder(
@@ -119,10 +120,6 @@ class Proxy:
     @property
     def aborting(self) -> bool:
         return self.lifecycle.aborting
-
-    def _abort_streams(self) -> None:
-        # The relay still keeps its own copy of the flag (relay.py is the seam's to change).
-        self.relay.aborting = True
 
     # ------------------------------------------------------------ handler
 

@@ -114,11 +114,23 @@ def _stream_decoder(response: UpstreamResponse) -> Decode | None:
 
 
 class Relay:
-    def __init__(self, metrics: Metrics, write_timeout: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        write_timeout: float,
+        clock: Callable[[], float],
+        aborting: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.metrics = metrics
         self.write_timeout = write_timeout
         self.clock = clock
-        self.aborting = False  # set when the drain deadline passed: end streams in-band
+        self._aborting = aborting  # the lifecycle's: the drain deadline passed
+
+    @property
+    def aborting(self) -> bool:
+        """Whether a cancelled stream is ours to end in-band (the drain is over), not a
+        client that left; the lifecycle owns the flag, the relay only reads it."""
+        return self._aborting()
 
     async def whole(
         self,
