@@ -16,7 +16,7 @@ from aiohttp import web
 from . import errors
 from .dispatch import Lane, Outcome
 from .exchange import Exchange
-from .relay import Whole
+from .relay_records import Whole
 from .routes import Route
 from .upstream import AttemptFailed
 

@@ -34,7 +34,8 @@ from .intake import Intake, max_tokens_of
 from .lifecycle import Lifecycle
 from .metrics import ERROR_KINDS, Metrics
 from .recorder import EXCHANGE, Recorder
-from .relay import Relay, Unusable, Whole
+from .relay import Relay
+from .relay_records import Unusable, Whole
 from .routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from .tokenizer import TokenCounter
 from .upstream import AttemptFailed, Upstream, UpstreamResponse

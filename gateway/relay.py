@@ -8,13 +8,10 @@ only (so an in-band error never lands inside a half-sent one) and counts them th
 however TCP split them; it parses no JSON. It times only the writes that may block, so a
 client that keeps up costs nothing extra.
 
-Every method returns a value and writes no one else's state: before the commit an answer
-that cannot be passed on is `Unusable` (why, and the error for the client); a committed
-stream ends in a `Streamed` record that the proxy copies into the request's `Exchange`.
-The relay holds the attempt's `Lease`, through which it tells the scheduler of the first
-token and the time per token. After the commit, a stream the instance breaks, ends
-without `data: [DONE]`, or leaves without a data event for longer than the silence
-allowed ends with an in-band error event and `data: [DONE]`.
+Every method returns a value (`relay_records.py`) and writes no one else's state; it
+tells the scheduler of the first token and the time per token through the attempt's
+`Lease`. After the commit, a stream the instance breaks, ends without `data: [DONE]`, or
+keeps silent longer than allowed ends with an in-band error event and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from aiohttp import web
@@ -31,6 +27,7 @@ from . import errors, log, splice, sse
 from .dispatch import Outcome
 from .dispatcher import Lease
 from .metrics import Metrics
+from .relay_records import Started, Streamed, Unusable, Whole, stream_decoder
 from .routes import CHAT
 from .upstream import AttemptFailed, UpstreamResponse
 
@@ -44,45 +41,6 @@ _log = log.get("gateway.proxy")
 _BACKLOG = 16 * 1024
 _MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not held
 
-Decode = Callable[[bytes], bytes]
-
-
-@dataclass(frozen=True)
-class Unusable:
-    """An answer that cannot be passed on (nothing of it was sent): why, and our error."""
-
-    reason: str  # "connect", "timeout" or "bad_response", as `AttemptFailed.kind`
-    error: errors.GatewayError
-
-
-@dataclass(frozen=True)
-class Whole:
-    """A complete answer, ready to pass on, and its completion tokens when readable."""
-
-    response: web.Response
-    tokens: int | None
-
-
-@dataclass(frozen=True)
-class Started:
-    """A stream whose first data event arrived: its framer, its decoder, the bytes to send."""
-
-    framer: sse.Framer
-    decode: Decode | None
-    first: bytes
-
-
-@dataclass(frozen=True)
-class Streamed:
-    """What relaying a committed stream did, for the proxy to record."""
-
-    response: web.StreamResponse
-    status: int  # 200, or 499 when the client left
-    outcome: Outcome  # what it says about the instance
-    error: str | None  # why it ended badly, for the instance's record
-    tokens: int | None = None
-    tpot: float | None = None  # seconds per output token after the first, when measured
-
 
 class _Out(web.StreamResponse):
     """A stream answer whose bytes written below aiohttp (splice.py) count as its own."""
@@ -92,25 +50,6 @@ class _Out(web.StreamResponse):
     @property
     def body_length(self) -> int:
         return super().body_length + self.spliced
-
-
-def _stream_decoder(response: UpstreamResponse) -> Decode | None:
-    """How to undo the stream's Content-Encoding (None: it has none).
-
-    The gateway never asks for compression, but a stream that comes compressed anyway is
-    decoded here rather than passed on encoded: the framer must see the events to pass on
-    whole ones, count tokens and append an in-band error, none of which works on gzip bytes.
-    Raises ValueError, with the message for the client, for an encoding it cannot undo.
-    """
-    encoding = response.headers.get("Content-Encoding", "").strip().lower()
-    if encoding in ("", "identity"):
-        return None
-    if encoding in ("gzip", "x-gzip", "deflate"):
-        return zlib.decompressobj(32 + zlib.MAX_WBITS).decompress  # gzip or zlib header
-    raise ValueError(
-        f"the vLLM instance sent its stream with Content-Encoding {encoding[:40]!r}, "
-        "which the gateway cannot decode: expected none, gzip or deflate"
-    )
 
 
 class Relay:
@@ -176,7 +115,7 @@ class Relay:
         200 before the instance has shown a token, and a retry would no longer be possible.
         """
         try:
-            decode = _stream_decoder(response)
+            decode = stream_decoder(response)
         except ValueError as unknown:
             return Unusable("bad_response", errors.UpstreamError(str(unknown)))
         framer = sse.Framer(_MAX_EVENT)

@@ -19,9 +19,10 @@ from typing import Any
 from aiohttp import web
 
 from . import log
-from .app import DISPATCHER, HEALTH, PROXY, endpoints_of, probe_targets, scheduler_inputs
+from .app import DISPATCHER, HEALTH, PROXY
 from .auth import KeyChecker
 from .config import Config, ConfigError, load
+from .fleet_inputs import endpoints_of, probe_targets, scheduler_inputs
 from .schema import ConfigFile, Settings
 
 _log = log.get("gateway.reload")

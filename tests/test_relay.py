@@ -24,7 +24,8 @@ from gateway import errors
 from gateway.attempt import Call
 from gateway.dispatch import Lane, Outcome
 from gateway.metrics import Metrics
-from gateway.relay import Relay, Started, Streamed, Unusable, Whole
+from gateway.relay import Relay
+from gateway.relay_records import Started, Streamed, Unusable, Whole
 from gateway.routes import CHAT, RESPONSES
 from gateway.upstream import AttemptFailed
 
