@@ -139,3 +139,14 @@ async def fleet(*configs: SimConfig) -> AsyncIterator[list[SimInstance]]:
     finally:
         for sim in sims:
             await sim.stop()
+
+
+def log_events(text: str) -> list[dict[str, Any]]:
+    """The JSON log lines in a process's output, other lines skipped."""
+    events = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict):
+                events.append(event)
+    return events

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakes import KEY, write_config
+from fakes import KEY, log_events, write_config
 from redis_server import RedisServer, free_port, redis_server
 
 from gateway.sim.sim_vllm import SimConfig, SimInstance
@@ -321,15 +320,5 @@ def test_redis_killed_mid_run_fails_no_request_and_the_view_recovers(run: Run) -
     assert all(s.done for s in run.outage_streams), [s.error for s in run.outage_streams]
     assert run.outage_requests == [200] * len(run.outage_requests)
     assert run.after_redis_returns == [(1.0, 1.0), (1.0, 1.0)]
-    down = [e for e in _events(run.logs) if e.get("event") == "shared_state_down"]
+    down = [e for e in log_events(run.logs) if e.get("event") == "shared_state_down"]
     assert len(down) == 2  # logged once per replica, not once per failed round
-
-
-def _events(text: str) -> list[dict[str, Any]]:
-    events = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            event = json.loads(line)
-            if isinstance(event, dict):
-                events.append(event)
-    return events

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakes import KEY, write_config
+from fakes import KEY, log_events, write_config
 from faultproxy import eventually
 from redis_server import redis_server
 
@@ -89,19 +88,9 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _events(text: str) -> list[dict[str, Any]]:
-    events = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            event = json.loads(line)
-            if isinstance(event, dict):
-                events.append(event)
-    return events
-
-
 def _named(run_or_text: Run | str, name: str) -> list[dict[str, Any]]:
     text = run_or_text.log if isinstance(run_or_text, Run) else run_or_text
-    return [e for e in _events(text) if e.get("event") == name]
+    return [e for e in log_events(text) if e.get("event") == name]
 
 
 def _session() -> aiohttp.ClientSession:
@@ -361,7 +350,7 @@ async def _signals(folder: Path) -> Signals:
             proc.send_signal(signal.SIGHUP)
 
             async def handled_by_all() -> bool:
-                events = _events((await _read(log))[before:])
+                events = log_events((await _read(log))[before:])
                 return {str(e["worker_pid"]) for e in events if "worker_pid" in e} >= pids
 
             async with asyncio.timeout(15):  # each worker reloads on its own: a loaded
@@ -392,7 +381,7 @@ def signals(tmp_path_factory: pytest.TempPathFactory) -> Signals:
 
 def test_sighup_reaches_every_worker_and_kills_none(signals: Signals) -> None:
     """SIGHUP is forwarded: each worker logs its handling of it, none dies, requests go on."""
-    events = _events(signals.after_hup)
+    events = log_events(signals.after_hup)
     assert [e["event"] for e in events if "worker_pid" not in e] == ["sighup_forwarded"]
     handled = {str(e["worker_pid"]) for e in events if "worker_pid" in e}
     assert handled == signals.worker_pids
