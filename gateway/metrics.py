@@ -1,9 +1,8 @@
 """Prometheus metrics, on a registry owned by the app (never the global one).
 
-Request-path metrics are counters and histograms updated once per request. Everything
-that describes current state (queue depths, in-flight, up/down, scraped vLLM load) is
-read from a snapshot of the scheduler taken at scrape time by `StateCollector`, so the hot
-path pays nothing for it.
+Request-path metrics are counters and histograms updated once per request. Current state
+(queues, in-flight, up/down, vLLM load) is read by `StateCollector` from a scheduler
+snapshot at scrape time, so the hot path pays nothing for it.
 
 Conventions (what a Prometheus user expects): the vLLM instance is the label `server`
 (`instance` and `job` are Prometheus' own target labels), 0..1 gauges end in `_ratio`,

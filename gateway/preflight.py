@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from .config import Config, ConfigError
-from .schema import LOOPBACK, InstanceConfig, host_key, is_address
+from .schema import InstanceConfig
+from .urls import LOOPBACK, host_key, is_address
 
 # A host name lookup at start-up waits no longer than this, all names together.
 RESOLVE_TIMEOUT_S = 2.0

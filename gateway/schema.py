@@ -6,7 +6,6 @@ Unknown keys are errors (`extra="forbid"`), so a typo never passes silently. Loa
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from .dispatch.model import InstanceLane
 from .dispatch.select import STRATEGIES
+from .urls import LOOPBACK, check_http_url, endpoint
+
+# RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Frozen(BaseModel):
@@ -350,57 +354,3 @@ class Settings(Frozen):
                 raise ValueError("give either 'channel' or 'taotoken', not both")
             data = {("channel" if k == "taotoken" else k): v for k, v in data.items()}
         return data
-
-
-LOOPBACK = "loopback"
-# RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-def endpoint(url: str) -> tuple[str, int]:
-    """Where an http(s) URL connects: its host (as `host_key` gives it) and port.
-
-    The port is the scheme's default when the URL names none.
-    """
-    parts = urlsplit(url)
-    return host_key(parts.hostname or ""), parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def host_key(host: str) -> str:
-    """A host name or address, normalised: one spelling for one machine.
-
-    Lower case, no trailing dot, an IP address in its compressed form (an IPv4-mapped
-    IPv6 address as IPv4); localhost, 127.0.0.0/8 and ::1 all become `LOOPBACK`.
-    """
-    host = host.lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
-        return LOOPBACK
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
-    return LOOPBACK if address.is_loopback else address.compressed
-
-
-def is_address(host: str) -> bool:
-    """Whether `host` is an IP address rather than a name."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def check_http_url(value: str) -> None:
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"the URL {value!r} must not carry a query or fragment")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError as exc:
-        raise ValueError(f"bad port in URL {value!r}") from exc
