@@ -21,7 +21,7 @@ from loadtest import (
     scenarios,
 )
 from loadtest.helpfmt import HelpFormatter
-from loadtest.loadgen import Mix
+from loadtest.loadgen import SEED_MIX, Mix
 from loadtest.workloads import ConversationMix, PrefixMix
 
 SPEEDS_HELP = "simulated instances' relative speeds, one instance each"
@@ -208,10 +208,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=defaults.duration, help="seconds per load")
     p.add_argument("--name", default=defaults.name, help="report file name")
     g = p.add_argument_group("workload mix (default: the issue's)")
-    g.add_argument("--long-share", type=float, default=lanes_bench.ISSUE_MIX.long_share)
-    g.add_argument("--short-tokens", type=_range, default=lanes_bench.ISSUE_MIX.short_tokens)
-    g.add_argument("--long-tokens", type=_range, default=lanes_bench.ISSUE_MIX.long_tokens)
-    g.add_argument("--max-tokens", type=_range, default=lanes_bench.ISSUE_MIX.max_tokens)
+    g.add_argument("--long-share", type=float, default=SEED_MIX.long_share)
+    g.add_argument("--short-tokens", type=_range, default=SEED_MIX.short_tokens)
+    g.add_argument("--long-tokens", type=_range, default=SEED_MIX.long_tokens)
+    g.add_argument("--max-tokens", type=_range, default=SEED_MIX.max_tokens)
     _common(p)
 
     p = sub.add_parser(

@@ -29,7 +29,17 @@ from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
 from loadtest import compare, harness, report
-from loadtest.loadgen import Client, Mix, RequestSpec, Route, Run, make_workload, run_open, session
+from loadtest.loadgen import (
+    SEED_MIX,
+    Client,
+    Mix,
+    RequestSpec,
+    Route,
+    Run,
+    make_workload,
+    run_open,
+    session,
+)
 from loadtest.scenarios import (
     Common,
     cores,
@@ -40,10 +50,6 @@ from loadtest.scenarios import (
     say,
     summarize,
     write_json,
-)
-
-ISSUE_MIX = Mix(
-    long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)
 )
 
 
@@ -60,7 +66,7 @@ class LanesOptions:
     max_num_batched_tokens: int = 8192
     loads: tuple[float, ...] = (0.75, 1.0)
     duration: float = 40.0  # seconds of Poisson arrivals per load
-    mix: Mix = field(default_factory=lambda: ISSUE_MIX)
+    mix: Mix = field(default_factory=lambda: SEED_MIX)
     name: str = "lanes"  # the report's file name (JSON and PNG)
 
 

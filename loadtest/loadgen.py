@@ -56,6 +56,13 @@ class Mix:
         return sum(self.max_tokens) / 2
 
 
+# The seed's slow-card mix (issues 10 and 12): half 200-token, half 6,000-token prompts,
+# 32 output tokens each.
+SEED_MIX = Mix(
+    long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)
+)
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request of a workload: when it is sent (open loop) and what it asks for."""

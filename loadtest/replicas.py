@@ -45,6 +45,7 @@ from loadtest import harness, plots, report
 from loadtest.compare import capacity
 from loadtest.helpfmt import HelpFormatter
 from loadtest.loadgen import (
+    SEED_MIX,
     Client,
     Mix,
     RequestSpec,
@@ -65,10 +66,6 @@ from loadtest.scenarios import (
     write_json,
 )
 from loadtest.workloads import PrefixMix, make_prefix_workload
-
-SEED_MIX = Mix(
-    long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)
-)
 
 
 @dataclass(frozen=True)
