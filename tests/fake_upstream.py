@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.upstream import AttemptFailed
+from gateway.upstream import AttemptFailed, Upstream
 
 
 @dataclass(frozen=True)
@@ -127,20 +127,8 @@ class FakeUpstream:
             raise answer
         return answer
 
-    async def fetch(
-        self,
-        url: str,
-        *,
-        method: str = "GET",
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout: float,
-    ) -> tuple[int, bytes]:
-        response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
-        try:
-            return response.status, await response.read(timeout)
-        finally:
-            response.release()
+    # The real one, on the scripted `open`: a small exchange is open, read whole, release.
+    fetch = Upstream.fetch
 
     def __repr__(self) -> str:
         return f"<FakeUpstream sent={len(self.sent)} left={len(self.answers)}>"
