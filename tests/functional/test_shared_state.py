@@ -27,6 +27,13 @@ def sections(redis: RedisServer) -> dict[str, dict[str, object]]:
     }
 
 
+def slow_rounds(redis: RedisServer, **shared: object) -> dict[str, dict[str, object]]:
+    """Rounds 5 s apart (TTL 10 s), so whatever arrives sooner came by a push."""
+    settings = sections(redis)
+    settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0, **shared}
+    return settings
+
+
 async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not check():
@@ -123,17 +130,11 @@ async def test_a_process_that_stops_publishing_leaves_the_view_within_the_ttl() 
 async def test_a_changed_load_reaches_the_others_between_rounds() -> None:
     """With rounds 5 s apart, A's new stream and its end reach B's view within a second (push)."""
     with redis_server() as redis:
-        slow_rounds = sections(redis)
-        slow_rounds["shared"] = {
-            "redis_url": redis.url,
-            "publish_interval": 5.0,
-            "ttl": 10.0,
-            "push_interval": 0.02,
-        }
+        rounds = slow_rounds(redis, push_interval=0.02)
         async with (
             fleet(ONE_SLOT) as sims,
-            gateway_with(sims, sections=slow_rounds) as a,
-            gateway_with(sims, sections=slow_rounds) as b,
+            gateway_with(sims, sections=rounds) as a,
+            gateway_with(sims, sections=rounds) as b,
         ):
             name = a.names()[0]
             await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
@@ -147,14 +148,13 @@ async def test_a_changed_load_reaches_the_others_between_rounds() -> None:
 async def test_a_queued_request_placed_on_a_peers_push_is_pushed_too() -> None:
     """B's waiting request takes the slot A's push freed; A sees B's request there at once."""
     with redis_server() as redis:
-        slow_rounds = sections(redis)
-        slow_rounds["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
+        rounds = slow_rounds(redis)
         async with (
             # A slow prefill: B's first token comes long after it is placed, so only the
             # placement itself can tell A in time.
             fleet(dataclasses.replace(ONE_SLOT, prefill_tokens_per_s=2)) as sims,
-            gateway_with(sims, sections=slow_rounds) as a,
-            gateway_with(sims, sections=slow_rounds) as b,
+            gateway_with(sims, sections=rounds) as a,
+            gateway_with(sims, sections=rounds) as b,
         ):
             name = a.names()[0]
             await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
@@ -171,13 +171,7 @@ async def test_a_queued_request_placed_on_a_peers_push_is_pushed_too() -> None:
 async def test_a_change_after_a_quiet_spell_is_pushed_at_once_later_ones_coalesce() -> None:
     """With a 2 s push interval, A's first change reaches B at once; its next waits the interval."""
     with redis_server() as redis:
-        settings = sections(redis)
-        settings["shared"] = {
-            "redis_url": redis.url,
-            "publish_interval": 5.0,
-            "ttl": 10.0,
-            "push_interval": 2.0,
-        }
+        settings = slow_rounds(redis, push_interval=2.0)
         async with (
             fleet(ONE_SLOT) as sims,
             gateway_with(sims, sections=settings) as a,
