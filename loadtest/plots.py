@@ -53,6 +53,19 @@ def throughput_panel(ax: Any, summaries: Sequence[Summary], what: str = "output_
     ax.legend(fontsize=7)
 
 
+def requests_panel(ax: Any, xs: Sequence[float], line: dict[str, list[int]], size: float) -> None:
+    """Answered and failed requests a second over a run, from per-bin counts."""
+    ax.plot(xs, [v / size for v in line["ok"]], "-", drawstyle="steps-mid", label="ok req/s")
+    ax.plot(
+        xs,
+        [v / size for v in line["failed"]],
+        "-",
+        drawstyle="steps-mid",
+        color="C3",
+        label="failed req/s",
+    )
+
+
 def plot_run(summary: Summary, path: Path, title: str) -> None:
     """One run: TTFT median over time with the run's percentiles; requests/s and tokens/s."""
     plt = report._pyplot()
@@ -80,15 +93,7 @@ def plot_run(summary: Summary, path: Path, title: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     ax = axes[1]
-    ax.plot(xs, [v / size for v in line["ok"]], "-", drawstyle="steps-mid", label="ok req/s")
-    ax.plot(
-        xs,
-        [v / size for v in line["failed"]],
-        "-",
-        drawstyle="steps-mid",
-        color="C3",
-        label="failed req/s",
-    )
+    requests_panel(ax, xs, line, size)
     ax.set_xlabel("time since the run's start (s)")
     ax.set_ylabel("requests/s")
     ax.grid(True, alpha=0.3)
@@ -203,15 +208,7 @@ def plot_soak(body: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel("latency of answered requests (s)")
     ax.set_title(f"latency, n={n_of(stats)} answered of {body['sent']} sent", fontsize=9)
     ax = axes[1]
-    ax.plot(xs, [v / size for v in line["ok"]], "-", drawstyle="steps-mid", label="ok req/s")
-    ax.plot(
-        xs,
-        [v / size for v in line["failed"]],
-        "-",
-        drawstyle="steps-mid",
-        color="C3",
-        label="failed req/s",
-    )
+    requests_panel(ax, xs, line, size)
     ax.set_ylabel("requests/s")
     ax.set_title("throughput over time", fontsize=9)
     for ax in axes:
