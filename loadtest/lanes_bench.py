@@ -11,7 +11,10 @@ default, with the split between the lanes; flags after a colon, joined by `+`, c
 that: `shared` sets `lane_split = false`, every instance serving both lanes and long
 prefills capped by `max_long_per_instance` (the gateway before the split);
 `over_objective` sets `least_time_decode = "over_objective"` (least_time before it
-counted every output token), e.g. `least_time:shared+over_objective`. The baselines a
+counted every output token), e.g. `least_time:shared+over_objective`; `queue_all` sets
+`max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
+is served, late if need be, as the baselines do (like with like for tokens/s, and a p99
+over every request rather than over the ones admitted). The baselines a
 user would pick instead, `nginx` (least_conn) and `vllm-router` (cache_aware), come from
 `loadtest/baselines.py` and are skipped with a line where they are not installed.
 
@@ -52,6 +55,8 @@ from loadtest.scenarios import (
     write_json,
 )
 
+QUEUE_ALL = 600.0  # s: longer than any run, so no request is refused for its wait
+
 
 @dataclass(frozen=True)
 class LanesOptions:
@@ -76,7 +81,7 @@ async def _gateway_run(
     """One fresh fleet behind a fresh gateway running `setup`; the run and the fleet's names."""
     strategy, _, variant = setup.partition(":")
     flags = set(variant.split("+")) if variant else set()
-    unknown = flags - {"shared", "over_objective"}
+    unknown = flags - {"shared", "over_objective", "queue_all"}
     if unknown:
         raise ValueError(f"unknown setup flags {sorted(unknown)} in {setup!r}")
     gw_core, fleet_core = cores(common)
@@ -104,9 +109,7 @@ async def _gateway_run(
                     "long_tpot": common.tpot_slo,
                 },
                 extra={"prefill": {"lane_split": "shared" not in flags}},
-                dispatch={"least_time_decode": "over_objective"}
-                if "over_objective" in flags
-                else None,
+                dispatch=_dispatch(flags),
             )
         )
         route: Route = lambda spec, worker: gw.base_url  # noqa: E731
@@ -114,6 +117,16 @@ async def _gateway_run(
         run = await run_open(client, specs, route, label=setup, limit=common.limit)
         return run, fleet_names(fleet.urls, opts.speeds)
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
+
+
+def _dispatch(flags: set[str]) -> dict[str, Any]:
+    """The `[dispatch]` settings a setup's flags ask for."""
+    out: dict[str, Any] = {}
+    if "over_objective" in flags:
+        out["least_time_decode"] = "over_objective"
+    if "queue_all" in flags:
+        out["max_queue_wait"] = QUEUE_ALL
+    return out
 
 
 def by_class(run: Run, common: Common, names: dict[str, str]) -> report.Summary:

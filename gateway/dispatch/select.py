@@ -91,6 +91,32 @@ def _lowest(
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
+def least_prefill_work(candidates: Sequence[InstanceState], ticket: Ticket) -> list[InstanceState]:
+    """The candidates where the least prefill work stands before `ticket`'s first token,
+    over the instance's weight: the uncached prompt tokens of ours and the peers' still
+    short of their first token there, plus its own prompt less what is cached there.
+
+    A long prompt's first token waits for the prefills ahead of it, not for the requests
+    decoding there (each takes one token of a step's budget): counted in requests, an
+    instance with a 6,000-token prompt prefilling and one request decoding looks less
+    busy than one with three decoding and nothing to prefill, and the long prompt waits
+    0.3 s behind the first while the second was free (`loadtest lanes`). Its own
+    uncached part keeps a cached prefix worth what it saves.
+    """
+    work = {
+        c.name: (
+            c.pending_prefill_tokens
+            + c.peers.pending_prefill_tokens
+            + ticket.tokens
+            - c.cached_tokens(ticket)
+        )
+        / c.spec.weight
+        for c in candidates
+    }
+    least = min(work.values(), default=0.0)
+    return [c for c in candidates if work[c.name] <= least]
+
+
 class LeastBusy:
     name = "least_busy"
 
@@ -108,6 +134,8 @@ class LeastBusy:
         rng: random.Random,
     ) -> InstanceState:
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
+        if ticket.lane is Lane.LONG:
+            candidates = least_prefill_work(candidates, ticket)
         scores = score_all(fleet, now, self.stale_after)
         costs = {c.name: scores[c.name].total for c in candidates}
         if ticket.prefix and ticket.tokens:

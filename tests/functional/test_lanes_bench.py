@@ -12,9 +12,10 @@ TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_
 
 
 async def test_lanes_smoke(tmp_path: Path) -> None:
-    """lanes runs the split, the shared gateway and an unknown setup (skipped), per class."""
+    """lanes runs the split, the shared gateway queueing all, and an unknown setup (skipped),
+    per class."""
     opts = lanes_bench.LanesOptions(
-        setups=("least_busy:shared", "least_time:over_objective", "nginx_nowhere"),
+        setups=("least_busy:shared+queue_all", "least_time:over_objective", "nginx_nowhere"),
         speeds=(1.0, 0.4),
         loads=(0.4,),
         duration=2.0,
@@ -23,7 +24,7 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
     common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
     body = await lanes_bench.lanes(opts, common)
     runs = body["loads"]["0.4"]
-    assert set(runs) == {"least_busy:shared", "least_time:over_objective"}
+    assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective"}
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():
         assert summary["ok"] == summary["requests"]
@@ -32,3 +33,14 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
         assert summary["short_ttft_s"]["p50"] is not None
     assert json.loads((tmp_path / "lanes.json").read_text())["loads"]
     assert (tmp_path / "lanes.png").exists() == report.can_plot()
+
+
+def test_setup_flags_become_dispatch_settings() -> None:
+    """`queue_all` lifts the queue wait past any run; `over_objective` picks the decode
+    rule; no flag leaves the gateway's defaults."""
+    assert lanes_bench._dispatch(set()) == {}
+    assert lanes_bench._dispatch({"queue_all"}) == {"max_queue_wait": lanes_bench.QUEUE_ALL}
+    assert lanes_bench._dispatch({"over_objective", "queue_all", "shared"}) == {
+        "least_time_decode": "over_objective",
+        "max_queue_wait": lanes_bench.QUEUE_ALL,
+    }
