@@ -101,8 +101,11 @@ def least_prefill_work(candidates: Sequence[InstanceState], ticket: Ticket) -> l
     instance with a 6,000-token prompt prefilling and one request decoding looks less
     busy than one with three decoding and nothing to prefill, and the long prompt waits
     0.3 s behind the first while the second was free (`loadtest lanes`). Its own
-    uncached part keeps a cached prefix worth what it saves.
+    uncached part keeps a cached prefix worth what it saves. An instance with no running
+    slot free would queue it behind a whole decode: those count only if all are full.
     """
+    free = [c for c in candidates if c.fleet_inflight < c.spec.slots]
+    candidates = free or candidates
     work = {
         c.name: (
             c.pending_prefill_tokens

@@ -205,3 +205,17 @@ def test_a_first_token_clears_the_prefill_work(seed: int) -> None:
     long = Ticket(99, Lane.LONG, 1e9, tokens=6000, max_tokens=32)
     decision = sched.submit(long, 0.3, rng)
     assert decision == Assigned(long, "prefilling"), decision
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_long_prompt_avoids_an_instance_without_a_free_slot(seed: int) -> None:
+    """No prefill work ahead is no help where every running slot is taken: the long
+    prompt goes to the instance with a slot free, though a prefill is pending there."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("full", slots=2), InstanceSpec("prefilling", slots=2))
+    place_long(sched, 1, "prefilling", rng)
+    for i in (2, 3):
+        place(sched, i, "full", rng)
+    long = Ticket(99, Lane.LONG, 1e9, tokens=6000, max_tokens=32)
+    decision = sched.submit(long, 0.0, rng)
+    assert decision == Assigned(long, "prefilling"), decision
