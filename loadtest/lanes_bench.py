@@ -7,9 +7,11 @@ server on GPUs of 70 GiB and more), Poisson arrivals at each of `loads` times th
 capacity. Every setup gets a fresh fleet (and gateway) and exactly the same requests.
 
 Setups: a strategy name (`least_busy`, `least_time`) runs the gateway as configured by
-default, with the split between the lanes; flags after a colon, joined by `+`, change
-that: `shared` sets `lane_split = false`, every instance serving both lanes and long
-prefills capped by `max_long_per_instance` (the gateway before the split);
+default, with the split between the lanes; `@ref` at the end runs the gateway as
+committed at that git ref (a change beside its parent in one run: `least_busy@HEAD~1`);
+flags after a colon, joined by `+`, change the settings: `shared` sets
+`lane_split = false`, every instance serving both lanes and long prefills capped by
+`max_long_per_instance` (the gateway before the split);
 `over_objective` sets `least_time_decode = "over_objective"` (least_time before it
 counted every output token), e.g. `least_time:shared+over_objective`; `queue_all` sets
 `max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
@@ -79,6 +81,7 @@ async def _gateway_run(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> tuple[Run, dict[str, str]]:
     """One fresh fleet behind a fresh gateway running `setup`; the run and the fleet's names."""
+    setup, _, ref = setup.partition("@")
     strategy, _, variant = setup.partition(":")
     flags = set(variant.split("+")) if variant else set()
     unknown = flags - {"shared", "over_objective", "queue_all"}
@@ -86,6 +89,9 @@ async def _gateway_run(
         raise ValueError(f"unknown setup flags {sorted(unknown)} in {setup!r}")
     gw_core, fleet_core = cores(common)
     async with contextlib.AsyncExitStack() as stack:
+        # Pinned: the run's report names the commit that ran, not what HEAD~1 meant later.
+        pinned = harness.pin_ref(ref) if ref else None
+        source = stack.enter_context(harness.exported_gateway(pinned)) if pinned else None
         fleet = await stack.enter_async_context(
             harness.fleet_process(
                 opts.speeds,
@@ -101,7 +107,7 @@ async def _gateway_run(
                 strategy=strategy,
                 max_num_seqs=opts.max_num_seqs,
                 core=gw_core,
-                source=common.gateway_dir,
+                source=source or common.gateway_dir,
                 slo={
                     "ttft": common.ttft_slo,
                     "tpot": common.tpot_slo,
@@ -188,7 +194,7 @@ async def _one(
             say(f"{setup}: skipped ({why})")
             return None
         run, names = await _baseline_run(setup, specs, opts, common, fronts)
-    elif setup.partition(":")[0] in ("least_busy", "least_time", "round_robin"):
+    elif setup.partition("@")[0].partition(":")[0] in ("least_busy", "least_time", "round_robin"):
         run, names = await _gateway_run(setup, specs, opts, common)
     else:
         say(f"{setup}: skipped (no such setup here)")

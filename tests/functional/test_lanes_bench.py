@@ -12,10 +12,10 @@ TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_
 
 
 async def test_lanes_smoke(tmp_path: Path) -> None:
-    """lanes runs the split, the shared gateway queueing all, and an unknown setup (skipped),
-    per class."""
+    """lanes runs the shared gateway queueing all, least_time as committed at HEAD, and an
+    unknown setup (skipped), per class."""
     opts = lanes_bench.LanesOptions(
-        setups=("least_busy:shared+queue_all", "least_time:over_objective", "nginx_nowhere"),
+        setups=("least_busy:shared+queue_all", "least_time:over_objective@HEAD", "nginx_nowhere"),
         speeds=(1.0, 0.4),
         loads=(0.4,),
         duration=2.0,
@@ -24,7 +24,7 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
     common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
     body = await lanes_bench.lanes(opts, common)
     runs = body["loads"]["0.4"]
-    assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective"}
+    assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective@HEAD"}
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():
         assert summary["ok"] == summary["requests"]
