@@ -20,6 +20,11 @@ of consecutive failed requests, so a backend that fails fast does not attract tr
 by looking idle. The affinity term is worth at most one request in flight: it decides
 between instances about equally loaded and never overrides a real imbalance. Ties break
 at random.
+
+A long prompt (the long lane) is first narrowed to the instances with a running slot
+free and, of those, the least prefill work before its first token
+(`least_prefill_work`); the score decides among them. Its wait is the prefills ahead,
+which a count of requests does not see.
 """
 
 from __future__ import annotations
