@@ -6,10 +6,10 @@ decisions. Decisions about requests that were waiting in the gateway queue come 
 a list from whichever call freed room (`release`, `prefill_done`, `probe`), and the
 shell wakes those requests.
 
-Where a request may go (an instance's limits, its lane, its models) is `Fleet`'s to say
-(`fleet.py`). When no instance has room, the request waits in a bounded FIFO queue of its lane (and
-model), for at most its lane's `max_queue_wait` and never past its deadline; one whose
-predicted wait is already longer is refused at arrival (see `admission.py`).
+Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
+no room, it waits in a bounded FIFO queue of its lane (and model) for at most the lane's
+`max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
+at once (`admission.py`), unless the split lends it a place of the other lane's.
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each instance (`affinity.py`) is estimated here, counts in
@@ -140,7 +140,9 @@ class Scheduler(Fleet):
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
         refused = admission.refusal(ahead, rate, budget)
-        if refused is not None:
+        if refused is not None:  # but first a place of the other lane's, if it has one
+            if spill := self._spill_candidates(ticket, now, len(self._holding)):
+                return self._assign(ticket, spill, now, rng)
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
@@ -182,9 +184,9 @@ class Scheduler(Fleet):
     ) -> list[Decision]:
         """The first token arrived `ttft` s after the request was sent to its instance.
 
-        The request's prompt leaves the instance's prefill work; the time teaches the
-        instance's prefill rate (on the tokens it had to compute: a cache hit is not a
-        fast card); a long request gives up its long-prefill place.
+        Its prompt leaves the instance's prefill work; the time teaches the prefill rate
+        (on the tokens computed: a cache hit is not a fast card); a long one gives up its
+        long-prefill place.
         """
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
@@ -200,10 +202,10 @@ class Scheduler(Fleet):
     def update_lanes(
         self, now: float, rng: random.Random
     ) -> tuple[dict[str, Lane], list[Decision]]:
-        """Re-size the split between the lanes (a health round); return the moves made and
-        the queued requests that an instance's new lane lets go."""
+        """Re-size the split (a health round); return the moves and the queued requests
+        placed now: a new lane, or an ejection that ran out unannounced, lets them go."""
         moves = self.lanes.evaluate(self.states, now)
-        return moves, self._drain(now, rng) if moves else []
+        return moves, self._drain(now, rng) if moves or self._queues else []
 
     def release(
         self,
@@ -291,10 +293,9 @@ class Scheduler(Fleet):
     ) -> list[Decision]:
         """What the other gateway processes hold now (load, queues, learned speeds).
 
-        Their load counts toward every instance's limit and score; their speeds blend
-        with ours, so every process judges a slow card alike. An empty view (no shared
-        store, or it is away) is the local view alone. With `drain` False, queued
-        requests wait for the shell's `drain` call even where room has freed.
+        Their load counts toward every limit and score; their speeds blend with ours, so
+        every process judges a slow card alike. An empty view is the local view alone.
+        With `drain` False, queued requests wait for the shell's `drain` call.
         """
         self._shared = view
         self._drained.peers = view.rates
