@@ -33,7 +33,7 @@ class CorePlan:
             f" {cores_text(self.gateway)} share cores with the fleet"
             f" ({cores_text(self.fleet)}) and the load generator ({cores_text(self.load)}),"
             " or have fewer cores than workers (this process may use"
-            f" {len(self.available)}: {cores_text(self.available)}). The ratio below says"
+            f" {len(self.available)}: {cores_text(self.available)}): the ratio it gives says"
             " nothing about how the gateway scales across cores."
         )
 

@@ -284,9 +284,21 @@ def table(body: dict[str, Any]) -> str:
             f"\n{name}: requests/s {r['requests_per_s']:.2f}x,"
             f" CPU per request {r['cpu_per_request']:.2f}x"
         )
+    lines += unsaturated(body["setups"])
     if body["warning"]:
         lines.append(body["warning"])
     return "\n".join(lines)
+
+
+def unsaturated(setups: dict[str, dict[str, Any]], share: float = 0.9) -> list[str]:
+    """A line for each setup whose gateway used under `share` of a core per worker: there
+    the load generator or the fleet set the pace, so its requests/s is not the gateway's."""
+    return [
+        f"workers={w}: the gateway used {s['gateway_cores_used']:.2f} cores for {w} workers:"
+        " NOT SATURATED (the load or the fleet set the pace: give them more cores)"
+        for w, s in setups.items()
+        if s["gateway_cores_used"] < share * int(w)
+    ]
 
 
 def _workers(text: str) -> tuple[int, ...]:

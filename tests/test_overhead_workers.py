@@ -169,3 +169,16 @@ def test_ratios_are_against_the_fewest_workers() -> None:
             "cpu_per_request": pytest.approx(1.1),
         }
     }
+
+
+def test_unsaturated_names_each_setup_below_its_cores() -> None:
+    """A setup is flagged when its gateway used under 0.9 of a core per worker, else not."""
+    setups = {
+        "1": {"gateway_cores_used": 0.95},
+        "2": {"gateway_cores_used": 1.2},
+        "4": {"gateway_cores_used": 3.8},
+    }
+    lines = overhead_workers.unsaturated(setups)
+    assert len(lines) == 1
+    assert lines[0].startswith("workers=2: the gateway used 1.20 cores for 2 workers")
+    assert "NOT SATURATED" in lines[0]
