@@ -31,13 +31,14 @@ KEY = "sk-loadtest-local"
 _STARTUP_LIMIT = 30.0
 
 
-def pin_prefix(core: int | None) -> list[str]:
-    """`taskset -c core` when pinning is asked for and possible, else nothing."""
+def pin_prefix(core: int | Sequence[int] | None) -> list[str]:
+    """`taskset -c core[,core...]` when pinning is asked for and possible, else nothing."""
     if core is None or shutil.which("taskset") is None:
         return []
-    if core >= (os.cpu_count() or 1):
+    chosen = [core] if isinstance(core, int) else list(core)
+    if not chosen or max(chosen) >= (os.cpu_count() or 1):
         return []
-    return ["taskset", "-c", str(core)]
+    return ["taskset", "-c", ",".join(map(str, chosen))]
 
 
 def _git(*args: str) -> str:
@@ -102,6 +103,37 @@ def cpu_seconds(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every live process below it, from the parent pid of each in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of `root` and its descendants: utime + stime of each live one, plus the
+    cutime + cstime of children they have waited for (a restarted worker still counts)."""
+    ticks = 0
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):  # exited since the listing
+            ticks += sum(int(f) for f in _stat(pid)[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat from the state field on (the name may hold spaces)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -268,7 +300,7 @@ async def gateway_process(
     *,
     strategy: str,
     max_num_seqs: int,
-    core: int | None = None,
+    core: int | Sequence[int] | None = None,  # several: a worker per core (`--workers`)
     dispatch: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
     source: Path | None = None,
