@@ -7,9 +7,9 @@ the prefill/decode interference DistServe is about. `max_long_per_instance` boun
 damage but spreads it over the whole fleet. Instead, each `lane = "any"` instance is
 held by one lane at a time: short requests go to the short-held ones, long requests to
 the long-held ones. A long request spills to a short-held instance only when no
-long-held one has room (and `max_long_per_instance` caps it there); a short request
-spills to a long-held one when none of its own has a free running slot and that one
-has (`prefer`).
+long-held one is up, or when admission would refuse it for its wait (and
+`max_long_per_instance` caps it there); a short request spills to a long-held one when
+none of its own has a free running slot and that one has (`prefer`).
 
 How the split is sized: the work each lane asked for over the last `WINDOW` seconds
 (uncached prompt tokens, plus its output tokens counted at what a decode token costs in
@@ -125,6 +125,8 @@ class LaneSplit:
         spills while an instance of its own lane is up: it waits in the gateway queue for
         the first place there, since its prefill would stall every short sequence on a
         short-held instance (the split, not the spill, gives the long lane more cards).
+        Only a request that admission would refuse for its wait is lent the other lane's
+        place (`Fleet._spill_candidates`): served there beats refused.
         """
         own = [s for s in pool if self.lane(s) in (lane.value, "any")]
         if lane is Lane.LONG:
