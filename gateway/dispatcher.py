@@ -169,7 +169,7 @@ class Dispatcher:
         return instance
 
     def _expire(self, ticket_id: int) -> None:
-        self._settle(self.scheduler.expire(ticket_id, self.clock()))
+        self._settle(self.scheduler.expire(ticket_id, self.clock(), self.rng))
         self._changed()
         wait_until = self.scheduler.wait_until(ticket_id)
         if wait_until is not None:  # the loop's clock ran ahead of ours: look again soon

@@ -163,17 +163,17 @@ class Scheduler(Fleet):
         """Drop a queued request whose client left; False if it is not queued (any more)."""
         return self._queues.remove(ticket_id) is not None
 
-    def expire(self, ticket_id: int, now: float) -> list[Decision]:
-        """A queued request's wait ran out: reject it (503, it never reached an instance).
-
-        Returns nothing if it is no longer queued, or if its time has not come yet (the
-        shell's timer may run a little early; it asks again).
-        """
+    def expire(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
+        """A queued request's wait ran out: a place of the other lane's if the split lends
+        one, else refused (503, it never reached an instance). Nothing if it is no longer
+        queued or its time has not come (the shell's timer may run early; it asks again)."""
         wait_until = self._queues.wait_until(ticket_id)
         if wait_until is None or wait_until > now:
             return []
         ticket = self._queues.remove(ticket_id)
         assert ticket is not None
+        if spill := self._spill_candidates(ticket, now, len(self._holding)):
+            return [self._assign(ticket, spill, now, rng)]
         return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
 
     def wait_until(self, ticket_id: int) -> float | None:

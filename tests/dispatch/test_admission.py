@@ -97,13 +97,13 @@ def test_expire_rejects_only_a_ticket_still_queued_and_due() -> None:
     sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=2.0)
     sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng)
     sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng)
-    assert sched.expire(2, 1.999) == []  # the shell's timer ran early
-    assert sched.expire(2, 2.0) == [
+    assert sched.expire(2, 1.999, rng) == []  # the shell's timer ran early
+    assert sched.expire(2, 2.0, rng) == [
         Rejected(Ticket(2, Lane.SHORT, FAR), "deadline", sched.limits.queue_retry_after)
     ]
     assert sched.queue_length(Lane.SHORT) == 0
-    assert sched.expire(2, 3.0) == []  # gone already
-    assert sched.expire(1, 3.0) == []  # placed, not queued
+    assert sched.expire(2, 3.0, rng) == []  # gone already
+    assert sched.expire(1, 3.0, rng) == []  # placed, not queued
 
 
 def saturate(sched: Scheduler, rng: random.Random, departures: int, every: float) -> float:

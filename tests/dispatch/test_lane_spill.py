@@ -95,3 +95,33 @@ def test_an_admitted_request_waits_for_its_own_lane() -> None:
     waiting = sched.submit(long_ticket(3), NOW, rng)
     assert isinstance(waiting, Queued)
     assert sched.state("i2").long_prefilling == 0
+
+
+def test_a_queued_request_whose_wait_ran_out_takes_the_short_cards_place() -> None:
+    """Before the drain rate is known nothing is refused at arrival: a long request queues
+    for the long lane, and when its wait runs out it is lent the short-held card's place
+    rather than refused (the split's first seconds, when the long lane is still small)."""
+    rng = random.Random(0)
+    sched = split_scheduler()
+    sched.apply_shared(SharedView(), NOW, rng)  # no drain rate known
+    for i in (1, 2):
+        sched.submit(long_ticket(i), NOW, rng)
+    waiting = sched.submit(long_ticket(3), NOW, rng)
+    assert isinstance(waiting, Queued)
+    assert sched.expire(3, waiting.wait_until, rng) == [Assigned(long_ticket(3), "i2")]
+
+
+def test_with_no_place_anywhere_a_wait_that_ran_out_is_refused() -> None:
+    """With the short-held card at its long cap too, the expired request is refused."""
+    rng = random.Random(0)
+    sched = split_scheduler()
+    sched.apply_shared(SharedView(), NOW, rng)
+    for i in (1, 2):
+        sched.submit(long_ticket(i), NOW, rng)
+    # A retry that tried both long cards takes the short card's one long place.
+    retry = Ticket(3, Lane.LONG, FAR, frozenset({"i0", "i1"}), tokens=6000, max_tokens=32)
+    assert sched.submit(retry, NOW, rng) == Assigned(retry, "i2")
+    waiting = sched.submit(long_ticket(4), NOW, rng)
+    assert isinstance(waiting, Queued)
+    expired = sched.expire(4, waiting.wait_until, rng)
+    assert expired == [Rejected(long_ticket(4), "deadline", sched.limits.queue_retry_after)]
