@@ -8,14 +8,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from gateway.dispatch import (
-    STRATEGIES,
-    HealthPolicy,
-    InstanceSpec,
-    Lane,
-    Limits,
-    Outcome,
-)
+from gateway.dispatch import STRATEGIES, HealthPolicy, InstanceSpec, Lane, Limits, Outcome
 
 # ------------------------------------------------------------------ operations
 

@@ -26,15 +26,7 @@ from _sched_ops import (
 )
 from hypothesis import given, settings
 
-from gateway.dispatch import (
-    Assigned,
-    Lane,
-    LoadReport,
-    Outcome,
-    Queued,
-    Ticket,
-    UnknownTicket,
-)
+from gateway.dispatch import Assigned, Lane, LoadReport, Outcome, Queued, Ticket, UnknownTicket
 
 
 class Harness(Model):
