@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import harness, report
+from loadtest import harness, report, report_plots
 from loadtest.loadgen import (
     Client,
     Mix,
@@ -211,9 +211,9 @@ async def compare(opts: CompareOptions, common: Common) -> dict[str, Any]:
         if "closed" in phases:
             groups.append((f"closed loop c={opts.concurrency}", list(phases["closed"].values())))
         title = f"one slow card: speeds {opts.speeds}"
-        report.plot_compare(groups, common.out / "compare.png", title)
+        report_plots.plot_compare(groups, common.out / "compare.png", title)
     if ladder and plot_path(common, "compare-ladder.png"):
-        report.plot_ladder(ladder, setups, common.out / "compare-ladder.png", cap)
+        report_plots.plot_ladder(ladder, setups, common.out / "compare-ladder.png", cap)
     return body
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import compare, harness, report
+from loadtest import compare, harness, report, report_plots
 from loadtest.loadgen import (
     Client,
     Mix,
@@ -244,7 +244,7 @@ async def overload(opts: OverloadOptions, common: Common) -> dict[str, Any]:
     say(f"\nwrote {write_json(common, 'overload', body)}")
     say(tables(body))
     if plot_path(common, "overload.png"):
-        report.plot_overload(body, common.out / "overload.png")
+        report_plots.plot_overload(body, common.out / "overload.png")
     return body
 
 

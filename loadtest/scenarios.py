@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest import harness, plots, report
+from loadtest import harness, plots, report, report_plots
 from loadtest.loadgen import (
     Client,
     Mix,
@@ -218,5 +218,5 @@ async def sweep(opts: SweepOptions, common: Common) -> dict[str, Any]:
     body = {"options": asdict(opts), "points": [{"concurrency": c, **s} for c, s in points]}
     say(f"wrote {write_json(common, 'sweep', body)}")
     if plot_path(common, "sweep.png"):
-        report.plot_sweep(points, common.out / "sweep.png", title)
+        report_plots.plot_sweep(points, common.out / "sweep.png", title)
     return body

@@ -3,7 +3,7 @@
 Each test replays what an instance sends (`fake_upstream.FakeResponse`), runs one relay
 step, and checks the value it returns and, for a committed stream, the bytes the client
 got. The same behaviours are also checked end to end, through real loopback servers, in
-`functional/test_upstream_misbehaves.py` and `functional/test_faults.py`.
+`functional/test_upstream_misbehaves.py` and `functional/test_faults_upstream.py`.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
+from _sched_helpers import FAR, assigned_to, bring_up, make, tk
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler import FAR, assigned_to, bring_up, make, tk
 
 from gateway.dispatch import (
     Assigned,

@@ -1,0 +1,53 @@
+"""Builders the scheduler's example tests share: a scheduler over named instances, brought
+up at once, and short tickets."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from gateway.dispatch import (
+    STRATEGIES,
+    Assigned,
+    HealthPolicy,
+    InstanceSpec,
+    Lane,
+    Limits,
+    Scheduler,
+    Ticket,
+)
+
+FAR = 1e9  # a deadline no test reaches
+
+
+def make(
+    *specs: InstanceSpec | str,
+    strategy: str = "least_busy",
+    limits: Limits | None = None,
+    policy: HealthPolicy | None = None,
+) -> Scheduler:
+    """A scheduler over `specs` (a bare name means a default spec); instances not yet probed."""
+    limits = limits or Limits()
+    return Scheduler(
+        [s if isinstance(s, InstanceSpec) else InstanceSpec(s) for s in specs],
+        STRATEGIES[strategy](limits.metrics_stale_after),
+        limits,
+        policy or HealthPolicy(),
+    )
+
+
+def bring_up(sched: Scheduler, rng: random.Random, now: float = 0.0) -> None:
+    """Probe every instance good once: the first probe decides at once."""
+    for state in sched.states:
+        sched.probe(state.name, True, now, rng)
+
+
+def tk(
+    i: int, lane: Lane = Lane.SHORT, deadline: float = FAR, exclude: Iterable[str] = ()
+) -> Ticket:
+    return Ticket(i, lane, deadline, frozenset(exclude))
+
+
+def assigned_to(decision: object) -> str:
+    assert isinstance(decision, Assigned), decision
+    return decision.instance
