@@ -16,9 +16,10 @@ flags after a colon, joined by `+`, change the settings: `shared` sets
 counted every output token), e.g. `least_time:shared+over_objective`; `queue_all` sets
 `max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
 is served, late if need be, as the baselines do (like with like for tokens/s, and a p99
-over every request rather than over the ones admitted). The baselines a
-user would pick instead, `nginx` (least_conn) and `vllm-router` (cache_aware), come from
-`loadtest/baselines.py` and are skipped with a line where they are not installed.
+over every request rather than over the ones admitted); `cap1` sets
+`max_long_per_instance = 1`. The baselines a user would pick instead, `nginx`
+(least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
+skipped with a line where they are not installed.
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
 tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
@@ -84,7 +85,7 @@ async def _gateway_run(
     setup, _, ref = setup.partition("@")
     strategy, _, variant = setup.partition(":")
     flags = set(variant.split("+")) if variant else set()
-    unknown = flags - {"shared", "over_objective", "queue_all"}
+    unknown = flags - {"shared", "over_objective", "queue_all", "cap1"}
     if unknown:
         raise ValueError(f"unknown setup flags {sorted(unknown)} in {setup!r}")
     gw_core, fleet_core = cores(common)
@@ -114,7 +115,7 @@ async def _gateway_run(
                     "long_ttft": common.ttft_slo,
                     "long_tpot": common.tpot_slo,
                 },
-                extra={"prefill": {"lane_split": "shared" not in flags}},
+                extra={"prefill": _prefill(flags)},
                 dispatch=_dispatch(flags),
             )
         )
@@ -123,6 +124,14 @@ async def _gateway_run(
         run = await run_open(client, specs, route, label=setup, limit=common.limit)
         return run, fleet_names(fleet.urls, opts.speeds)
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
+
+
+def _prefill(flags: set[str]) -> dict[str, Any]:
+    """The `[prefill]` settings a setup's flags ask for."""
+    out: dict[str, Any] = {"lane_split": "shared" not in flags}
+    if "cap1" in flags:
+        out["max_long_per_instance"] = 1
+    return out
 
 
 def _dispatch(flags: set[str]) -> dict[str, Any]:

@@ -37,8 +37,14 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
 
 def test_setup_flags_become_dispatch_settings() -> None:
     """`queue_all` lifts the queue wait past any run; `over_objective` picks the decode
-    rule; no flag leaves the gateway's defaults."""
+    rule; `shared` turns the split off and `cap1` allows one long prefill per instance;
+    no flag leaves the gateway's defaults (the split on in this bench)."""
     assert lanes_bench._dispatch(set()) == {}
+    assert lanes_bench._prefill(set()) == {"lane_split": True}
+    assert lanes_bench._prefill({"shared", "cap1"}) == {
+        "lane_split": False,
+        "max_long_per_instance": 1,
+    }
     assert lanes_bench._dispatch({"queue_all"}) == {"max_queue_wait": lanes_bench.QUEUE_ALL}
     assert lanes_bench._dispatch({"over_objective", "queue_all", "shared"}) == {
         "least_time_decode": "over_objective",
