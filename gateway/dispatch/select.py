@@ -21,8 +21,8 @@ by looking idle. The affinity term is worth at most one request in flight: it de
 between instances about equally loaded and never overrides a real imbalance. Ties break
 at random.
 
-A long prompt (the long lane) is first narrowed to the instances with a running slot
-free and, of those, the least prefill work before its first token
+A long prompt (the long lane) cached nowhere is first narrowed to the instances with a
+running slot free and, of those, the least prefill work before its first token
 (`least_prefill_work`); the score decides among them. Its wait is the prefills ahead,
 which a count of requests does not see.
 """
@@ -96,29 +96,25 @@ def _lowest(
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
-def least_prefill_work(candidates: Sequence[InstanceState], ticket: Ticket) -> list[InstanceState]:
-    """The candidates where the least prefill work stands before `ticket`'s first token,
-    over the instance's weight: the uncached prompt tokens of ours and the peers' still
-    short of their first token there, plus its own prompt less what is cached there.
+def least_prefill_work(candidates: Sequence[InstanceState]) -> list[InstanceState]:
+    """The candidates where the least prefill work stands before a long prompt's first
+    token: the uncached prompt tokens of ours and the peers' still short of their first
+    token there, over the instance's weight; of those with a running slot free, if any
+    (a full one would queue it behind a whole decode).
 
     A long prompt's first token waits for the prefills ahead of it, not for the requests
     decoding there (each takes one token of a step's budget): counted in requests, an
     instance with a 6,000-token prompt prefilling and one request decoding looks less
     busy than one with three decoding and nothing to prefill, and the long prompt waits
-    0.3 s behind the first while the second was free (`loadtest lanes`). Its own
-    uncached part keeps a cached prefix worth what it saves. An instance with no running
-    slot free would queue it behind a whole decode: those count only if all are full.
+    0.3 s behind the first while the second was free (`loadtest lanes`). Only for a
+    prompt cached nowhere: where it is cached, least_busy's bounded affinity term
+    decides (placed by work too, the uniform prefix workload's goodput halved:
+    `loadtest prefix`, two runs).
     """
     free = [c for c in candidates if c.fleet_inflight < c.spec.slots]
     candidates = free or candidates
     work = {
-        c.name: (
-            c.pending_prefill_tokens
-            + c.peers.pending_prefill_tokens
-            + ticket.tokens
-            - c.cached_tokens(ticket)
-        )
-        / c.spec.weight
+        c.name: (c.pending_prefill_tokens + c.peers.pending_prefill_tokens) / c.spec.weight
         for c in candidates
     }
     least = min(work.values(), default=0.0)
@@ -142,8 +138,8 @@ class LeastBusy:
         rng: random.Random,
     ) -> InstanceState:
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
-        if ticket.lane is Lane.LONG:
-            candidates = least_prefill_work(candidates, ticket)
+        if ticket.lane is Lane.LONG and not any(c.cached_tokens(ticket) for c in candidates):
+            candidates = least_prefill_work(candidates)
         scores = score_all(fleet, now, self.stale_after)
         costs = {c.name: scores[c.name].total for c in candidates}
         if ticket.prefix and ticket.tokens:
