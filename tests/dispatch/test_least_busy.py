@@ -223,15 +223,15 @@ def test_a_long_prompt_avoids_an_instance_without_a_free_slot(seed: int) -> None
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_long_prompt_cached_somewhere_is_left_to_the_affinity_term(seed: int) -> None:
-    """A long prompt whose prefix is cached on the instance with a prefill pending goes
-    there, as the score with its affinity term says (one request less for a full hit),
-    not to the idle instance that would compute it all again."""
+    """A long prompt with 4,032 of its 6,000 tokens cached on the instance where a prefill
+    is pending goes there, as the score with its affinity term says (0.67 of a request
+    less), not to the instance with nothing pending that would compute it all again."""
     rng = random.Random(seed)
     sched = make(InstanceSpec("cached"), InstanceSpec("cold"))
     place_long(sched, 1, "cached", rng)
     place(sched, 2, "cold", rng)
     blocks = tuple(range(1, 95))  # 94 blocks of 64 tokens: the whole 6,000-token prompt
-    sched.state("cached").cache.insert(blocks)
+    sched.state("cached").cache.insert(blocks[:63])  # its first 4,032 tokens
     long = Ticket(99, Lane.LONG, 1e9, tokens=6000, max_tokens=32, prefix=blocks)
     decision = sched.submit(long, 0.0, rng)
     assert decision == Assigned(long, "cached"), decision
