@@ -21,7 +21,10 @@ prefills in a third of a second, and replicas that all see an instance idle for 
 second all send there. So between rounds each process also pushes its load on a Redis
 pub/sub channel when it changes (at once after a quiet spell; while it keeps changing, at
 most once per `push_interval`, 20 ms, the changes in between sent as one), and every
-process applies the others' pushes as they arrive. Each
+process applies the others' pushes as they arrive. A push is one PUBLISH: the placements
+it carries reach the stream with the next round, in one entry (a process that joins later
+reads them there), and a process drops its own pushes, coming back on the channel, before
+parsing them. Each
 publication carries a sequence number, so a round's read never replaces a newer push with
 the older key. The rounds stay the source of membership and expiry: a process is in the
 view while its key lives.
