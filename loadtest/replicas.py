@@ -17,7 +17,7 @@ shared p99 TTFT at most 1.15x one replica's, output tokens/s at least 0.97x.
 A third part measures what sharing costs: the gateway CPU per streamed request (closed
 loop, 32 at once, instant instances) of one process with `[shared]` (publishing and
 reading, with a second idle process in the view) against the same without, alternating
-the arms so drift hits both (target: at most 5% more).
+the arms so drift hits both (target: at most 5% more). `--only cost` runs it alone.
 
 A second part runs the shared-prefix workload (32 groups of 4,000-token prefixes, the
 simulator's prefix cache on, `least_time`) through 1 and N shared replicas and compares
