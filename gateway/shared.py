@@ -21,7 +21,10 @@ prefills in a third of a second, and replicas that all see an instance idle for 
 second all send there. So between rounds each process also pushes its load on a Redis
 pub/sub channel when it changes (at once after a quiet spell; while it keeps changing, at
 most once per `push_interval`, 20 ms, the changes in between sent as one), and every
-process applies the others' pushes as they arrive. Each
+process applies the others' pushes as they arrive. A push is one PUBLISH: the placements
+it carries reach the stream with the next round, in one entry (a process that joins later
+reads them there), and a process drops its own pushes, coming back on the channel, before
+parsing them. Each
 publication carries a sequence number, so a round's read never replaces a newer push with
 the older key. The rounds stay the source of membership and expiry: a process is in the
 view while its key lives.
@@ -43,6 +46,7 @@ import contextlib
 import json
 import os
 import socket
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,7 +56,8 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from . import log
-from .dispatch import RetryBudget, SharedView
+from .dispatch import LocalShare, RetryBudget, SharedView
+from .dispatch.fleet import MAX_PLACEMENTS
 from .dispatcher import Dispatcher
 from .shared_codec import (
     PeerEntry,
@@ -101,6 +106,12 @@ class SharedState:
         self._stream = f"{namespace}:placements"
         self._channel = f"{namespace}:pushes"
         self._stream_at: str | None = None  # the last placement read
+        # Placements the pushes told the others, for the next round to append to the
+        # stream in one entry: one stream write a round rather than one a push, and a
+        # round reads back one entry of its own rather than a dozen. Only a process that
+        # joins later reads the stream for them, and a round later is soon enough.
+        self._unstreamed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
+        self._own_tag = self.process_id.encode() + b" "  # how our own pushes start
         self._seq = 0  # publications made, pushes and keys alike
         self._pushed: tuple[object, ...] | None = None  # what the last publication said
         self._peers: dict[str, PeerEntry] = {}  # the others' newest publications
@@ -165,16 +176,18 @@ class SharedState:
         view = combine(entries) if entries else SharedView()
         self.dispatcher.apply_shared(view, stagger)
 
-    def _publication(self) -> bytes:
+    def _publication(self, share: LocalShare | None = None) -> bytes:
         """Ours now, numbered; remembered as the last thing the others were told."""
-        share = self.dispatcher.scheduler.share(self.dispatcher.clock())
+        if share is None:
+            share = self.dispatcher.scheduler.share(self.dispatcher.clock())
         requests, retries = self.budget.own_totals(self.dispatcher.clock())
         self._seq += 1
         self._pushed = push_key(share)
         return encode(share, requests, retries, self._seq)
 
     async def _exchange(self) -> dict[str, PeerEntry]:
-        placements = self.dispatcher.scheduler.take_placements()
+        placements = [*self._unstreamed, *self.dispatcher.scheduler.take_placements()]
+        self._unstreamed.clear()  # sent with this round, or lost with it if Redis fails
         if self._stream_at is None:
             await self._catch_up()
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -216,25 +229,21 @@ class SharedState:
         while True:
             await self._changed.wait()
             self._changed.clear()
-            if (
-                self.up is not True
-                or push_key(self.dispatcher.scheduler.share(self.dispatcher.clock()))
-                == self._pushed
-            ):
+            if self.up is not True:
                 continue
             scheduler = self.dispatcher.scheduler
+            share = scheduler.share(self.dispatcher.clock())
+            if push_key(share) == self._pushed:
+                continue
             placements, settled = scheduler.take_placements(), scheduler.take_settled()
-            message = push_message(self.process_id, self._publication(), placements, settled)
+            message = push_message(self.process_id, self._publication(share), placements, settled)
+            # The stream gets them with the next round (a process that starts later reads
+            # them there), so a push is one command: PUBLISH, no pipeline.
+            self._unstreamed.extend(placements)
             # A failed push is not retried: the next change, or the next round, tells.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with (
-                    asyncio.timeout(max(0.5, self.interval * 2)),
-                    self._redis.pipeline(transaction=False) as pipe,
-                ):
-                    pipe.publish(self._channel, message)
-                    if placements:  # the stream too: a process that starts later reads it
-                        self._add_placements(pipe, placements)
-                    await pipe.execute()
+                async with asyncio.timeout(max(0.5, self.interval * 2)):
+                    await self._redis.publish(self._channel, message)
                     self.pushes_sent += 1
             _honour_cancel()
             await asyncio.sleep(self.push_interval)
@@ -261,6 +270,8 @@ class SharedState:
         """One push of another process: its newest load replaces what we had of it."""
         if self.up is not True:
             return  # while Redis is away the view is ours alone; the next round rejoins
+        if (data.encode() if isinstance(data, str) else data).startswith(self._own_tag):
+            return  # our own push, back from the channel: not worth parsing
         try:
             process, payload, placements, settled = parse_push(data)
             if process == self.process_id:

@@ -17,7 +17,7 @@ shared p99 TTFT at most 1.15x one replica's, output tokens/s at least 0.97x.
 A third part measures what sharing costs: the gateway CPU per streamed request (closed
 loop, 32 at once, instant instances) of one process with `[shared]` (publishing and
 reading, with a second idle process in the view) against the same without, alternating
-the arms so drift hits both (target: at most 5% more).
+the arms so drift hits both (target: at most 5% more). `--only cost` runs it alone.
 
 A second part runs the shared-prefix workload (32 groups of 4,000-token prefixes, the
 simulator's prefix cache on, `least_time`) through 1 and N shared replicas and compares
@@ -208,10 +208,11 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
     rate = opts.load * cap
     count = max(1, round(rate * opts.duration))
     specs = make_workload(count, opts.mix, common.seed, rate=rate, clients=16)
-    say(
-        f"capacity {cap:.1f} req/s; open loop at {opts.load:.0%}: "
-        f"{rate:.1f} req/s, {count} requests"
-    )
+    if opts.strategies:
+        say(
+            f"capacity {cap:.1f} req/s; open loop at {opts.load:.0%}: "
+            f"{rate:.1f} req/s, {count} requests"
+        )
     n = opts.replicas
     slow_card: dict[str, dict[str, Any]] = {}
     for strategy in opts.strategies:
@@ -271,7 +272,9 @@ async def replicas(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
         body["prefix"] = await _prefix_part(opts, common)
     if opts.cost_requests:
         body["cost"] = await _cost_part(opts, common)
-    say(f"wrote {write_json(common, 'replicas', body)}")
+    # The cost part alone (`--only cost`) writes a file of its own, keeping the full run's.
+    name = "replicas" if opts.strategies or opts.prefix else "replicas-cost"
+    say(f"wrote {write_json(common, name, body)}")
     _print(body, n)
     if body["slow_card"] and plot_path(common, "replicas.png"):
         _plot(body, n, common.out / "replicas.png")
@@ -486,6 +489,17 @@ def _parser() -> argparse.ArgumentParser:
         help="streamed requests per arm and round of the cost part; 0 skips it",
     )
     p.add_argument(
+        "--cost-rounds",
+        type=int,
+        default=3,
+        help="rounds of the cost part (each runs both arms, alternating)",
+    )
+    p.add_argument(
+        "--only",
+        choices=("cost",),
+        help="run this part alone (cost: a few minutes; writes replicas-cost.json)",
+    )
+    p.add_argument(
         "--baseline-twice",
         action="store_true",
         help="run the one-replica setup a second time, as the run's noise floor",
@@ -500,18 +514,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    opts = ReplicaOptions(
-        strategies=tuple(s for s in args.strategies.split(",") if s),
+def options(args: argparse.Namespace) -> ReplicaOptions:
+    """The run the command line asks for (`--only cost`: the cost part and nothing else)."""
+    only_cost = args.only == "cost"
+    return ReplicaOptions(
+        strategies=() if only_cost else tuple(s for s in args.strategies.split(",") if s),
         replicas=args.replicas,
         load=args.load,
         duration=args.duration,
-        prefix=not args.no_prefix,
+        prefix=not (args.no_prefix or only_cost),
         prefix_duration=args.duration,
         cost_requests=args.cost_requests,
+        cost_rounds=args.cost_rounds,
         baseline_twice=args.baseline_twice,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    opts = options(args)
     ref = harness.pin_ref(args.gateway_ref)
     with harness.exported_gateway(ref) as folder:
         common = Common(

@@ -62,3 +62,27 @@ async def test_replicas_report_adds_up(tmp_path: Path) -> None:
         label: run["requests"] for label, run in saved["slow_card"]["least_busy"]["runs"].items()
     }
     assert len(set(counts.values())) == 1, counts  # one workload through every setup
+
+
+def test_only_cost_runs_the_cost_part_alone() -> None:
+    """`--only cost` drops the slow-card setups and the shared-prefix part, keeps the cost part."""
+    opts = replicas.options(replicas._parser().parse_args(["--only", "cost", "--cost-rounds", "5"]))
+    assert opts.strategies == ()
+    assert opts.prefix is False
+    assert opts.cost_requests == 2000
+    assert opts.cost_rounds == 5
+    full = replicas.options(replicas._parser().parse_args([]))
+    assert full.strategies == ("least_busy", "least_time")
+    assert full.prefix
+
+
+async def test_the_cost_part_alone_writes_its_own_report(tmp_path: Path) -> None:
+    """Run alone, the cost part measures both arms and writes replicas-cost.json, not the
+    full run's replicas.json."""
+    opts = replicas.ReplicaOptions(strategies=(), prefix=False, cost_requests=40, cost_rounds=1)
+    common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
+    body = await replicas.replicas(opts, common)
+    assert body["slow_card"] == {}
+    assert [n for _, n in body["cost"]["rounds"]["shared"]] == [40]
+    assert (tmp_path / "replicas-cost.json").exists()
+    assert not (tmp_path / "replicas.json").exists()

@@ -9,12 +9,14 @@ import math
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+import redis.asyncio as aioredis
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import RedisServer, redis_server
 
 from gateway.app import SHARED
 from gateway.dispatch import Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
+from gateway.shared_codec import parse_placements
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
@@ -295,6 +297,62 @@ async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> Non
             state = b.dispatcher.scheduler.state(placed_on)
             blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
             await until(lambda: state.cache.match(blocks, settled=True) > 40, 0.5)
+
+
+async def test_pushed_placements_reach_the_stream_with_the_next_round_in_one_entry() -> None:
+    """A push carries a placement to B but writes nothing to the stream (one PUBLISH, the
+    cost of a push); A's next round appends what its pushes carried, in one entry."""
+    with redis_server() as redis:
+        fast = SimConfig(
+            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
+            prefix_cache_blocks=4000,
+        )  # fmt: skip
+        settings = slow_rounds(redis)
+        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        store = aioredis.Redis.from_url(redis.url)
+        async with (
+            fleet(fast, fast) as sims,
+            gateway_with(sims, sections=settings) as a,
+            gateway_with(sims, sections=settings) as b,
+        ):
+            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+            await until(lambda: a.app[SHARED].listening)
+            document = "a document placed between rounds " * 500
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            state = b.dispatcher.scheduler.state(placed_on)
+            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            await until(lambda: state.cache.match(blocks) > 40, 0.5)
+            assert await store.xlen("gateway:placements") == 0
+            assert await a.app[SHARED].run_round()
+            entries = await store.xrange("gateway:placements")
+            assert len(entries) == 1
+            placed = parse_placements(entries[0][1][b"d"])
+            assert any(name == placed_on and len(hashes) > 40 for name, hashes in placed)
+        await store.aclose()
+
+
+async def test_a_process_that_joins_later_learns_the_placements_pushed_before() -> None:
+    """A places a prompt between rounds (a push); C, started after A's next round, reads it
+    from the stream and sends the prefix to the same instance."""
+    with redis_server() as redis:
+        fast = SimConfig(
+            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
+            prefix_cache_blocks=4000,
+        )  # fmt: skip
+        settings = slow_rounds(redis)
+        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        async with fleet(fast, fast) as sims, gateway_with(sims, sections=settings) as a:
+            await until(lambda: a.app[SHARED].listening)
+            document = "a document a late joiner needs " * 500
+            status, placed_on = await chat(a, document + "question one")
+            assert status == 200
+            await until(lambda: a.app[SHARED].pushes_sent > 0)
+            assert await a.app[SHARED].run_round()
+            async with gateway_with(sims, sections=settings) as c:
+                state = c.dispatcher.scheduler.state(placed_on)
+                text = prompt_text({"messages": [user(document + "question two")]})
+                assert state.cache.match(prompt_blocks(text)) > 40
 
 
 def user(content: str) -> dict[str, str]:
