@@ -108,10 +108,11 @@ async def wait_for_events(
     """The log once it holds `count` events named `name`."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
+        exited = proc.returncode is not None  # before the read: its last lines are in it
         text = await read_log(log)
         if len(named(text, name)) >= count:
             return text
-        if proc.returncode is not None:
+        if exited:
             raise RuntimeError(f"gateway exited {proc.returncode}: {text[-3000:]}")
         await asyncio.sleep(0.05)
     raise RuntimeError(f"no {count} `{name}` events within 60 s: {(await read_log(log))[-3000:]}")

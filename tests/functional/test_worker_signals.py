@@ -45,8 +45,9 @@ async def _signals(folder: Path) -> Signals:
         pids = {str(e["worker_pid"]) for e in named(text, "listening")}
         async with new_session() as session:
             stream = Stream()
-            # Still streaming at the second SIGTERM: about 30 s.
-            task = asyncio.create_task(stream_chat(session, url, stream, tokens=1000))
+            # Still streaming at the second SIGTERM, however slow the machine: 3,000
+            # tokens take 90 s (a loaded machine once took 30 s to get there).
+            task = asyncio.create_task(stream_chat(session, url, stream, tokens=3000))
             await eventually(lambda: stream.first_token, timeout=20)
             before = len(await read_log(log))
             proc.send_signal(signal.SIGHUP)
