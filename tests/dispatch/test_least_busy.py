@@ -166,15 +166,22 @@ def place_long(sched: Scheduler, ticket_id: int, on: str, rng: random.Random) ->
     assert decision == Assigned(decision.ticket, on), decision
 
 
+def prefilling_and_decoding(rng: random.Random) -> Scheduler:
+    """Instance "prefilling" holds one 6,000-token prompt short of its first token;
+    "decoding" holds three requests past theirs."""
+    sched = make(InstanceSpec("prefilling"), InstanceSpec("decoding"))
+    place_long(sched, 1, "prefilling", rng)
+    for i in (2, 3, 4):
+        place(sched, i, "decoding", rng)
+    return sched
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_long_prompt_goes_where_the_least_prefill_work_is_ahead(seed: int) -> None:
     """A long prompt picks the instance with three requests decoding over the one with a
     single 6,000-token prompt still prefilling: it would wait for that prefill there."""
     rng = random.Random(seed)
-    sched = make(InstanceSpec("prefilling"), InstanceSpec("decoding"))
-    place_long(sched, 1, "prefilling", rng)
-    for i in (2, 3, 4):
-        place(sched, i, "decoding", rng)
+    sched = prefilling_and_decoding(rng)
     long = Ticket(99, Lane.LONG, 1e9, tokens=6000, max_tokens=32)
     decision = sched.submit(long, 0.0, rng)
     assert decision == Assigned(long, "decoding"), decision
@@ -185,10 +192,7 @@ def test_a_short_prompt_still_counts_requests(seed: int) -> None:
     """In the same fleet a short prompt goes where fewer requests are: its first token
     rides along with a prefill, and its decode shares the step with every request there."""
     rng = random.Random(seed)
-    sched = make(InstanceSpec("prefilling"), InstanceSpec("decoding"))
-    place_long(sched, 1, "prefilling", rng)
-    for i in (2, 3, 4):
-        place(sched, i, "decoding", rng)
+    sched = prefilling_and_decoding(rng)
     assert choose(sched, rng) == "prefilling"
 
 
@@ -197,10 +201,7 @@ def test_a_first_token_clears_the_prefill_work(seed: int) -> None:
     """Once the prefilling prompt has its first token, that instance (one request) wins
     the long prompt back from the one with three: only work ahead decides, not history."""
     rng = random.Random(seed)
-    sched = make(InstanceSpec("prefilling"), InstanceSpec("decoding"))
-    place_long(sched, 1, "prefilling", rng)
-    for i in (2, 3, 4):
-        place(sched, i, "decoding", rng)
+    sched = prefilling_and_decoding(rng)
     sched.prefill_done(1, 0.3, rng)
     long = Ticket(99, Lane.LONG, 1e9, tokens=6000, max_tokens=32)
     decision = sched.submit(long, 0.3, rng)

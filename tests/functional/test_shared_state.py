@@ -22,6 +22,13 @@ from gateway.sim.sim_vllm import SimConfig, SimInstance
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
 
 
+# Fast instances with vLLM's prefix cache: the tests of where prompts were placed.
+CACHING_SIM = SimConfig(
+    max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6, prefix_cache_blocks=4000
+)
+LEAST_TIME_8 = {"strategy": "least_time", "max_num_seqs": 8}
+
+
 def sections(redis: RedisServer) -> dict[str, dict[str, object]]:
     return {
         "dispatch": {"max_num_seqs": 1, "max_queue_per_instance": 0, "max_queue_wait": 30},
@@ -224,14 +231,9 @@ def _belongs_to(task: asyncio.Task[object], gw: Gateway) -> bool:
 async def test_replicas_agree_where_a_prefix_lives() -> None:
     """A prompt A placed is in B's prefix index within a round, so B sends the prefix there too."""
     with redis_server() as redis:
-        fast = SimConfig(
-            max_num_seqs=8,
-            decode_s_per_token=0.001,
-            prefill_tokens_per_s=1e6,
-            prefix_cache_blocks=4000,
-        )
+        fast = CACHING_SIM
         sections_ = sections(redis)
-        sections_["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        sections_["dispatch"] = dict(LEAST_TIME_8)
         async with (
             fleet(fast, fast) as sims,
             gateway_with(sims, sections=sections_) as a,
@@ -252,12 +254,9 @@ async def test_replicas_agree_where_a_prefix_lives() -> None:
 async def test_a_placement_reaches_the_others_with_the_push_not_the_next_round() -> None:
     """With rounds 5 s apart, B's prefix index holds A's new placement within half a second."""
     with redis_server() as redis:
-        fast = SimConfig(
-            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
-            prefix_cache_blocks=4000,
-        )  # fmt: skip
+        fast = CACHING_SIM
         settings = sections(redis)
-        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["dispatch"] = dict(LEAST_TIME_8)
         settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
         async with (
             fleet(fast, fast) as sims,
@@ -278,12 +277,9 @@ async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> Non
     """Once A's request has its first token, B counts its prefix as computed there (a long
     prompt with it needs no long-prefill place), within half a second, rounds 5 s apart."""
     with redis_server() as redis:
-        fast = SimConfig(
-            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
-            prefix_cache_blocks=4000,
-        )  # fmt: skip
+        fast = CACHING_SIM
         settings = sections(redis)
-        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["dispatch"] = dict(LEAST_TIME_8)
         settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
         async with (
             fleet(fast, fast) as sims,
@@ -303,12 +299,9 @@ async def test_pushed_placements_reach_the_stream_with_the_next_round_in_one_ent
     """A push carries a placement to B but writes nothing to the stream (one PUBLISH, the
     cost of a push); A's next round appends what its pushes carried, in one entry."""
     with redis_server() as redis:
-        fast = SimConfig(
-            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
-            prefix_cache_blocks=4000,
-        )  # fmt: skip
+        fast = CACHING_SIM
         settings = slow_rounds(redis)
-        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["dispatch"] = dict(LEAST_TIME_8)
         store = aioredis.Redis.from_url(redis.url)
         async with (
             fleet(fast, fast) as sims,
@@ -336,12 +329,9 @@ async def test_a_process_that_joins_later_learns_the_placements_pushed_before() 
     """A places a prompt between rounds (a push); C, started after A's next round, reads it
     from the stream and sends the prefix to the same instance."""
     with redis_server() as redis:
-        fast = SimConfig(
-            max_num_seqs=8, decode_s_per_token=0.001, prefill_tokens_per_s=1e6,
-            prefix_cache_blocks=4000,
-        )  # fmt: skip
+        fast = CACHING_SIM
         settings = slow_rounds(redis)
-        settings["dispatch"] = {"strategy": "least_time", "max_num_seqs": 8}
+        settings["dispatch"] = dict(LEAST_TIME_8)
         async with fleet(fast, fast) as sims, gateway_with(sims, sections=settings) as a:
             await until(lambda: a.app[SHARED].listening)
             document = "a document a late joiner needs " * 500
