@@ -34,7 +34,9 @@ def configure(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # One write per line, newline included: the workers of `--workers N` share one
+        # stderr, and print()'s two writes (the line, then "\n") let their lines interleave.
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
 
