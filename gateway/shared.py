@@ -274,8 +274,6 @@ class SharedState:
             return  # our own push, back from the channel: not worth parsing
         try:
             process, payload, placements, settled = parse_push(data)
-            if process == self.process_id:
-                return
             entry = decode(payload)
         except ValueError:
             _log.warning("shared_state_entry_malformed", channel=self._channel)

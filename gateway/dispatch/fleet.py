@@ -192,11 +192,14 @@ class Fleet:
         state.report = report
         state.inflight_at_report = state.fleet_inflight
 
-    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
+    def _up_and_room(
+        self, ticket: Ticket, now: float, holding: int
+    ) -> tuple[list[InstanceState], list[InstanceState]]:
+        """The instances of `ticket`'s pool up for it, and of those the ones with room;
+        none while `holding` (requests placed in all) is at the global limit."""
         limit = self.limits.global_limit
         if limit is not None and holding >= limit:
-            return []
+            return [], []
         # A retry goes only to instances it has not tried; the shell checks that one
         # exists (`untried_available`) before it retries.
         up = [
@@ -204,7 +207,11 @@ class Fleet:
             for s in self._pool[ticket.lane]
             if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
         ]
-        untried = [s for s in up if self._has_room(s, ticket)]
+        return up, [s for s in up if self._has_room(s, ticket)]
+
+    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
+        """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
+        up, untried = self._up_and_room(ticket, now, holding)
         # Its own lane's instances first (see LaneSplit.prefer), and of those one that did
         # not just say "busy"; a busy one only when no other may take it.
         fresh = [s for s in untried if not s.busy(now)]
@@ -220,19 +227,9 @@ class Fleet:
         of capacity, every one long, while the short-held card had room)."""
         if not self.lanes.enabled or ticket.exclude:
             return []
-        limit = self.limits.global_limit
-        if limit is not None and holding >= limit:
-            return []
+        _, room = self._up_and_room(ticket, now, holding)
         own = ticket.lane.value
-        return [
-            s
-            for s in self._pool[ticket.lane]
-            if self.lanes.lane(s) not in (own, "any")
-            and s.available(now)
-            and s.serves_model(ticket.model)
-            and not s.busy(now)
-            and self._has_room(s, ticket)
-        ]
+        return [s for s in room if self.lanes.lane(s) not in (own, "any") and not s.busy(now)]
 
     def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""

@@ -137,14 +137,17 @@ class LeastBusy:
         now: float,
         rng: random.Random,
     ) -> InstanceState:
-        # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
-        if ticket.lane is Lane.LONG and not any(c.cached_tokens(ticket) for c in candidates):
+        # Each candidate's prefix match once: it decides the long-prompt rule and the
+        # affinity term.
+        cached = {c.name: c.cached_tokens(ticket) for c in candidates} if ticket.prefix else {}
+        if ticket.lane is Lane.LONG and not any(cached.values()):
             candidates = least_prefill_work(candidates)
+        # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
         scores = score_all(fleet, now, self.stale_after)
         costs = {c.name: scores[c.name].total for c in candidates}
-        if ticket.prefix and ticket.tokens:
+        if cached and ticket.tokens:
             for c in candidates:
-                costs[c.name] -= AFFINITY * c.cached_tokens(ticket) / ticket.tokens
+                costs[c.name] -= AFFINITY * cached[c.name] / ticket.tokens
         return _lowest(candidates, costs, rng)
 
 
