@@ -78,16 +78,24 @@ class LanesOptions:
     name: str = "lanes"  # the report's file name (JSON and PNG)
 
 
+FLAGS = frozenset({"shared", "over_objective", "queue_all", "cap1"})
+
+
+def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
+    """`strategy[:flag+flag][@ref]` as (strategy, flags, ref or None); unknown flags raise."""
+    name, _, ref = setup.partition("@")
+    strategy, _, variant = name.partition(":")
+    flags = set(variant.split("+")) if variant else set()
+    if flags - FLAGS:
+        raise ValueError(f"unknown setup flags {sorted(flags - FLAGS)} in {setup!r}")
+    return strategy, flags, ref or None
+
+
 async def _gateway_run(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> tuple[Run, dict[str, str]]:
     """One fresh fleet behind a fresh gateway running `setup`; the run and the fleet's names."""
-    setup, _, ref = setup.partition("@")
-    strategy, _, variant = setup.partition(":")
-    flags = set(variant.split("+")) if variant else set()
-    unknown = flags - {"shared", "over_objective", "queue_all", "cap1"}
-    if unknown:
-        raise ValueError(f"unknown setup flags {sorted(unknown)} in {setup!r}")
+    strategy, flags, ref = parse_setup(setup)
     gw_core, fleet_core = cores(common)
     async with contextlib.AsyncExitStack() as stack:
         # Pinned: the run's report names the commit that ran, not what HEAD~1 meant later.
@@ -203,7 +211,7 @@ async def _one(
             say(f"{setup}: skipped ({why})")
             return None
         run, names = await _baseline_run(setup, specs, opts, common, fronts)
-    elif setup.partition("@")[0].partition(":")[0] in ("least_busy", "least_time", "round_robin"):
+    elif parse_setup(setup)[0] in ("least_busy", "least_time", "round_robin"):
         run, names = await _gateway_run(setup, specs, opts, common)
     else:
         say(f"{setup}: skipped (no such setup here)")

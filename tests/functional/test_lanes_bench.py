@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest import lanes_bench, report, scenarios
 from loadtest.loadgen import Mix
 
@@ -12,10 +14,10 @@ TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_
 
 
 async def test_lanes_smoke(tmp_path: Path) -> None:
-    """lanes runs the shared gateway queueing all, least_time as committed at HEAD, and an
-    unknown setup (skipped), per class."""
+    """lanes runs the shared gateway queueing all, least_time with a flag, and an unknown
+    setup (skipped), per class."""
     opts = lanes_bench.LanesOptions(
-        setups=("least_busy:shared+queue_all", "least_time:over_objective@HEAD", "nginx_nowhere"),
+        setups=("least_busy:shared+queue_all", "least_time:over_objective", "nginx_nowhere"),
         speeds=(1.0, 0.4),
         loads=(0.4,),
         duration=2.0,
@@ -24,7 +26,7 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
     common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
     body = await lanes_bench.lanes(opts, common)
     runs = body["loads"]["0.4"]
-    assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective@HEAD"}
+    assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective"}
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():
         assert summary["ok"] == summary["requests"]
@@ -50,3 +52,16 @@ def test_setup_flags_become_dispatch_settings() -> None:
         "least_time_decode": "over_objective",
         "max_queue_wait": lanes_bench.QUEUE_ALL,
     }
+
+
+def test_a_setup_names_its_strategy_flags_and_ref() -> None:
+    """`strategy:flag+flag@ref` splits into its parts; a bare name has no flag and no ref;
+    an unknown flag is an error naming it."""
+    assert lanes_bench.parse_setup("least_busy:shared+cap1@ae9739e") == (
+        "least_busy",
+        {"shared", "cap1"},
+        "ae9739e",
+    )
+    assert lanes_bench.parse_setup("least_time") == ("least_time", set(), None)
+    with pytest.raises(ValueError, match="'bogus'"):
+        lanes_bench.parse_setup("least_time:bogus")
