@@ -14,7 +14,7 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import RedisServer, redis_server
 
 from gateway.app import SHARED
-from gateway.dispatch import Lane
+from gateway.dispatch import InstanceState, Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from gateway.shared_codec import parse_placements
 from gateway.sim.sim_vllm import SimConfig, SimInstance
@@ -41,6 +41,18 @@ def slow_rounds(redis: RedisServer, **shared: object) -> dict[str, dict[str, obj
     settings = sections(redis)
     settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0, **shared}
     return settings
+
+
+async def place_through(
+    a: Gateway, b: Gateway, document: str
+) -> tuple[str, InstanceState, tuple[int, ...]]:
+    """A serves `document` + a question: where it went, B's state of that instance, and the
+    block hashes of the same document with another question."""
+    status, placed_on = await chat(a, document + "question one")
+    assert status == 200
+    state = b.dispatcher.scheduler.state(placed_on)
+    blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+    return placed_on, state, blocks
 
 
 async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -240,10 +252,7 @@ async def test_replicas_agree_where_a_prefix_lives() -> None:
             gateway_with(sims, sections=sections_) as b,
         ):
             document = "shared system prompt and document " * 400  # about 3,400 tokens
-            status, placed_on = await chat(a, document + "question one")
-            assert status == 200
-            state = b.dispatcher.scheduler.state(placed_on)
-            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks) > 40)
             for question in ("two", "three", "four"):
                 status, served_by = await chat(b, document + f"question {question}")
@@ -255,9 +264,8 @@ async def test_a_placement_reaches_the_others_with_the_push_not_the_next_round()
     """With rounds 5 s apart, B's prefix index holds A's new placement within half a second."""
     with redis_server() as redis:
         fast = CACHING_SIM
-        settings = sections(redis)
+        settings = slow_rounds(redis)
         settings["dispatch"] = dict(LEAST_TIME_8)
-        settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
         async with (
             fleet(fast, fast) as sims,
             gateway_with(sims, sections=settings) as a,
@@ -266,10 +274,7 @@ async def test_a_placement_reaches_the_others_with_the_push_not_the_next_round()
             await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
             await until(lambda: a.app[SHARED].listening)
             document = "another shared document " * 500
-            status, placed_on = await chat(a, document + "question one")
-            assert status == 200
-            state = b.dispatcher.scheduler.state(placed_on)
-            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            _placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks) > 40, 0.5)
 
 
@@ -278,9 +283,8 @@ async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> Non
     prompt with it needs no long-prefill place), within half a second, rounds 5 s apart."""
     with redis_server() as redis:
         fast = CACHING_SIM
-        settings = sections(redis)
+        settings = slow_rounds(redis)
         settings["dispatch"] = dict(LEAST_TIME_8)
-        settings["shared"] = {"redis_url": redis.url, "publish_interval": 5.0, "ttl": 10.0}
         async with (
             fleet(fast, fast) as sims,
             gateway_with(sims, sections=settings) as a,
@@ -288,10 +292,7 @@ async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> Non
         ):
             await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
             document = "a third shared document " * 500
-            status, placed_on = await chat(a, document + "question one")
-            assert status == 200
-            state = b.dispatcher.scheduler.state(placed_on)
-            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            _placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks, settled=True) > 40, 0.5)
 
 
@@ -311,10 +312,7 @@ async def test_pushed_placements_reach_the_stream_with_the_next_round_in_one_ent
             await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
             await until(lambda: a.app[SHARED].listening)
             document = "a document placed between rounds " * 500
-            status, placed_on = await chat(a, document + "question one")
-            assert status == 200
-            state = b.dispatcher.scheduler.state(placed_on)
-            blocks = prompt_blocks(prompt_text({"messages": [user(document + "question two")]}))
+            placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks) > 40, 0.5)
             assert await store.xlen("gateway:placements") == 0
             assert await a.app[SHARED].run_round()
