@@ -76,7 +76,7 @@ def test_a_hot_prefix_spreads_under_load_with_least_time() -> None:
     sched.release(0, Outcome.SUCCESS, 1.0, rng)
     # A burst: none of these finishes its prefill, so the work queues up where they go.
     where = [placed(sched.submit(tk(i, shared + text(i, 200 * 4)), 1.0, rng)) for i in range(1, 61)]
-    assert where[:10] == [home] * 10  # the cache wins while the queue there is short
+    assert where[:8] == [home] * 8  # the cache wins while the queue there is short
     assert set(where) == {"a", "b", "c"}  # and then the prefix spreads
     assert where.count(home) < 60 * 0.75
     # Where it spread to, it is cached now too.
@@ -101,14 +101,14 @@ def _two_instances(*, home_pending: int, away_inflight: int) -> tuple[list[Insta
 def test_a_miss_pays_the_prefill_it_adds_for_the_requests_already_there() -> None:
     """A request whose prefix is cached at an instance with a prefill in progress stays
     there rather than recompute the prefix where other requests would wait for it: the miss
-    is charged its uncached prefill once more, for the requests batched behind it."""
+    is charged its uncached prefill once more for each request it would stall there."""
     fleet, shared = _two_instances(home_pending=5000, away_inflight=3)
     ticket = tk(1, shared + text(1, 200 * 4))
     costs = LeastTime(30).costs(fleet, fleet, ticket, 0.0)
     rate = LeastTime.PRIOR_PREFILL
     uncached_home = ticket.tokens - fleet[0].cached_tokens(ticket)
-    assert costs["home"] == pytest.approx((5000 + 2 * uncached_home) / rate)
-    assert costs["away"] == pytest.approx(2 * ticket.tokens / rate)
+    assert costs["home"] == pytest.approx((5000 + 2 * uncached_home) / rate)  # 1 in flight
+    assert costs["away"] == pytest.approx((1 + 3) * ticket.tokens / rate)  # 3 in flight
     # Judged on its own first token alone, the 5,000 tokens ahead at home would send it
     # away (5,000 + 264 > 4,200 tokens): the old, greedy choice.
     assert 5000 + uncached_home > ticket.tokens

@@ -166,6 +166,21 @@ def test_least_time_sends_work_away_from_a_slow_card_that_least_busy_would_pick(
     assert pick.name in {"i0", "i1"}
 
 
+def test_a_long_prompt_goes_where_its_prefill_stalls_the_fewest_answers() -> None:
+    """A prefill delays every request in flight on its instance by its own length, so a
+    6,000-token prompt goes to an idle slow card rather than a fast one with answers
+    decoding: 0.75 s there against 0.3 s plus 0.3 s for each of four answers."""
+    fleet = _fleet(20000.0, 20000.0, 8000.0)
+    fleet[0].inflight, fleet[1].inflight = 6, 4
+    costs = LeastTime(30).costs(fleet, fleet, _ticket(6000, 0), 0.0)
+    assert costs == {
+        "i0": pytest.approx(0.3 + 6 * 0.3),
+        "i1": pytest.approx(0.3 + 4 * 0.3),
+        "i2": pytest.approx(0.75),
+    }
+    assert LeastTime(30).choose(fleet, fleet, _ticket(6000, 0), 0.0, random.Random(0)).name == "i2"
+
+
 def test_decode_speed_weighs_in_for_long_outputs() -> None:
     """For a long output, an instance decoding slower than the TPOT objective loses even
     with an idle prefill; for a one-token output its idle prefill wins."""
