@@ -104,6 +104,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     if isinstance(strategy, LeastTime):
         strategy.decode = dispatch.least_time_decode
+        strategy.ttft_objectives = {Lane.SHORT: slo.ttft, Lane.LONG: slo.long_ttft}
     scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
     metrics.watch(dispatcher.snapshot)

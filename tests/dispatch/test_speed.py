@@ -181,6 +181,23 @@ def test_a_long_prompt_goes_where_its_prefill_stalls_the_fewest_answers() -> Non
     assert LeastTime(30).choose(fleet, fleet, _ticket(6000, 0), 0.0, random.Random(0)).name == "i2"
 
 
+def test_the_stall_never_costs_a_request_its_ttft_objective() -> None:
+    """The stall a long prompt would add for others decides only among the instances where
+    its own first token is predicted within the lane's TTFT objective; with none in time,
+    the whole cost decides."""
+    fleet = _fleet(20000.0, 20000.0)
+    fleet[0].inflight = 6  # starts at once (0.3 s), stalls six answers (1.8 s)
+    fleet[1].pending_prefill_tokens = 12000  # two prefills ahead: first token at 0.9 s
+    fleet[1].inflight = 2
+    strategy = LeastTime(30)
+    ticket = Ticket(1, Lane.LONG, 100.0, tokens=6000, max_tokens=0)
+    assert strategy.choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "i1"
+    strategy.ttft_objectives = {Lane.LONG: 0.5}
+    assert strategy.choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "i0"
+    strategy.ttft_objectives = {Lane.LONG: 0.2, Lane.SHORT: 5.0}  # neither in time
+    assert strategy.choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "i1"
+
+
 def test_decode_speed_weighs_in_for_long_outputs() -> None:
     """For a long output, an instance decoding slower than the TPOT objective loses even
     with an idle prefill; for a one-token output its idle prefill wins."""

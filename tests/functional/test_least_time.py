@@ -8,6 +8,8 @@ from collections import Counter
 import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
 
+from gateway.dispatch import Lane
+from gateway.dispatch.select import LeastTime
 from gateway.sim.sim_vllm import SimConfig
 
 CARD = SimConfig(decode_s_per_token=0.004, prefill_tokens_per_s=20000, max_num_seqs=8)
@@ -65,3 +67,20 @@ async def test_a_card_that_slows_down_is_flagged_and_loses_share() -> None:
         share_before = before[slow] / 60
         share_after = after[slow] / 90
         assert share_after < share_before * 0.6, (before, after)
+
+
+async def test_the_slo_section_sets_least_times_ttft_bound_per_lane() -> None:
+    """least_time bounds its choice by the [slo] TTFT objective of each lane."""
+    async with (
+        fleet(CARD) as sims,
+        gateway_with(
+            sims,
+            sections={
+                "dispatch": {"strategy": "least_time"},
+                "slo": {"ttft": 0.7, "long_ttft": 3.0},
+            },
+        ) as gw,
+    ):
+        strategy = gw.dispatcher.scheduler.strategy
+        assert isinstance(strategy, LeastTime)
+        assert strategy.ttft_objectives == {Lane.SHORT: 0.7, Lane.LONG: 3.0}
