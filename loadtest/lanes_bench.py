@@ -40,6 +40,7 @@ from loadtest.loadgen import (
     Client,
     Mix,
     RequestSpec,
+    Result,
     Route,
     Run,
     make_workload,
@@ -164,7 +165,26 @@ def by_class(run: Run, common: Common, names: dict[str, str]) -> report.Summary:
     summary["short_latency_s"] = report.percentiles(
         r.latency for r in ok if not r.long and r.latency is not None
     )
+    summary["missed"] = missed_objectives(run.results, common.ttft_slo, common.tpot_slo)
     return summary
+
+
+def missed_objectives(
+    results: Sequence[Result], ttft_slo: float, tpot_slo: float
+) -> dict[str, dict[str, int]]:
+    """Per prompt class, how many requests missed goodput and why: failed, TTFT only, TPOT
+    only, or both (a router can lose goodput to either objective: its total hides which)."""
+    out = {name: {"failed": 0, "ttft": 0, "tpot": 0, "both": 0} for name in ("short", "long")}
+    for r in results:
+        counts = out["long" if r.long else "short"]
+        if not r.ok or r.ttft is None:
+            counts["failed"] += 1
+            continue
+        late = r.ttft > ttft_slo
+        slow = r.tpot is not None and r.tpot > tpot_slo
+        if late or slow:
+            counts["both" if late and slow else "ttft" if late else "tpot"] += 1
+    return out
 
 
 def _baselines() -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import lanes_bench, report, scenarios
-from loadtest.loadgen import Mix
+from loadtest.loadgen import Mix, Result
 
 TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_tokens=(3, 3))
 
@@ -28,6 +28,9 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
     runs = body["loads"]["0.4"]
     assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective"}
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
+    for summary in runs.values():  # every request is good or missed in exactly one way
+        missed = sum(n for by in summary["missed"].values() for n in by.values())
+        assert summary["met_slo"] + missed == summary["requests"]
     for summary in runs.values():
         assert summary["ok"] == summary["requests"]
         assert len(summary["short_ttfts"]) + len(summary["long_ttfts"]) == summary["ok"]
@@ -65,3 +68,19 @@ def test_a_setup_names_its_strategy_flags_and_ref() -> None:
     assert lanes_bench.parse_setup("least_time") == ("least_time", set(), None)
     with pytest.raises(ValueError, match="'bogus'"):
         lanes_bench.parse_setup("least_time:bogus")
+
+
+def test_missed_goodput_is_split_by_class_and_objective() -> None:
+    """Each request out of goodput counts once, in its class, under the objective it missed
+    (or both, or failed); requests within both objectives count nowhere."""
+    results = [
+        Result(0, long=False, sent=0.0, status=200, ttft=0.1, tpot=0.01),  # good
+        Result(1, long=False, sent=0.0, status=200, ttft=2.0, tpot=0.01),  # late
+        Result(2, long=True, sent=0.0, status=200, ttft=0.5, tpot=0.09),  # slow
+        Result(3, long=True, sent=0.0, status=200, ttft=1.5, tpot=0.09),  # both
+        Result(4, long=True, sent=0.0, status=429),  # refused
+    ]
+    assert lanes_bench.missed_objectives(results, 1.0, 0.05) == {
+        "short": {"failed": 0, "ttft": 1, "tpot": 0, "both": 0},
+        "long": {"failed": 1, "ttft": 0, "tpot": 1, "both": 1},
+    }
