@@ -40,6 +40,7 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
     limits = Limits(
         max_queue_per_instance=dispatch.max_queue_per_instance,
         max_long_per_instance=config.prefill.max_long_per_instance,
+        max_long_running_per_instance=config.prefill.max_long_running_per_instance,
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,
         metrics_stale_after=stale_after,

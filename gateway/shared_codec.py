@@ -28,7 +28,7 @@ def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> byte
     """This process's publication: compact JSON, a few dozen bytes per instance."""
     body = {
         "loads": {
-            name: [p.inflight, p.pending_prefill_tokens, p.long_prefilling]
+            name: [p.inflight, p.pending_prefill_tokens, p.long_prefilling, p.long_running]
             for name, p in share.loads.items()
         },
         "speeds": {
@@ -52,9 +52,10 @@ def decode(data: bytes | str) -> PeerEntry:
 
 
 def _decode(body: dict[str, Any]) -> PeerEntry:
-    # A publication of a process from before long prefills were shared has two numbers.
+    # A process from before long prefills (or long answers) were shared publishes two
+    # (or three) numbers: what it leaves out counts zero.
     loads = {
-        name: PeerLoad(int(v[0]), int(v[1]), int(v[2]) if len(v) > 2 else 0)
+        name: PeerLoad(int(v[0]), int(v[1]), *(int(x) for x in v[2:4]))
         for name, v in body["loads"].items()
     }
     speeds = {
@@ -144,6 +145,7 @@ def combine(entries: list[PeerEntry]) -> SharedView:
                 total.inflight + load.inflight,
                 total.pending_prefill_tokens + load.pending_prefill_tokens,
                 total.long_prefilling + load.long_prefilling,
+                total.long_running + load.long_running,
             )
         for name, speed in entry.share.speeds.items():
             speeds.setdefault(name, []).append(speed)

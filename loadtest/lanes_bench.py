@@ -17,7 +17,8 @@ counted every output token), e.g. `least_time:shared+over_objective`; `queue_all
 `max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
 is served, late if need be, as the baselines do (like with like for tokens/s, and a p99
 over every request rather than over the ones admitted); `cap1` sets
-`max_long_per_instance = 1`. The baselines a user would pick instead, `nginx`
+`max_long_per_instance = 1`; `running3` and `running4` set
+`max_long_running_per_instance`. The baselines a user would pick instead, `nginx`
 (least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
 skipped with a line where they are not installed.
 
@@ -79,7 +80,7 @@ class LanesOptions:
     name: str = "lanes"  # the report's file name (JSON and PNG)
 
 
-FLAGS = frozenset({"shared", "over_objective", "queue_all", "cap1"})
+FLAGS = frozenset({"shared", "over_objective", "queue_all", "cap1", "running3", "running4"})
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -140,6 +141,9 @@ def _prefill(flags: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"lane_split": "shared" not in flags}
     if "cap1" in flags:
         out["max_long_per_instance"] = 1
+    for bound in (3, 4):
+        if f"running{bound}" in flags:
+            out["max_long_running_per_instance"] = bound
     return out
 
 

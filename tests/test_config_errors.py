@@ -57,6 +57,13 @@ CASES: list[Any] = [
         id="port-type",
     ),
     pytest.param(
+        "[prefill]\nmax_long_running_per_instance = 0\n",
+        None,
+        "config.toml",
+        ["prefill.max_long_running_per_instance", "0"],
+        id="long-running-bound",
+    ),
+    pytest.param(
         "[gateway]\nport = 70000\n", None, "config.toml", ["gateway.port", "70000"], id="port-range"
     ),
     pytest.param(

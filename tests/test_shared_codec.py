@@ -12,6 +12,7 @@ from gateway.dispatch import (
     Lane,
     Limits,
     LocalShare,
+    PeerLoad,
     Scheduler,
     Ticket,
 )
@@ -94,8 +95,11 @@ def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> 
     sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
     entry = decode(encode(sched.share(0.0), 0, 0))
     assert combine([entry, entry]).loads["a"].long_prefilling == 2
+    assert combine([entry, entry]).loads["a"].long_running == 2
     old = b'{"loads":{"a":[3,500]},"speeds":{},"queued":{},"budget":[0,0]}'
     assert decode(old).share.loads["a"].long_prefilling == 0
+    three = b'{"loads":{"a":[3,500,1]},"speeds":{},"queued":{},"budget":[0,0]}'
+    assert decode(three).share.loads["a"] == PeerLoad(3, 500, 1, 0)
 
 
 def test_drain_rates_travel_by_lane_and_model_and_sum() -> None:

@@ -249,9 +249,12 @@ class Fleet:
             and self.lanes.capped(state)
             and self._takes_long_place(state, ticket)
         ):
-            # Fleet-wide: the other processes' long prefills there take places too.
+            # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
-            return long_prefilling < self.limits.max_long_per_instance
+            if long_prefilling >= self.limits.max_long_per_instance:
+                return False
+            running = self.limits.max_long_running_per_instance
+            return running is None or state.long_running + state.peers.long_running < running
         return True
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:

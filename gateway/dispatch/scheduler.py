@@ -222,6 +222,8 @@ class Scheduler(Fleet):
             raise UnknownTicket(ticket_id) from None
         if held.prefilling:
             self._end_prefill(held, now)
+        if held.long_place:
+            held.state.long_running -= 1
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
             self._settle_prefix(held)
         if not self._departs_at_prefill(held):
@@ -316,7 +318,9 @@ class Scheduler(Fleet):
         """What this process tells the others: its own load, queues and learned speeds."""
         return LocalShare(
             loads={
-                s.name: PeerLoad(s.inflight, s.pending_prefill_tokens, s.long_prefilling)
+                s.name: PeerLoad(
+                    s.inflight, s.pending_prefill_tokens, s.long_prefilling, s.long_running
+                )
                 for s in self.states
             },
             speeds={s.name: s.speed.own() for s in self.states},
@@ -353,6 +357,7 @@ class Scheduler(Fleet):
         self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)
         if held.long_place:
             state.long_prefilling += 1
+            state.long_running += 1
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 

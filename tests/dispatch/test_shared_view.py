@@ -93,11 +93,16 @@ def test_peers_long_prefills_count_toward_the_long_cap() -> None:
 
 
 def test_share_publishes_our_long_prefills() -> None:
-    """What we publish counts our long prefills per instance, for the others' long caps."""
+    """What we publish counts our long prefills and long answers per instance, for the
+    others' long caps; a long answer still counts once its prefill is done."""
     rng = random.Random(0)
     sched = make(InstanceSpec("a"))
     sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)
-    assert sched.share(0.0).loads["a"] == PeerLoad(1, 6000, long_prefilling=1)
+    assert sched.share(0.0).loads["a"] == PeerLoad(1, 6000, long_prefilling=1, long_running=1)
+    sched.prefill_done(1, 0.5, rng)
+    assert sched.share(0.5).loads["a"] == PeerLoad(1, 0, long_prefilling=0, long_running=1)
+    sched.release(1, Outcome.SUCCESS, 1.0, rng)
+    assert sched.share(1.0).loads["a"] == PeerLoad(0, 0, 0, 0)
 
 
 def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
