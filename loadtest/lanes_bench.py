@@ -56,6 +56,7 @@ from loadtest.scenarios import (
     plot_path,
     relabel,
     say,
+    slo_block,
     summarize,
     write_json,
 )
@@ -119,12 +120,7 @@ async def _gateway_run(
                 max_num_seqs=opts.max_num_seqs,
                 core=gw_core,
                 source=source or common.gateway_dir,
-                slo={
-                    "ttft": common.ttft_slo,
-                    "tpot": common.tpot_slo,
-                    "long_ttft": common.ttft_slo,
-                    "long_tpot": common.tpot_slo,
-                },
+                slo=slo_block(common),
                 extra={"prefill": _prefill(flags)},
                 dispatch=_dispatch(flags),
             )

@@ -30,7 +30,7 @@ from loadtest.loadgen import (
     run_open,
     session,
 )
-from loadtest.scenarios import Common, cores, fleet_names, relabel, summarize
+from loadtest.scenarios import Common, cores, fleet_names, relabel, slo_block, summarize
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,7 @@ async def one_setup(
                     max_num_seqs=opts.max_num_seqs,
                     core=gw_core,
                     source=common.gateway_dir,
-                    slo={
-                        "ttft": common.ttft_slo,
-                        "tpot": common.tpot_slo,
-                        "long_ttft": common.ttft_slo,
-                        "long_tpot": common.tpot_slo,
-                    },
+                    slo=slo_block(common),
                     extra=extra,
                 )
             )
@@ -178,25 +173,17 @@ async def cost_part(opts: ReplicaOptions, common: Common) -> dict[str, Any]:
         url = await stack.enter_async_context(redis_process())
         shared = {"shared": {"redis_url": url, "namespace": "cost"}}
         arms = {
-            "local": await stack.enter_async_context(
+            arm: await stack.enter_async_context(
                 harness.gateway_process(
                     fleet.urls,
                     strategy="least_busy",
                     max_num_seqs=64,
                     core=gw_core,
                     source=common.gateway_dir,
+                    extra=extra,
                 )
-            ),
-            "shared": await stack.enter_async_context(
-                harness.gateway_process(
-                    fleet.urls,
-                    strategy="least_busy",
-                    max_num_seqs=64,
-                    core=gw_core,
-                    source=common.gateway_dir,
-                    extra=shared,
-                )
-            ),
+            )
+            for arm, extra in (("local", None), ("shared", shared))
         }
         # An idle peer: the measured process reads and decodes its publication each round.
         await stack.enter_async_context(
