@@ -87,6 +87,27 @@ async def two_gateways(
         yield a, b
 
 
+def pushing_settings(redis: RedisServer) -> dict[str, dict[str, object]]:
+    """least_time over caching instances, rounds 5 s apart: what arrives sooner was pushed."""
+    settings = slow_rounds(redis)
+    settings["dispatch"] = dict(LEAST_TIME_8)
+    return settings
+
+
+@contextlib.asynccontextmanager
+async def pushing_pair(redis: RedisServer) -> AsyncIterator[tuple[Gateway, Gateway]]:
+    """Two such gateways over two caching instances, each listening for the other's pushes."""
+    settings = pushing_settings(redis)
+    async with (
+        fleet(CACHING_SIM, CACHING_SIM) as sims,
+        gateway_with(sims, sections=settings) as a,
+        gateway_with(sims, sections=settings) as b,
+    ):
+        await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+        await until(lambda: a.app[SHARED].listening)
+        yield a, b
+
+
 async def test_the_per_instance_limit_holds_across_gateways() -> None:
     """One slot, two gateways: while A's stream holds it, B's request waits in B's queue."""
     with redis_server() as redis:
@@ -263,16 +284,7 @@ async def test_replicas_agree_where_a_prefix_lives() -> None:
 async def test_a_placement_reaches_the_others_with_the_push_not_the_next_round() -> None:
     """With rounds 5 s apart, B's prefix index holds A's new placement within half a second."""
     with redis_server() as redis:
-        fast = CACHING_SIM
-        settings = slow_rounds(redis)
-        settings["dispatch"] = dict(LEAST_TIME_8)
-        async with (
-            fleet(fast, fast) as sims,
-            gateway_with(sims, sections=settings) as a,
-            gateway_with(sims, sections=settings) as b,
-        ):
-            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
-            await until(lambda: a.app[SHARED].listening)
+        async with pushing_pair(redis) as (a, b):
             document = "another shared document " * 500
             _placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks) > 40, 0.5)
@@ -282,15 +294,7 @@ async def test_a_prefix_a_computed_is_settled_in_bs_index_with_the_push() -> Non
     """Once A's request has its first token, B counts its prefix as computed there (a long
     prompt with it needs no long-prefill place), within half a second, rounds 5 s apart."""
     with redis_server() as redis:
-        fast = CACHING_SIM
-        settings = slow_rounds(redis)
-        settings["dispatch"] = dict(LEAST_TIME_8)
-        async with (
-            fleet(fast, fast) as sims,
-            gateway_with(sims, sections=settings) as a,
-            gateway_with(sims, sections=settings) as b,
-        ):
-            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
+        async with pushing_pair(redis) as (a, b):
             document = "a third shared document " * 500
             _placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks, settled=True) > 40, 0.5)
@@ -300,17 +304,8 @@ async def test_pushed_placements_reach_the_stream_with_the_next_round_in_one_ent
     """A push carries a placement to B but writes nothing to the stream (one PUBLISH, the
     cost of a push); A's next round appends what its pushes carried, in one entry."""
     with redis_server() as redis:
-        fast = CACHING_SIM
-        settings = slow_rounds(redis)
-        settings["dispatch"] = dict(LEAST_TIME_8)
         store = aioredis.Redis.from_url(redis.url)
-        async with (
-            fleet(fast, fast) as sims,
-            gateway_with(sims, sections=settings) as a,
-            gateway_with(sims, sections=settings) as b,
-        ):
-            await until(lambda: b.app[SHARED].peers == 1 and b.app[SHARED].listening)
-            await until(lambda: a.app[SHARED].listening)
+        async with pushing_pair(redis) as (a, b):
             document = "a document placed between rounds " * 500
             placed_on, state, blocks = await place_through(a, b, document)
             await until(lambda: state.cache.match(blocks) > 40, 0.5)
@@ -327,10 +322,11 @@ async def test_a_process_that_joins_later_learns_the_placements_pushed_before() 
     """A places a prompt between rounds (a push); C, started after A's next round, reads it
     from the stream and sends the prefix to the same instance."""
     with redis_server() as redis:
-        fast = CACHING_SIM
-        settings = slow_rounds(redis)
-        settings["dispatch"] = dict(LEAST_TIME_8)
-        async with fleet(fast, fast) as sims, gateway_with(sims, sections=settings) as a:
+        settings = pushing_settings(redis)
+        async with (
+            fleet(CACHING_SIM, CACHING_SIM) as sims,
+            gateway_with(sims, sections=settings) as a,
+        ):
             await until(lambda: a.app[SHARED].listening)
             document = "a document a late joiner needs " * 500
             status, placed_on = await chat(a, document + "question one")
