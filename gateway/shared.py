@@ -270,10 +270,11 @@ class SharedState:
         """One push of another process: its newest load replaces what we had of it."""
         if self.up is not True:
             return  # while Redis is away the view is ours alone; the next round rejoins
-        if (data.encode() if isinstance(data, str) else data).startswith(self._own_tag):
+        raw = data.encode() if isinstance(data, str) else data
+        if raw.startswith(self._own_tag):
             return  # our own push, back from the channel: not worth parsing
         try:
-            process, payload, placements, settled = parse_push(data)
+            process, payload, placements, settled = parse_push(raw)
             entry = decode(payload)
         except ValueError:
             _log.warning("shared_state_entry_malformed", channel=self._channel)
