@@ -241,7 +241,19 @@ class Fleet:
         state.prefix_query_tokens += ticket.tokens
         state.prefix_hit_tokens += cached
 
-    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
+    def _freeing(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
+        """Where a long request could start as soon as a long prefill there ends: up for
+        it, a running slot free, room under every limit but `max_long_per_instance`."""
+        up, room = self._up_and_room(ticket, now, holding)
+        return [
+            s
+            for s in up
+            if s not in room
+            and s.fleet_inflight < s.spec.slots
+            and self._has_room(s, ticket, prefill_cap=False)
+        ]
+
+    def _has_room(self, state: InstanceState, ticket: Ticket, prefill_cap: bool = True) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
         if (
@@ -251,7 +263,7 @@ class Fleet:
         ):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
-            if long_prefilling >= self.limits.max_long_per_instance:
+            if prefill_cap and long_prefilling >= self.limits.max_long_per_instance:
                 return False
             running = self.limits.max_long_running_per_instance
             return running is None or state.long_running + state.peers.long_running < running

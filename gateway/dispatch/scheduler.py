@@ -42,7 +42,7 @@ from .model import (
     Ticket,
 )
 from .queues import WaitQueues
-from .select import Strategy
+from .select import LeastTime, Strategy
 from .snapshot import Snapshot
 from .speed import Ewma
 
@@ -127,7 +127,7 @@ class Scheduler(Fleet):
         # FIFO: nobody may overtake requests already waiting for the same lane and model.
         if not self._queues.waiting_before(ticket):
             candidates = self._candidates(ticket, now, len(self._holding))
-            if candidates:
+            if candidates and not self._waits(ticket, candidates, now, behind=0):
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
@@ -172,6 +172,11 @@ class Scheduler(Fleet):
             return []
         ticket = self._queues.remove(ticket_id)
         assert ticket is not None
+        # One that waited for a better place by choice (`_waits`) starts where it can.
+        if ticket.deadline > now and (
+            candidates := self._candidates(ticket, now, len(self._holding))
+        ):
+            return [self._assign(ticket, candidates, now, rng)]
         if spill := self._spill_candidates(ticket, now, len(self._holding)):
             return [self._assign(ticket, spill, now, rng)]
         return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
@@ -361,6 +366,22 @@ class Scheduler(Fleet):
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
+    def _waits(
+        self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, behind: int
+    ) -> bool:
+        """Whether a long request that could start now waits for a long place about to
+        free instead, where its prefill would stall fewer answers (least_time's
+        `worth_waiting`). Only with nobody of its lane and model waiting `behind` it: a
+        queue means every place is wanted, and waiting would only cost throughput."""
+        if ticket.lane is not Lane.LONG or ticket.exclude or behind > 0:
+            return False
+        if not isinstance(self.strategy, LeastTime):
+            return False
+        freeing = self._freeing(ticket, now, len(self._holding))
+        return bool(freeing) and self.strategy.worth_waiting(
+            candidates, freeing, self.states, ticket, now
+        )
+
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
         """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
         out: list[Decision] = []
@@ -380,13 +401,21 @@ class Scheduler(Fleet):
             placed = False
             for ticket in self._queues.heads():
                 wait_until = self._queues.wait_until(ticket.id)
-                if wait_until is not None and wait_until <= now:
+                expired = wait_until is not None and wait_until <= now
+                # One whose wait ran out, not its deadline, still starts if it can: it may
+                # have waited for a better place by choice (`_waits`).
+                candidates = (
+                    []
+                    if ticket.deadline <= now
+                    else self._candidates(ticket, now, len(self._holding))
+                )
+                if expired and not candidates:
                     self._queues.remove(ticket.id)
                     out.append(Rejected(ticket, "deadline", after))
                     placed = True
                     break
-                candidates = self._candidates(ticket, now, len(self._holding))
-                if candidates:
+                behind = self._queues.length_for(ticket.lane, ticket.model) - 1
+                if candidates and (expired or not self._waits(ticket, candidates, now, behind)):
                     self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
                     placed = True

@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from . import speed
 from .model import InstanceState, Lane, Ticket
@@ -180,6 +180,20 @@ class RoundRobin:
         return f"<RoundRobin next={self._next}>"
 
 
+class Prediction(NamedTuple):
+    """What least_time predicts of a request on one instance."""
+
+    ttft: float  # its own time to first token
+    cost: float  # what it decides by: its time plus the stall it adds for others
+    latency: float  # its own end-to-end: ttft + max_tokens x tpot
+    crowd: float  # requests in flight there (ours, peers', others'): what a prefill stalls
+
+
+def longs_running(fleet: Sequence[InstanceState]) -> bool:
+    """Whether any long request is placed on a shared instance and not fully answered."""
+    return any(s.long_running + s.peers.long_running > 0 for s in fleet)
+
+
 class LeastTime:
     """Send each request where its predicted time to first token is lowest.
 
@@ -216,6 +230,10 @@ class LeastTime:
     """
 
     name = "least_time"
+    # A short prompt's own predicted end-to-end may be this much above its best to go
+    # where long prefills are least likely to stall it (see `_sheltered`).
+    SHELTER_SLACK = 0.1  # share of the best
+    SHELTER_SLACK_S = 0.02  # s, on top
     PRIOR_PREFILL = 5000.0  # tokens/s
     PRIOR_TPOT = 0.03  # s
     DEFAULT_TPOT_OBJECTIVE = 0.1  # s, the [slo] default
@@ -244,9 +262,7 @@ class LeastTime:
         ticket: Ticket,
         now: float,
     ) -> dict[str, float]:
-        return {
-            name: cost for name, (_, cost) in self._predict(candidates, fleet, ticket, now).items()
-        }
+        return {n: p.cost for n, p in self._predict(candidates, fleet, ticket, now).items()}
 
     def _predict(
         self,
@@ -254,13 +270,13 @@ class LeastTime:
         fleet: Sequence[InstanceState],
         ticket: Ticket,
         now: float,
-    ) -> dict[str, tuple[float, float]]:
-        """Per candidate: the predicted time to first token, and the whole cost."""
+    ) -> dict[str, Prediction]:
+        """Per candidate: what the request would get there, and what it would cost."""
         prefill_median = speed.median(s.speed.prefill_rate for s in fleet) or self.PRIOR_PREFILL
         tpot_median = speed.median(s.speed.tpot_value for s in fleet) or self.PRIOR_TPOT
         objective = self.tpot_objectives.get(ticket.lane, self.DEFAULT_TPOT_OBJECTIVE)
         loads = score_all(fleet, now, self.stale_after)
-        out: dict[str, tuple[float, float]] = {}
+        out: dict[str, Prediction] = {}
         for state in candidates:
             rate = state.speed.prefill_rate or prefill_median
             tpot = state.speed.tpot_value or tpot_median
@@ -281,7 +297,8 @@ class LeastTime:
             # charged only once, a long prompt went where it would start soonest however
             # many answers its prefill would stall there (`loadtest lanes`: short p50
             # end-to-end 957 against 753 ms at 75% of capacity, one run).
-            stall = uncached / rate * (state.fleet_inflight + loads[state.name].others)
+            crowd = state.fleet_inflight + loads[state.name].others
+            stall = uncached / rate * crowd
             queued = state.fleet_inflight - state.spec.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
@@ -290,8 +307,79 @@ class LeastTime:
             else:
                 decode = ticket.max_tokens * max(0.0, tpot - objective)
             cost = (ttft + stall + decode) * (1 + state.consecutive_failures)
-            out[state.name] = (ttft, cost)
+            latency = ttft + ticket.max_tokens * tpot
+            out[state.name] = Prediction(ttft, cost, latency, crowd)
         return out
+
+    def _in_time(
+        self, candidates: Sequence[InstanceState], predicted: Mapping[str, Prediction], lane: Lane
+    ) -> Sequence[InstanceState]:
+        """The candidates where the request's own first token comes within its lane's
+        TTFT objective; all of them if none does, or with no objective.
+
+        The stall it adds for others never sends a request where its own first token
+        would come later than its objective while another candidate would be in time:
+        without this bound a long prompt queued behind two prefills on a card with few
+        answers running rather than start at once on a busier one (`loadtest compare`:
+        p99 TTFT 0.77-1.14 s against 0.66-0.80 s before the stall was counted per answer).
+        """
+        objective = self.ttft_objectives.get(lane)
+        if objective is None:
+            return candidates
+        return [c for c in candidates if predicted[c.name].ttft <= objective] or candidates
+
+    def _sheltered(
+        self, candidates: Sequence[InstanceState], predicted: Mapping[str, Prediction]
+    ) -> Sequence[InstanceState]:
+        """Of the candidates where a short prompt's own end-to-end is near its best, those
+        with the most requests in flight: where the next long prefill is least likely to
+        land, since a long prompt goes where its prefill stalls the fewest answers.
+
+        A short answer decoding when a 6,000-token prefill lands on its card waits 0.3 s
+        for one token, and the median short answer is stalled once or not at all: spread
+        evenly, about half were (`loadtest lanes`: short p50 end-to-end 0.83-0.93 s,
+        against 0.40-0.65 s sheltered). One more sequence in a decode step costs the
+        others about 2%, so packing short prompts where others run costs them little,
+        and the long prompts avoid that card the more the fuller it is: a card for the
+        short lane forms by itself, moves when the traffic does, and takes long prompts
+        again when the others are full.
+        """
+        best = min(predicted[c.name].latency for c in candidates)
+        near = [
+            c
+            for c in candidates
+            if predicted[c.name].latency <= best * (1 + self.SHELTER_SLACK) + self.SHELTER_SLACK_S
+        ]
+        most = max(predicted[c.name].crowd for c in near)
+        return [c for c in near if predicted[c.name].crowd >= most]
+
+    def worth_waiting(
+        self,
+        candidates: Sequence[InstanceState],
+        freeing: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+    ) -> bool:
+        """Whether a long prompt should wait for a long place to free on one of `freeing`
+        (each prefilling a long prompt now) rather than start now on one of `candidates`.
+
+        It waits where that costs less, its wait included: a card prefilling behind
+        few answers beats an idle one where many decode, since its prefill would stall
+        each of them (the short prompts gather there, `_sheltered`). Only within its TTFT
+        objective.
+        """
+        soon = [
+            p.cost
+            for p in self._predict(freeing, fleet, ticket, now).values()
+            if ticket.lane not in self.ttft_objectives
+            or p.ttft <= self.ttft_objectives[ticket.lane]
+        ]
+        if not soon:
+            return False
+        predicted = self._predict(candidates, fleet, ticket, now)
+        start = self._in_time(candidates, predicted, ticket.lane)
+        return min(soon) < min(predicted[c.name].cost for c in start)
 
     def choose(
         self,
@@ -302,16 +390,10 @@ class LeastTime:
         rng: random.Random,
     ) -> InstanceState:
         predicted = self._predict(candidates, fleet, ticket, now)
-        # The stall it adds for others never sends a request where its own first token
-        # would come later than its objective while another candidate would be in time:
-        # without this bound a long prompt queued behind two prefills on a card with few
-        # answers running rather than start at once on a busier one (`loadtest compare`:
-        # p99 TTFT 0.77-1.14 s against 0.66-0.80 s before the stall was counted per answer).
-        objective = self.ttft_objectives.get(ticket.lane)
-        if objective is not None:
-            in_time = [c for c in candidates if predicted[c.name][0] <= objective]
-            candidates = in_time or candidates
-        return _lowest(candidates, {n: cost for n, (_, cost) in predicted.items()}, rng)
+        candidates = self._in_time(candidates, predicted, ticket.lane)
+        if ticket.lane is Lane.SHORT and longs_running(fleet):
+            candidates = self._sheltered(candidates, predicted)
+        return _lowest(candidates, {n: p.cost for n, p in predicted.items()}, rng)
 
 
 Strategy = LeastBusy | RoundRobin | LeastTime
