@@ -1,0 +1,149 @@
+"""least_time keeps short answers out of long prefills: short prompts gather where long
+ones are least likely to land, and a long prompt waits for a place about to free where
+its prefill stalls fewer answers."""
+
+from __future__ import annotations
+
+import random
+
+from _sched_helpers import FAR, bring_up, make
+
+from gateway.dispatch import (
+    Assigned,
+    InstanceSpec,
+    InstanceState,
+    Lane,
+    Limits,
+    Queued,
+    Rejected,
+    Scheduler,
+    Ticket,
+)
+from gateway.dispatch.select import LeastTime
+from gateway.dispatch.speed import Ewma
+
+
+def _card(name: str, rate: float, tpot: float, inflight: int = 0) -> InstanceState:
+    state = InstanceState(InstanceSpec(name, slots=16), up=True)
+    state.speed.prefill = Ewma(higher_is_better=True, value=rate, samples=9)
+    state.speed.tpot = Ewma(higher_is_better=False, value=tpot, samples=9)
+    state.inflight = inflight
+    return state
+
+
+def _short(i: int = 1) -> Ticket:
+    return Ticket(i, Lane.SHORT, FAR, tokens=200, max_tokens=32)
+
+
+def _long(i: int, deadline: float = FAR) -> Ticket:
+    return Ticket(i, Lane.LONG, deadline, tokens=6000, max_tokens=32)
+
+
+def test_a_short_prompt_gathers_with_others_while_long_answers_run() -> None:
+    """Of three like cards, a short prompt goes to the one with the most answers in flight
+    while a long request runs in the fleet (the next long prefill avoids that card), and
+    to the emptiest when none does."""
+    fleet = [_card("i0", 20000, 0.02, 3), _card("i1", 20000, 0.02, 1), _card("i2", 20000, 0.02)]
+    strategy = LeastTime(30)
+    assert strategy.choose(fleet, fleet, _short(), 0.0, random.Random(0)).name == "i2"
+    fleet[1].long_running = 1
+    assert strategy.choose(fleet, fleet, _short(), 0.0, random.Random(0)).name == "i0"
+
+
+def test_a_short_prompt_does_not_shelter_where_its_own_answer_would_be_slow() -> None:
+    """A crowded card is chosen only where the short prompt's own predicted end-to-end is
+    within 10% (and 20 ms) of its best: a slow card's decode puts it out of reach."""
+    slow = _card("slow", 8000, 0.05, 6)
+    fast = _card("fast", 20000, 0.02, 1)
+    fast.long_running = 1
+    fleet = [slow, fast]
+    assert LeastTime(30).choose(fleet, fleet, _short(), 0.0, random.Random(0)).name == "fast"
+
+
+def _waiting_fleet(strategy: str = "least_time", running: int | None = None) -> Scheduler:
+    """Two like cards: `a` with five answers decoding, `b` prefilling a long prompt (its
+    one long place taken); each long prefill takes 1.2 s at the prior rate, and a long
+    request waits in the gateway queue for at most 3 s."""
+    rng = random.Random(0)
+    limits = Limits(
+        max_long_per_instance=1,
+        max_long_running_per_instance=running,
+        lane_split=False,
+        max_queue_wait_long=3.0,
+    )
+    sched = make(
+        InstanceSpec("a", slots=16), InstanceSpec("b", slots=16), strategy=strategy, limits=limits
+    )
+    bring_up(sched, rng)
+    sched.states[0].inflight = 5
+    first = sched.submit(_long(1), 0.0, rng)
+    assert isinstance(first, Assigned)
+    assert first.instance == "b"
+    return sched
+
+
+def test_a_long_prompt_waits_for_a_place_about_to_free_behind_fewer_answers() -> None:
+    """On `a` its prefill would stall five answers (1.2 s + 5 x 1.2 s); behind b's prefill
+    it stalls one (2.4 s + 1.2 s): it waits, and takes b's place when that prefill ends."""
+    rng = random.Random(0)
+    sched = _waiting_fleet()
+    assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
+    (placed,) = sched.prefill_done(1, 1.2, rng)
+    assert placed == Assigned(_long(2), "b")
+
+
+def test_it_does_not_wait_with_another_long_request_queued_behind_it() -> None:
+    """A queue means every place is wanted: the oldest takes the free place at once."""
+    rng = random.Random(0)
+    sched = _waiting_fleet()
+    assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
+    assert isinstance(sched.submit(_long(3), 0.1, rng), Queued)
+    assert sched.drain(0.2, rng) == [Assigned(_long(2), "a")]
+
+
+def test_it_does_not_wait_beyond_its_ttft_objective() -> None:
+    """Behind b's prefill its first token would come at 2.4 s: with a 2 s objective it
+    starts on `a` at once."""
+    rng = random.Random(0)
+    sched = _waiting_fleet()
+    assert isinstance(sched.strategy, LeastTime)
+    sched.strategy.ttft_objectives = {Lane.LONG: 2.0}
+    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
+
+
+def test_it_does_not_wait_for_a_card_whose_long_answers_fill_the_running_bound() -> None:
+    """b's prefill ending would not let it in when b's long answers are at
+    `max_long_running_per_instance`: nothing frees there soon."""
+    rng = random.Random(0)
+    sched = _waiting_fleet(running=1)
+    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
+
+
+def test_least_busy_never_waits_while_a_place_is_free() -> None:
+    """Waiting for a better place is least_time's judgement; least_busy places at once."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=16),
+        InstanceSpec("b", slots=16),
+        limits=Limits(max_long_per_instance=1, lane_split=False),
+    )
+    bring_up(sched, rng)
+    sched.states[0].inflight = 5
+    assert sched.submit(_long(1), 0.0, rng) == Assigned(_long(1), "b")
+    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
+
+
+def test_when_its_wait_runs_out_it_starts_where_it_can() -> None:
+    """A request that waited by choice is not refused when its queue wait runs out while
+    a place is free: it starts there. Past its deadline it is refused as before."""
+    rng = random.Random(0)
+    sched = _waiting_fleet()
+    assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
+    wait_until = sched.wait_until(2)
+    assert wait_until == 3.0
+    assert sched.expire(2, wait_until, rng) == [Assigned(_long(2), "a")]
+    sched = _waiting_fleet()
+    assert isinstance(sched.submit(_long(3, deadline=1.0), 0.0, rng), Queued)
+    (refused,) = sched.expire(3, 1.0, rng)
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "deadline"
