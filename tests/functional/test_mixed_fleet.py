@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
 
 import aiohttp
@@ -128,3 +128,43 @@ async def test_the_slow_card_serves_the_short_lane() -> None:
         assert splits, "no lane_split event"
         assert splits[-1]["lanes"] == {s.name: lanes.lane(s) for s in states}
         assert all(len(e["moved"]) in (1, 2) for e in splits)
+
+
+async def test_least_time_gathers_short_prompts_where_long_prefills_are_least_likely() -> None:
+    """With the split off and least_time, short prompts sent while a long answer decodes
+    all go to one card, the fullest (the next long prefill goes where it stalls the fewest
+    answers); least_time without the shelter would spread them over the empty cards."""
+    card = replace(CARD, decode_s_per_token=0.02)
+    sections = {
+        "dispatch": {"strategy": "least_time", "health_check_interval": 0.1, "max_num_seqs": 8},
+        "prefill": {"long_input_threshold": 400, "max_long_per_instance": 1, "lane_split": False},
+    }
+    async with (
+        fleet(card, card, card) as sims,
+        gateway_with(sims, sections=sections) as gw,
+        aiohttp.ClientSession() as session,
+        AsyncExitStack() as streams,
+    ):
+
+        async def first_token(content: str) -> str:
+            """Open a stream of 100 tokens, read to its first token, leave it running."""
+            body = {
+                "messages": [{"role": "user", "content": f"{next(_ids):08d} {content}"}],
+                "max_tokens": 100,
+                "stream": True,
+            }
+            resp = await streams.enter_async_context(
+                session.post(
+                    gw.url + "/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {KEY}"},
+                )
+            )
+            assert resp.status == 200
+            while b'"content"' not in await resp.content.readline():
+                pass
+            return resp.headers["X-Gateway-Instance"]
+
+        long_card = await first_token(LONG)
+        shorts = [await first_token(SHORT) for _ in range(4)]
+    assert set(shorts) == {long_card}, (long_card, shorts)
