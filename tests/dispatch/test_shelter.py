@@ -60,8 +60,22 @@ def test_a_short_prompt_does_not_shelter_where_its_own_answer_would_be_slow() ->
     assert LeastTime(30).choose(fleet, fleet, _short(), 0.0, random.Random(0)).name == "fast"
 
 
-def _waiting_fleet(strategy: str = "least_time", running: int | None = None) -> Scheduler:
-    """Two like cards: `a` with five answers decoding, `b` prefilling a long prompt (its
+def test_a_short_prompt_does_not_shelter_behind_a_prefill() -> None:
+    """A crowded card whose prefill queue would hold the short prompt's first token more
+    than 20 ms longer is not chosen, however long its answer (10% of which would cover
+    the wait)."""
+    crowded = _card("crowded", 20000, 0.02, 6)
+    crowded.pending_prefill_tokens = 6000  # 0.3 s ahead of its first token
+    crowded.long_running = 1
+    fleet = [crowded, _card("idle", 20000, 0.02)]
+    ticket = Ticket(1, Lane.SHORT, FAR, tokens=200, max_tokens=2000)  # 40 s of decode
+    assert LeastTime(30).choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "idle"
+
+
+def _waiting_fleet(
+    strategy: str = "least_time", running: int | None = None, busy: int = 5
+) -> Scheduler:
+    """Two like cards: `a` with `busy` answers decoding, `b` prefilling a long prompt (its
     one long place taken); each long prefill takes 1.2 s at the prior rate, and a long
     request waits in the gateway queue for at most 3 s."""
     rng = random.Random(0)
@@ -75,7 +89,7 @@ def _waiting_fleet(strategy: str = "least_time", running: int | None = None) -> 
         InstanceSpec("a", slots=16), InstanceSpec("b", slots=16), strategy=strategy, limits=limits
     )
     bring_up(sched, rng)
-    sched.states[0].inflight = 5
+    sched.states[0].inflight = busy
     first = sched.submit(_long(1), 0.0, rng)
     assert isinstance(first, Assigned)
     assert first.instance == "b"
@@ -90,6 +104,14 @@ def test_a_long_prompt_waits_for_a_place_about_to_free_behind_fewer_answers() ->
     assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
     (placed,) = sched.prefill_done(1, 1.2, rng)
     assert placed == Assigned(_long(2), "b")
+
+
+def test_it_does_not_wait_to_save_less_than_a_quarter_of_its_cost() -> None:
+    """With three answers on `a` (1.2 s + 3 x 1.2 s) against b's place (2.4 s + 1.2 s)
+    the wait would save exactly a quarter: it starts on `a` at once."""
+    rng = random.Random(0)
+    sched = _waiting_fleet(busy=3)
+    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
 
 
 def test_it_does_not_wait_with_another_long_request_queued_behind_it() -> None:
