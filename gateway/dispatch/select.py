@@ -356,6 +356,8 @@ class LeastTime:
             if predicted[c.name].latency <= best * (1 + self.SHELTER_SLACK) + self.SHELTER_SLACK_S
             and predicted[c.name].ttft <= first + self.SHELTER_SLACK_S
         ]
+        if not near:  # the quickest first token and the quickest answer are far apart
+            return candidates
         most = max(predicted[c.name].crowd for c in near)
         return [c for c in near if predicted[c.name].crowd >= most]
 

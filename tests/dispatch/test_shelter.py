@@ -72,6 +72,21 @@ def test_a_short_prompt_does_not_shelter_behind_a_prefill() -> None:
     assert LeastTime(30).choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "idle"
 
 
+def test_with_no_card_near_its_best_on_both_counts_the_cost_decides() -> None:
+    """Where the quickest first token (a slow card, idle) and the quickest answer (a fast
+    one with a prefill queued) are on different cards, none shelters: the cost decides."""
+    slow = _card("slow", 8000, 0.05, 1)
+    fast = _card("fast", 20000, 0.02, 6)
+    fast.pending_prefill_tokens = 2000  # 0.1 s ahead of its first token
+    fast.long_running = 1
+    fleet = [slow, fast]
+    ticket = Ticket(1, Lane.SHORT, FAR, tokens=200, max_tokens=100)
+    strategy = LeastTime(30)
+    costs = strategy.costs(fleet, fleet, ticket, 0.0)
+    assert costs["slow"] < costs["fast"]  # 0.05 against 0.17: the short decode is in time
+    assert strategy.choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "slow"
+
+
 def _waiting_fleet(
     strategy: str = "least_time", running: int | None = None, busy: int = 5
 ) -> Scheduler:
