@@ -235,9 +235,9 @@ class LeastTime:
     # stall it (see `_sheltered`).
     SHELTER_SLACK = 0.1  # share of the best
     SHELTER_SLACK_S = 0.02  # s, on top
-    # A long prompt waits for a place about to free only where that cuts its cost by at
-    # least this share (see `worth_waiting`).
-    WAIT_GAIN = 0.25
+    # A long prompt waits for a place about to free only where that cuts its cost by
+    # more than this share (see `worth_waiting`).
+    WAIT_GAIN = 0.5
     PRIOR_PREFILL = 5000.0  # tokens/s
     PRIOR_TPOT = 0.03  # s
     DEFAULT_TPOT_OBJECTIVE = 0.1  # s, the [slo] default
@@ -372,13 +372,13 @@ class LeastTime:
         """Whether a long prompt should wait for a long place to free on one of `freeing`
         (each prefilling a long prompt now) rather than start now on one of `candidates`.
 
-        It waits where that costs a quarter less, its wait included: a card prefilling
+        It waits where that costs less than half, its wait included: a card prefilling
         behind few answers beats an idle one where many decode, since its prefill would
         stall each of them (the short prompts gather there, `_sheltered`). Only within
         its TTFT objective. The wait is certain and the stall it saves a prediction, so
         a small saving does not buy it: on an even fleet where every card has a dozen
-        answers decoding, waiting for one with two fewer raised the long p99 TTFT by 70%
-        for no goodput (`loadtest lanes`, even fleet).
+        answers decoding, waiting wherever it cut the cost by a quarter raised the long
+        p99 TTFT by 26-35% for no goodput; by half, 8% (`loadtest lanes`, even fleet).
         """
         soon = [
             p.cost

@@ -88,7 +88,7 @@ def test_with_no_card_near_its_best_on_both_counts_the_cost_decides() -> None:
 
 
 def _waiting_fleet(
-    strategy: str = "least_time", running: int | None = None, busy: int = 5
+    strategy: str = "least_time", running: int | None = None, busy: int = 6
 ) -> Scheduler:
     """Two like cards: `a` with `busy` answers decoding, `b` prefilling a long prompt (its
     one long place taken); each long prefill takes 1.2 s at the prior rate, and a long
@@ -112,7 +112,7 @@ def _waiting_fleet(
 
 
 def test_a_long_prompt_waits_for_a_place_about_to_free_behind_fewer_answers() -> None:
-    """On `a` its prefill would stall five answers (1.2 s + 5 x 1.2 s); behind b's prefill
+    """On `a` its prefill would stall six answers (1.2 s + 6 x 1.2 s); behind b's prefill
     it stalls one (2.4 s + 1.2 s): it waits, and takes b's place when that prefill ends."""
     rng = random.Random(0)
     sched = _waiting_fleet()
@@ -121,11 +121,11 @@ def test_a_long_prompt_waits_for_a_place_about_to_free_behind_fewer_answers() ->
     assert placed == Assigned(_long(2), "b")
 
 
-def test_it_does_not_wait_to_save_less_than_a_quarter_of_its_cost() -> None:
-    """With three answers on `a` (1.2 s + 3 x 1.2 s) against b's place (2.4 s + 1.2 s)
-    the wait would save exactly a quarter: it starts on `a` at once."""
+def test_it_does_not_wait_to_save_half_its_cost_or_less() -> None:
+    """With four answers on `a` (1.2 s + 4 x 1.2 s) against b's place (2.4 s + 1.2 s)
+    the wait would save 40%: it starts on `a` at once."""
     rng = random.Random(0)
-    sched = _waiting_fleet(busy=3)
+    sched = _waiting_fleet(busy=4)
     assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
 
 
