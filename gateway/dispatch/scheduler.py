@@ -372,8 +372,9 @@ class Scheduler(Fleet):
         """Whether a long request that could start now waits for a long place about to
         free instead, where its prefill would stall fewer answers (least_time's
         `worth_waiting`). Only with nobody of its lane and model waiting `behind` it: a
-        queue means every place is wanted, and waiting would only cost throughput."""
-        if ticket.lane is not Lane.LONG or ticket.exclude or behind > 0:
+        queue means every place is wanted, and waiting would only cost throughput. Not
+        with the split on: there the lanes keep long prefills apart already."""
+        if ticket.lane is not Lane.LONG or ticket.exclude or behind > 0 or self.lanes.enabled:
             return False
         if not isinstance(self.strategy, LeastTime):
             return False

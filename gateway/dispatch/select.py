@@ -340,9 +340,9 @@ class LeastTime:
         land, since a long prompt goes where its prefill stalls the fewest answers.
 
         A short answer decoding when a 6,000-token prefill lands on its card waits 0.3 s
-        for one token, and the median short answer is stalled once or not at all: spread
-        evenly, about half were (`loadtest lanes`: short p50 end-to-end 0.83-0.93 s,
-        against 0.40-0.65 s sheltered). One more sequence in a decode step costs the
+        for one token. Spread evenly, 47-59% of them met at least one, so their median
+        sat on that edge (`loadtest lanes`, issue 10's mix: 0.70-0.94 s from run to run);
+        sheltered, 0.48-0.81 s. One more sequence in a decode step costs the
         others about 2%, so packing short prompts where others run costs them little,
         and the long prompts avoid that card the more the fuller it is: a card for the
         short lane forms by itself, moves when the traffic does, and takes long prompts

@@ -88,7 +88,7 @@ def test_with_no_card_near_its_best_on_both_counts_the_cost_decides() -> None:
 
 
 def _waiting_fleet(
-    strategy: str = "least_time", running: int | None = None, busy: int = 6
+    strategy: str = "least_time", running: int | None = None, busy: int = 6, split: bool = False
 ) -> Scheduler:
     """Two like cards: `a` with `busy` answers decoding, `b` prefilling a long prompt (its
     one long place taken); each long prefill takes 1.2 s at the prior rate, and a long
@@ -97,7 +97,7 @@ def _waiting_fleet(
     limits = Limits(
         max_long_per_instance=1,
         max_long_running_per_instance=running,
-        lane_split=False,
+        lane_split=split,
         max_queue_wait_long=3.0,
     )
     sched = make(
@@ -153,6 +153,14 @@ def test_it_does_not_wait_for_a_card_whose_long_answers_fill_the_running_bound()
     `max_long_running_per_instance`: nothing frees there soon."""
     rng = random.Random(0)
     sched = _waiting_fleet(running=1)
+    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
+
+
+def test_with_the_split_on_it_does_not_wait() -> None:
+    """The split keeps long prefills apart by itself: a long request placed by it never
+    waits for a better place while one is free."""
+    rng = random.Random(0)
+    sched = _waiting_fleet(split=True)
     assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
 
 
