@@ -377,8 +377,8 @@ class LeastTime:
         stall each of them (the short prompts gather there, `_sheltered`). Only within
         its TTFT objective. The wait is certain and the stall it saves a prediction, so
         a small saving does not buy it: on an even fleet where every card has a dozen
-        answers decoding, waiting wherever it cut the cost by a quarter raised the long
-        p99 TTFT by 26-35% for no goodput; by half, 8% (`loadtest lanes`, even fleet).
+        answers decoding, waiting wherever it cut the cost by a quarter put the long p99
+        TTFT 35% above least_busy's for no goodput; by half, 8% (`loadtest lanes`).
         """
         soon = [
             p.cost
