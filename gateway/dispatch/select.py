@@ -327,10 +327,12 @@ class LeastTime:
         answers running rather than start at once on a busier one (`loadtest compare`:
         p99 TTFT 0.77-1.14 s against 0.66-0.80 s before the stall was counted per answer).
         """
+        return [c for c in candidates if self._on_time(predicted[c.name], lane)] or candidates
+
+    def _on_time(self, predicted: Prediction, lane: Lane) -> bool:
+        """Whether its first token comes within its lane's TTFT objective (if it has one)."""
         objective = self.ttft_objectives.get(lane)
-        if objective is None:
-            return candidates
-        return [c for c in candidates if predicted[c.name].ttft <= objective] or candidates
+        return objective is None or predicted.ttft <= objective
 
     def _sheltered(
         self, candidates: Sequence[InstanceState], predicted: Mapping[str, Prediction]
@@ -380,15 +382,12 @@ class LeastTime:
         answers decoding, waiting wherever it cut the cost by a quarter put the long p99
         TTFT 35% above least_busy's for no goodput; by half, 8% (`loadtest lanes`).
         """
+        predicted = self._predict([*candidates, *freeing], fleet, ticket, now)
         soon = [
-            p.cost
-            for p in self._predict(freeing, fleet, ticket, now).values()
-            if ticket.lane not in self.ttft_objectives
-            or p.ttft <= self.ttft_objectives[ticket.lane]
+            predicted[f.name].cost for f in freeing if self._on_time(predicted[f.name], ticket.lane)
         ]
         if not soon:
             return False
-        predicted = self._predict(candidates, fleet, ticket, now)
         start = self._in_time(candidates, predicted, ticket.lane)
         return min(soon) < (1 - self.WAIT_GAIN) * min(predicted[c.name].cost for c in start)
 
