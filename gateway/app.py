@@ -27,7 +27,7 @@ from .dispatch import (
     Lane,
     Scheduler,
 )
-from .dispatch.select import LeastTime
+from .dispatch.least_time import LeastTime
 from .dispatcher import Dispatcher
 from .fleet_inputs import endpoints_of, probe_targets, scheduler_inputs
 from .health import HealthChecker

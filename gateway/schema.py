@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from .dispatch.model import InstanceLane
-from .dispatch.select import STRATEGIES
+from .dispatch.strategies import STRATEGIES
 from .urls import LOOPBACK, check_http_url, endpoint
 
 # RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.

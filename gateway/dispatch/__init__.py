@@ -33,9 +33,10 @@ from .retry import (
     reason_for_status,
 )
 from .scheduler import Scheduler
-from .select import STRATEGIES, Score, score_all
+from .select import Score, score_all
 from .snapshot import InstanceSnapshot, Snapshot
 from .speed import PeerSpeed
+from .strategies import STRATEGIES
 
 __all__ = [
     "STATUS_VERDICTS",

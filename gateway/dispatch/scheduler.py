@@ -25,6 +25,7 @@ from . import admission, health, snapshot
 from .fleet import Fleet
 from .holding import Held as _Held
 from .holding import UnknownTicket
+from .least_time import LeastTime
 from .model import (
     Assigned,
     Decision,
@@ -42,9 +43,9 @@ from .model import (
     Ticket,
 )
 from .queues import WaitQueues
-from .select import LeastTime, Strategy
 from .snapshot import Snapshot
 from .speed import Ewma
+from .strategies import Strategy
 
 
 class Scheduler(Fleet):

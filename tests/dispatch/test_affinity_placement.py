@@ -25,7 +25,7 @@ from gateway.dispatch import (
     Ticket,
 )
 from gateway.dispatch.affinity import BLOCK_BYTES, BLOCK_TOKENS, prompt_blocks
-from gateway.dispatch.select import LeastTime
+from gateway.dispatch.least_time import LeastTime
 
 
 def placed(decision: object) -> str:

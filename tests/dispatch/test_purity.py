@@ -81,6 +81,8 @@ def test_checker_sees_every_dispatch_module() -> None:
         "__init__.py",
         "model.py",
         "select.py",
+        "least_time.py",
+        "strategies.py",
         "scheduler.py",
         "health.py",
         "retry.py",

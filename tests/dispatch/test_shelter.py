@@ -19,7 +19,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
-from gateway.dispatch.select import LeastTime
+from gateway.dispatch.least_time import LeastTime
 from gateway.dispatch.speed import Ewma
 
 

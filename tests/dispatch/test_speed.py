@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gateway.dispatch import InstanceSpec, InstanceState, Lane, Ticket
-from gateway.dispatch.select import LeastTime
+from gateway.dispatch.least_time import LeastTime
 from gateway.dispatch.speed import (
     MIN_SAMPLES,
     Ewma,

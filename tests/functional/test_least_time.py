@@ -9,7 +9,7 @@ import aiohttp
 from fakes import KEY, Gateway, fleet, gateway_with
 
 from gateway.dispatch import Lane
-from gateway.dispatch.select import LeastTime
+from gateway.dispatch.least_time import LeastTime
 from gateway.sim.sim_vllm import SimConfig
 
 CARD = SimConfig(decode_s_per_token=0.004, prefill_tokens_per_s=20000, max_num_seqs=8)
