@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import speed
+from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
 from .lanes import LaneSplit
 from .model import (
@@ -173,6 +173,39 @@ class Fleet:
             state.peers = view.loads.get(state.name, PeerLoad())
             state.speed.blend(view.speeds.get(state.name, ()))
 
+    def observe_probe(self, name: str, ok: bool) -> bool | None:
+        """An active health probe answered (or failed): whether `name`'s up/down verdict
+        changed; None for an instance no longer in the fleet."""
+        state = self._by_name.get(name)
+        if state is None:
+            return None
+        was_up = state.up
+        changed = health.apply_probe(state, ok, self.health_policy)
+        if changed and state.up and was_up is False:
+            state.cache.clear()  # it came back: most likely restarted, with a cold cache
+        return changed
+
+    def observe_models(self, name: str, models: frozenset[str]) -> bool:
+        """The models `name` lists now (its /v1/models); whether that is news."""
+        state = self._by_name.get(name)
+        if state is None or state.observed_models == models:
+            return False
+        if state.observed_models is not None:
+            state.cache.clear()  # another model now: nothing it cached still applies
+        state.observed_models = models
+        return True
+
+    def own_loads(self) -> tuple[dict[str, PeerLoad], dict[str, speed.PeerSpeed]]:
+        """Our own load and learned speed of each instance, as the other processes hear
+        them (`share`)."""
+        loads = {
+            s.name: PeerLoad(
+                s.inflight, s.pending_prefill_tokens, s.long_prefilling, s.long_running
+            )
+            for s in self.states
+        }
+        return loads, {s.name: s.speed.own() for s in self.states}
+
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name.get(name)
         if state is None:
@@ -240,6 +273,22 @@ class Fleet:
         state.cache.insert(ticket.prefix)
         state.prefix_query_tokens += ticket.tokens
         state.prefix_hit_tokens += cached
+
+    def _settle_prefix(self, state: InstanceState, ticket: Ticket) -> None:
+        """`ticket`'s prompt is computed on `state` now; if that is news, peers hear it."""
+        prefix, cache = ticket.prefix, state.cache
+        if prefix and cache.capacity > 0 and cache.match(prefix, settled=True) < len(prefix):
+            self._settled.append((state.name, prefix))
+        cache.settle(prefix)
+
+    def _beyond_slots(self, lane: Lane, model: str | None) -> int:
+        """The fleet's requests waiting at `lane`'s instances for `model` beyond their
+        running slots: they start before anything the gateway still queues."""
+        return sum(
+            max(0, s.fleet_inflight - s.spec.slots)
+            for s in self._pool[lane]
+            if s.serves_model(model)
+        )
 
     def _freeing(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
         """Where a long request could start as soon as a long prefill there ends: up for

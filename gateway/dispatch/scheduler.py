@@ -36,7 +36,6 @@ from .model import (
     Limits,
     LocalShare,
     Outcome,
-    PeerLoad,
     Queued,
     Rejected,
     SharedView,
@@ -99,12 +98,8 @@ class Scheduler(Fleet):
     def ahead(self, lane: Lane, model: str | None = None) -> int:
         """Requests that start before a new `lane` request for `model` would: queued for
         the same, and waiting at its instances beyond their running slots."""
-        at_instances = sum(
-            max(0, s.fleet_inflight - s.spec.slots)
-            for s in self._pool[lane]
-            if s.serves_model(model)
-        )
         peers_queued = self._shared.queued.get(lane, 0)
+        at_instances = self._beyond_slots(lane, model)
         return self._queues.length_for(lane, model) + peers_queued + at_instances
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
@@ -198,7 +193,7 @@ class Scheduler(Fleet):
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
-        self._settle_prefix(held)
+        self._settle_prefix(held.state, held.ticket)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
@@ -228,29 +223,17 @@ class Scheduler(Fleet):
             raise UnknownTicket(ticket_id) from None
         if held.prefilling:
             self._end_prefill(held, now)
-        if held.long_place:
-            held.state.long_running -= 1
+        held.leave()
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
-            self._settle_prefix(held)
-        if not self._departs_at_prefill(held):
+            self._settle_prefix(held.state, held.ticket)
+        if not held.departs_at_prefill:
             self._depart(held, now)
-        held.state.inflight -= 1
         health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
 
-    def _settle_prefix(self, held: _Held) -> None:
-        """Its prompt is computed there now; if that is news, the other processes hear it."""
-        prefix, cache = held.ticket.prefix, held.state.cache
-        if prefix and cache.capacity > 0 and cache.match(prefix, settled=True) < len(prefix):
-            self._settled.append((held.state.name, prefix))
-        cache.settle(prefix)
-
     def _end_prefill(self, held: _Held, now: float) -> None:
-        held.prefilling = False
-        held.state.pending_prefill_tokens -= held.uncached
-        if held.long_place:
-            held.state.long_prefilling -= 1
-        if self._departs_at_prefill(held):
+        held.end_prefill()
+        if held.departs_at_prefill:
             self._depart(held, now)
 
     def _depart(self, held: _Held, now: float) -> None:
@@ -260,12 +243,6 @@ class Scheduler(Fleet):
         saturated = self._queues.length_for(lane, model) > 0
         self._drained.record(lane, model, now, saturated)
 
-    @staticmethod
-    def _departs_at_prefill(held: _Held) -> bool:
-        """A long request on a shared instance lets the next one in when its prefill ends
-        (`max_long_per_instance`); every other request when it leaves its slot."""
-        return held.ticket.lane is Lane.LONG and held.state.spec.lane == "any"
-
     def holder(self, ticket_id: int) -> str | None:
         held = self._holding.get(ticket_id)
         return held.state.name if held else None
@@ -274,13 +251,9 @@ class Scheduler(Fleet):
 
     def probe(self, name: str, ok: bool, now: float, rng: random.Random) -> list[Decision]:
         """An active health probe answered (or failed); ignored for a removed instance."""
-        state = self._by_name.get(name)
-        if state is None:
+        changed = self.observe_probe(name, ok)
+        if changed is None:
             return []
-        was_up = state.up
-        changed = health.apply_probe(state, ok, self.health_policy)
-        if changed and state.up and was_up is False:
-            state.cache.clear()  # it came back: most likely restarted, with a cold cache
         # Also drain when nothing changed: an ejection may have run out since.
         return self._drain(now, rng) if changed or self._queues else []
 
@@ -288,13 +261,7 @@ class Scheduler(Fleet):
         self, name: str, models: frozenset[str], now: float, rng: random.Random
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
-        state = self._by_name.get(name)
-        if state is None or state.observed_models == models:
-            return []
-        if state.observed_models is not None:
-            state.cache.clear()  # another model now: nothing it cached still applies
-        state.observed_models = models
-        return self._drain(now, rng)
+        return self._drain(now, rng) if self.observe_models(name, models) else []
 
     def apply_shared(
         self, view: SharedView, now: float, rng: random.Random, *, drain: bool = True
@@ -322,14 +289,10 @@ class Scheduler(Fleet):
 
     def share(self, now: float) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
+        loads, speeds = self.own_loads()
         return LocalShare(
-            loads={
-                s.name: PeerLoad(
-                    s.inflight, s.pending_prefill_tokens, s.long_prefilling, s.long_running
-                )
-                for s in self.states
-            },
-            speeds={s.name: s.speed.own() for s in self.states},
+            loads=loads,
+            speeds=speeds,
             queued={lane: self._queues.length(lane) for lane in Lane},
             rates=self._drained.own(now),
         )
@@ -357,13 +320,8 @@ class Scheduler(Fleet):
             long_place=self._takes_long_place(state, ticket),
         )
         self._holding[ticket.id] = held
-        state.inflight += 1
-        state.assigned_total += 1
-        state.pending_prefill_tokens += held.uncached
+        held.take()
         self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)
-        if held.long_place:
-            state.long_prefilling += 1
-            state.long_running += 1
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
