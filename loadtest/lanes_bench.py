@@ -24,6 +24,8 @@ skipped with a line where they are not installed.
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
 tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
+Where a baseline ran, each gateway setup is judged against issue 10's targets beside it
+(`lanes_targets.py`, which also reads saved reports).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import compare, harness, report
+from loadtest import compare, harness, lanes_targets, report
 from loadtest.loadgen import (
     SEED_MIX,
     Client,
@@ -259,6 +261,8 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
                 loads[f"{load:g}"] = runs
                 write_json(common, opts.name, body)  # what is done so far survives a stop
         say(table(runs))
+        for name, verdicts in lanes_targets.judge_run(runs).items():
+            say(lanes_targets.render(f"{load:g}", name, verdicts))
     say(f"wrote {write_json(common, opts.name, body)}")
     if plot_path(common, f"{opts.name}.png"):
         plot_cdf(loads, common.out / f"{opts.name}.png", opts)

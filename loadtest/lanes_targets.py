@@ -1,0 +1,151 @@
+"""Issue 10's targets, judged inside one `lanes` run: each gateway setup against the best
+baseline that ran beside it on the same requests.
+
+    python -m loadtest.lanes_targets results/lanes/lanes-6e72517.json [more.json ...]
+    python -m loadtest.lanes_targets FILE --setup least_time:shared+cap1+running4
+
+The targets (issue 10, "Targets"), per load:
+- short p50 TTFT and short p50 end-to-end no higher than the best baseline's;
+- the p99 TTFT of each prompt class at most `TAIL` times the best baseline's;
+- output tokens/s at least the best baseline's, and goodput above every baseline's.
+
+The p50 end-to-end of all requests is judged too: the issue's table has that column, and
+the benchmark page reports it beside the short prompts' own. "Best" is the lowest
+(highest for tokens/s and goodput) of the baselines in that run, per target: the
+baselines move from run to run as much as we do, so only a run's own baselines count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.report import Summary, table
+
+BASELINES = ("nginx", "vllm-router")
+TAIL = 0.5  # the p99 TTFT target: at most half the best baseline's
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    value: Callable[[Summary], float | None]
+    higher_is_better: bool = False
+    share_of_best: float = 1.0  # the bound, as a share of the best baseline's value
+
+
+def _pick(key: str, sub: str | None = None) -> Callable[[Summary], float | None]:
+    def value(summary: Summary) -> float | None:
+        got = summary.get(key)
+        got = got.get(sub) if sub is not None and isinstance(got, Mapping) else got
+        return None if got is None else float(got)
+
+    return value
+
+
+TARGETS = (
+    Target("short p50 TTFT", _pick("short_ttft_s", "p50")),
+    Target("short p50 end-to-end", _pick("short_latency_s", "p50")),
+    Target("p50 end-to-end, all requests", _pick("latency_s", "p50")),
+    Target("short p99 TTFT", _pick("short_ttft_s", "p99"), share_of_best=TAIL),
+    Target("long p99 TTFT", _pick("long_ttft_s", "p99"), share_of_best=TAIL),
+    Target("output tokens/s", _pick("output_tokens_per_s"), higher_is_better=True),
+    Target("goodput (both objectives)", _pick("met_slo"), higher_is_better=True),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    ours: float
+    best: float  # the best baseline's value
+    bound: float  # what ours had to reach: best x share_of_best
+    met: bool
+
+
+def judge(ours: Summary, baselines: Sequence[Summary]) -> list[Verdict]:
+    """Every target that ours and at least one baseline report a value for."""
+    out = []
+    for target in TARGETS:
+        mine = target.value(ours)
+        theirs = [v for b in baselines if (v := target.value(b)) is not None]
+        if mine is None or not theirs:
+            continue
+        best = max(theirs) if target.higher_is_better else min(theirs)
+        bound = best * target.share_of_best
+        if target.name.startswith("goodput"):  # the highest: above every baseline
+            met = mine > best
+        elif target.higher_is_better:
+            met = mine >= bound
+        else:
+            met = mine <= bound
+        out.append(Verdict(target.name, mine, best, bound, met))
+    return out
+
+
+def judge_run(runs: Mapping[str, Summary]) -> dict[str, list[Verdict]]:
+    """Each gateway setup of one load against the baselines beside it (none: nothing)."""
+    baselines = [runs[name] for name in BASELINES if name in runs]
+    if not baselines:
+        return {}
+    return {name: judge(s, baselines) for name, s in runs.items() if name not in BASELINES}
+
+
+def _number(target: str, value: float) -> str:
+    if "TTFT" in target or "end-to-end" in target:
+        return f"{value * 1000:,.0f} ms"
+    return f"{value:,.1f}" if "tokens" in target else f"{value:,.0f}"
+
+
+def render(load: str, setup: str, verdicts: Sequence[Verdict]) -> str:
+    """One setup's verdicts at one load, as a text table."""
+    rows = [
+        [
+            v.target,
+            _number(v.target, v.ours),
+            _number(v.target, v.best),
+            _number(v.target, v.bound),
+            "met" if v.met else "MISSED",
+        ]
+        for v in verdicts
+    ]
+    met = sum(v.met for v in verdicts)
+    head = f"{setup} at {float(load):.0%} of capacity: {met} of {len(verdicts)} targets met"
+    return head + "\n" + table(["target", "ours", "best baseline", "bound", ""], rows)
+
+
+def report_file(path: Path, setup: str | None = None) -> str:
+    """The verdicts of every load (and every gateway setup, or only `setup`) in a saved
+    `lanes` JSON report."""
+    body: dict[str, Any] = json.loads(path.read_text())
+    ref = body.get("source", {}).get("commit") or "?"
+    parts = [f"{path} (gateway at {ref})"]
+    for load, runs in body["loads"].items():
+        judged = judge_run(runs)
+        if not judged:
+            parts.append(f"{float(load):.0%}: no baseline ran beside the gateway; nothing judged")
+        for name, verdicts in judged.items():
+            if setup is None or name == setup:
+                parts.append(render(load, name, verdicts))
+    return "\n\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.lanes_targets", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
+    parser.add_argument("--setup", help="judge only this setup (default: every gateway setup)")
+    args = parser.parse_args(argv)
+    for path in args.reports:
+        print(report_file(path, args.setup), end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Issue 10's targets judged inside one `lanes` run (loadtest/lanes_targets.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import lanes_targets
+
+RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results" / "lanes"
+
+
+def _summary(
+    short_ttft: tuple[float | None, float | None] = (0.05, 0.5),
+    long_p99: float | None = 2.0,
+    short_e2e: float = 0.8,
+    e2e: float = 1.0,
+    tokens: float = 400.0,
+    met: int = 350,
+) -> dict[str, Any]:
+    return {
+        "short_ttft_s": {"p50": short_ttft[0], "p99": short_ttft[1]},
+        "long_ttft_s": {"p50": 0.4, "p99": long_p99},
+        "short_latency_s": {"p50": short_e2e},
+        "latency_s": {"p50": e2e},
+        "output_tokens_per_s": tokens,
+        "met_slo": met,
+    }
+
+
+def _met(verdicts: list[lanes_targets.Verdict]) -> dict[str, bool]:
+    return {v.target: v.met for v in verdicts}
+
+
+def test_each_target_is_judged_against_the_best_baseline_for_it() -> None:
+    """The best is taken per target: nginx's TTFT, vllm-router's tokens/s."""
+    nginx = _summary(short_ttft=(0.03, 2.0), long_p99=2.4, tokens=390.0, met=340)
+    router = _summary(short_ttft=(0.06, 1.6), long_p99=3.0, tokens=410.0, met=345)
+    ours = _summary(short_ttft=(0.03, 0.7), long_p99=1.3, short_e2e=0.7, e2e=1.02, tokens=405.0)
+    verdicts = {v.target: v for v in lanes_targets.judge(ours, [nginx, router])}
+    assert verdicts["short p50 TTFT"].best == 0.03
+    assert verdicts["short p50 TTFT"].met  # equal is no worse
+    assert verdicts["short p99 TTFT"].bound == pytest.approx(0.8)  # half of 1.6
+    assert verdicts["short p99 TTFT"].met
+    assert verdicts["long p99 TTFT"].bound == pytest.approx(1.2)  # half of 2.4
+    assert not verdicts["long p99 TTFT"].met
+    assert verdicts["short p50 end-to-end"].met
+    assert not verdicts["p50 end-to-end, all requests"].met  # 1.02 against 1.0
+    assert verdicts["output tokens/s"].best == 410.0
+    assert not verdicts["output tokens/s"].met
+    assert verdicts["goodput (both objectives)"].met  # 350 against 345
+
+
+def test_goodput_must_be_the_highest_and_tokens_only_as_high() -> None:
+    base = _summary(tokens=400.0, met=350)
+    verdicts = _met(lanes_targets.judge(_summary(tokens=400.0, met=350), [base]))
+    assert verdicts["output tokens/s"]
+    assert not verdicts["goodput (both objectives)"]
+
+
+def test_a_percentile_too_few_samples_had_is_not_judged() -> None:
+    ours = _summary(short_ttft=(0.05, None))
+    names = {v.target for v in lanes_targets.judge(ours, [_summary()])}
+    assert "short p99 TTFT" not in names
+    assert "short p50 TTFT" in names
+
+
+def test_a_run_without_baselines_judges_nothing() -> None:
+    assert lanes_targets.judge_run({"least_time": _summary(), "least_busy": _summary()}) == {}
+    judged = lanes_targets.judge_run({"least_time": _summary(), "nginx": _summary()})
+    assert list(judged) == ["least_time"]
+
+
+def test_a_saved_report_is_judged_as_the_benchmark_page_says() -> None:
+    """`lanes-6e72517-run2.json` (loadtest/README.md, "Round 5", run 2): at 75% every
+    target but the median of all requests; at 100% every one."""
+    text = lanes_targets.report_file(
+        RESULTS / "lanes-6e72517-run2.json", setup="least_time:shared+cap1+running4"
+    )
+    at_75, at_100 = text.split("\n\n")[1:]
+    assert "6 of 7 targets met" in at_75
+    assert [line.split()[0:2] for line in at_75.splitlines() if "MISSED" in line] == [
+        ["p50", "end-to-end,"]
+    ]
+    assert "7 of 7 targets met" in at_100
+    assert "MISSED" not in at_100
+
+
+def test_main_prints_every_gateway_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    assert lanes_targets.main([str(RESULTS / "lanes-6e72517.json")]) == 0
+    out = capsys.readouterr().out
+    assert "gateway at 6e72517" in out
+    assert out.count("targets met") == 4  # two gateway setups at two loads
