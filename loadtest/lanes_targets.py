@@ -116,6 +116,8 @@ def render(load: str, setup: str, verdicts: Sequence[Verdict]) -> str:
     ]
     met = sum(v.met for v in verdicts)
     head = f"{setup} at {float(load):.0%} of capacity: {met} of {len(verdicts)} targets met"
+    if unjudged := len(TARGETS) - len(verdicts):
+        head += f" ({unjudged} not judged: too few samples for a percentile)"
     return head + "\n" + table(["target", "ours", "best baseline", "bound", ""], rows)
 
 

@@ -62,9 +62,11 @@ def test_goodput_must_be_the_highest_and_tokens_only_as_high() -> None:
 
 def test_a_percentile_too_few_samples_had_is_not_judged() -> None:
     ours = _summary(short_ttft=(0.05, None))
-    names = {v.target for v in lanes_targets.judge(ours, [_summary()])}
+    verdicts = lanes_targets.judge(ours, [_summary()])
+    names = {v.target for v in verdicts}
     assert "short p99 TTFT" not in names
     assert "short p50 TTFT" in names
+    assert "(1 not judged: too few samples" in lanes_targets.render("0.75", "ours", verdicts)
 
 
 def test_a_run_without_baselines_judges_nothing() -> None:
