@@ -226,7 +226,7 @@ async def _one(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> report.Summary | None:
     fronts = _baselines()
-    if setup in ("nginx", "vllm-router", "sticky"):
+    if setup in lanes_targets.BASELINES:
         why = "loadtest/baselines.py is not in this tree" if fronts is None else None
         why = why or fronts.missing(setup)
         if why:
@@ -262,7 +262,7 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
                 write_json(common, opts.name, body)  # what is done so far survives a stop
         say(table(runs))
         for name, verdicts in lanes_targets.judge_run(runs).items():
-            say(lanes_targets.render(f"{load:g}", name, verdicts))
+            say(lanes_targets.render(f"{load:g}", name, verdicts, runs[name]))
     say(f"wrote {write_json(common, opts.name, body)}")
     if plot_path(common, f"{opts.name}.png"):
         plot_cdf(loads, common.out / f"{opts.name}.png", opts)

@@ -27,7 +27,7 @@ from typing import Any
 
 from loadtest.report import Summary, table
 
-BASELINES = ("nginx", "vllm-router")
+BASELINES = ("nginx", "vllm-router", "sticky")  # the fronts of loadtest/baselines.py
 TAIL = 0.5  # the p99 TTFT target: at most half the best baseline's
 
 
@@ -37,6 +37,7 @@ class Target:
     value: Callable[[Summary], float | None]
     higher_is_better: bool = False
     share_of_best: float = 1.0  # the bound, as a share of the best baseline's value
+    strictly: bool = False  # must beat the best, not only reach it ("the highest")
 
 
 def _pick(key: str, sub: str | None = None) -> Callable[[Summary], float | None]:
@@ -55,7 +56,7 @@ TARGETS = (
     Target("short p99 TTFT", _pick("short_ttft_s", "p99"), share_of_best=TAIL),
     Target("long p99 TTFT", _pick("long_ttft_s", "p99"), share_of_best=TAIL),
     Target("output tokens/s", _pick("output_tokens_per_s"), higher_is_better=True),
-    Target("goodput (both objectives)", _pick("met_slo"), higher_is_better=True),
+    Target("goodput (both objectives)", _pick("met_slo"), higher_is_better=True, strictly=True),
 )
 
 
@@ -78,12 +79,10 @@ def judge(ours: Summary, baselines: Sequence[Summary]) -> list[Verdict]:
             continue
         best = max(theirs) if target.higher_is_better else min(theirs)
         bound = best * target.share_of_best
-        if target.name.startswith("goodput"):  # the highest: above every baseline
-            met = mine > best
-        elif target.higher_is_better:
-            met = mine >= bound
+        if target.higher_is_better:
+            met = mine > bound if target.strictly else mine >= bound
         else:
-            met = mine <= bound
+            met = mine < bound if target.strictly else mine <= bound
         out.append(Verdict(target.name, mine, best, bound, met))
     return out
 
@@ -102,8 +101,9 @@ def _number(target: str, value: float) -> str:
     return f"{value:,.1f}" if "tokens" in target else f"{value:,.0f}"
 
 
-def render(load: str, setup: str, verdicts: Sequence[Verdict]) -> str:
-    """One setup's verdicts at one load, as a text table."""
+def render(load: str, setup: str, verdicts: Sequence[Verdict], summary: Summary) -> str:
+    """One setup's verdicts at one load, as a text table. The heading says how many
+    requests were answered: the latency targets count only those, goodput all of them."""
     rows = [
         [
             v.target,
@@ -115,25 +115,31 @@ def render(load: str, setup: str, verdicts: Sequence[Verdict]) -> str:
         for v in verdicts
     ]
     met = sum(v.met for v in verdicts)
-    head = f"{setup} at {float(load):.0%} of capacity: {met} of {len(verdicts)} targets met"
+    head = (
+        f"{setup} at {float(load):.0%} of capacity: {met} of {len(verdicts)} targets met; "
+        f"{summary['ok']} of {summary['requests']} requests answered"
+    )
     if unjudged := len(TARGETS) - len(verdicts):
-        head += f" ({unjudged} not judged: too few samples for a percentile)"
+        head += f" ({unjudged} targets not judged: no value, e.g. too few samples for a p99)"
     return head + "\n" + table(["target", "ours", "best baseline", "bound", ""], rows)
 
 
 def report_file(path: Path, setup: str | None = None) -> str:
     """The verdicts of every load (and every gateway setup, or only `setup`) in a saved
-    `lanes` JSON report."""
+    `lanes` JSON report. Raises LookupError for a `setup` the report does not have."""
     body: dict[str, Any] = json.loads(path.read_text())
     ref = body.get("source", {}).get("commit") or "?"
-    parts = [f"{path} (gateway at {ref})"]
+    parts = [f"{path} (gateway at {ref}; a setup named with @ref ran that ref)"]
+    names = {name for runs in body["loads"].values() for name in runs}
+    if setup is not None and setup not in names:
+        raise LookupError(f"{path}: no setup {setup!r} (there: {', '.join(sorted(names))})")
     for load, runs in body["loads"].items():
         judged = judge_run(runs)
         if not judged:
             parts.append(f"{float(load):.0%}: no baseline ran beside the gateway; nothing judged")
         for name, verdicts in judged.items():
             if setup is None or name == setup:
-                parts.append(render(load, name, verdicts))
+                parts.append(render(load, name, verdicts, runs[name]))
     return "\n\n".join(parts)
 
 
@@ -145,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--setup", help="judge only this setup (default: every gateway setup)")
     args = parser.parse_args(argv)
     for path in args.reports:
-        print(report_file(path, args.setup), end="\n\n")
+        try:
+            print(report_file(path, args.setup), end="\n\n")
+        except LookupError as e:
+            parser.error(str(e))
     return 0
 
 

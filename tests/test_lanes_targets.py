@@ -27,6 +27,8 @@ def _summary(
         "latency_s": {"p50": e2e},
         "output_tokens_per_s": tokens,
         "met_slo": met,
+        "ok": 420,
+        "requests": 422,
     }
 
 
@@ -58,6 +60,10 @@ def test_goodput_must_be_the_highest_and_tokens_only_as_high() -> None:
     verdicts = _met(lanes_targets.judge(_summary(tokens=400.0, met=350), [base]))
     assert verdicts["output tokens/s"]
     assert not verdicts["goodput (both objectives)"]
+    # Between two baselines: beating the worse one is not the highest.
+    low, high = _summary(met=340), _summary(met=360)
+    verdicts = _met(lanes_targets.judge(_summary(met=350), [low, high]))
+    assert not verdicts["goodput (both objectives)"]
 
 
 def test_a_percentile_too_few_samples_had_is_not_judged() -> None:
@@ -66,7 +72,8 @@ def test_a_percentile_too_few_samples_had_is_not_judged() -> None:
     names = {v.target for v in verdicts}
     assert "short p99 TTFT" not in names
     assert "short p50 TTFT" in names
-    assert "(1 not judged: too few samples" in lanes_targets.render("0.75", "ours", verdicts)
+    text = lanes_targets.render("0.75", "ours", verdicts, ours)
+    assert "420 of 422 requests answered (1 targets not judged" in text
 
 
 def test_a_run_without_baselines_judges_nothing() -> None:
@@ -88,6 +95,22 @@ def test_a_saved_report_is_judged_as_the_benchmark_page_says() -> None:
     ]
     assert "7 of 7 targets met" in at_100
     assert "MISSED" not in at_100
+
+
+def test_an_unknown_setup_is_an_error_not_an_empty_report(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        lanes_targets.main([str(RESULTS / "lanes-6e72517.json"), "--setup", "least_tme"])
+    assert exited.value.code == 2
+    assert "no setup 'least_tme' (there: least_time:shared+cap1+running4" in (
+        capsys.readouterr().err
+    )
+
+
+def test_sticky_is_a_baseline_not_a_setup_to_judge() -> None:
+    judged = lanes_targets.judge_run({"least_time": _summary(), "sticky": _summary()})
+    assert list(judged) == ["least_time"]
 
 
 def test_main_prints_every_gateway_setup(capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,9 +51,9 @@ class Held:
             self.state.long_prefilling -= 1
 
     def leave(self) -> None:
-        """It left its instance, its prefill over (`end_prefill` first if it was not)."""
-        if self.prefilling:
-            self.end_prefill()
+        """It left its instance; `end_prefill` came first (the scheduler records a
+        departure there that this cannot)."""
+        assert not self.prefilling, "end_prefill before leave"
         if self.long_place:
             self.state.long_running -= 1
         self.state.inflight -= 1
