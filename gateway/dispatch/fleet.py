@@ -34,6 +34,7 @@ from .model import (
     Lane,
     Limits,
     LoadReport,
+    LocalShare,
     PeerLoad,
     SharedView,
     Ticket,
@@ -195,16 +196,22 @@ class Fleet:
         state.observed_models = models
         return True
 
-    def own_loads(self) -> tuple[dict[str, PeerLoad], dict[str, speed.PeerSpeed]]:
-        """Our own load and learned speed of each instance, as the other processes hear
-        them (`share`)."""
-        loads = {
-            s.name: PeerLoad(
-                s.inflight, s.pending_prefill_tokens, s.long_prefilling, s.long_running
-            )
-            for s in self.states
-        }
-        return loads, {s.name: s.speed.own() for s in self.states}
+    def local_share(
+        self, queued: Mapping[Lane, int], rates: Mapping[tuple[Lane, str | None], float]
+    ) -> LocalShare:
+        """What this process tells the others: its own load and learned speed of each
+        instance, with its `queued` requests per lane and drain `rates`."""
+        return LocalShare(
+            loads={
+                s.name: PeerLoad(
+                    s.inflight, s.pending_prefill_tokens, s.long_prefilling, s.long_running
+                )
+                for s in self.states
+            },
+            speeds={s.name: s.speed.own() for s in self.states},
+            queued=dict(queued),
+            rates=dict(rates),
+        )
 
     def report_load(self, name: str, report: LoadReport) -> None:
         state = self._by_name.get(name)

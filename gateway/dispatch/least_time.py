@@ -70,6 +70,11 @@ class LeastTime:
     # A long prompt waits for a place about to free only where that cuts its cost by
     # more than this share (see `worth_waiting`).
     WAIT_GAIN = 0.5
+    # The head of the long queue hands a slow card's place to the newest long prompt
+    # where its own first token would come this much sooner on a card about to free
+    # (see `sooner_elsewhere`): the prediction counts the whole prefill there as still
+    # to do, so a fast card about to free shows about 0.8 of a 0.4-speed card's time.
+    HAND_GAIN = 0.1
     PRIOR_PREFILL = 5000.0  # tokens/s
     PRIOR_TPOT = 0.03  # s
     DEFAULT_TPOT_OBJECTIVE = 0.1  # s, the [slo] default
@@ -222,6 +227,26 @@ class LeastTime:
             return False
         start = self._in_time(candidates, predicted, ticket.lane)
         return min(soon) < (1 - self.WAIT_GAIN) * min(predicted[c.name].cost for c in start)
+
+    def sooner_elsewhere(
+        self,
+        candidates: Sequence[InstanceState],
+        freeing: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+    ) -> bool:
+        """Whether `ticket`'s first token comes sooner, by more than HAND_GAIN, on a
+        card about to free (and within its TTFT objective there) than on any of
+        `candidates` now. The scheduler asks for the head of the long queue when the
+        places now are all on slow cards: if so, the newest long prompt takes the place,
+        and the head, which has waited longest, the fast one about to free."""
+        predicted = self._predict([*candidates, *freeing], fleet, ticket, now)
+        soon = [
+            predicted[f.name].ttft for f in freeing if self._on_time(predicted[f.name], ticket.lane)
+        ]
+        now_best = min(predicted[c.name].ttft for c in candidates)
+        return bool(soon) and min(soon) < (1 - self.HAND_GAIN) * now_best
 
     def choose(
         self,

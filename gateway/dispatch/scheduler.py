@@ -9,7 +9,9 @@ shell wakes those requests.
 Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
 no room, it waits in a bounded FIFO queue of its lane (and model) for at most the lane's
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
-at once (`admission.py`), unless the split lends it a place of the other lane's.
+at once (`admission.py`), unless the split lends it a place of the other lane's. Under
+least_time a long request may wait for a better place, and a slow card's place may go
+to the newest long request rather than the oldest (`long_waits.py`).
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each instance (`affinity.py`) is estimated here, counts in
@@ -21,11 +23,10 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
-from . import admission, health, snapshot
+from . import admission, health, long_waits, snapshot
 from .fleet import Fleet
 from .holding import Held as _Held
 from .holding import UnknownTicket
-from .least_time import LeastTime
 from .model import (
     Assigned,
     Decision,
@@ -123,7 +124,7 @@ class Scheduler(Fleet):
         # FIFO: nobody may overtake requests already waiting for the same lane and model.
         if not self._queues.waiting_before(ticket):
             candidates = self._candidates(ticket, now, len(self._holding))
-            if candidates and not self._waits(ticket, candidates, now, behind=0):
+            if candidates and self._who_starts(ticket, candidates, now, behind=0):
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
@@ -168,7 +169,7 @@ class Scheduler(Fleet):
             return []
         ticket = self._queues.remove(ticket_id)
         assert ticket is not None
-        # One that waited for a better place by choice (`_waits`) starts where it can.
+        # One that waited for a better place by choice (`_who_starts`) starts where it can.
         if ticket.deadline > now and (
             candidates := self._candidates(ticket, now, len(self._holding))
         ):
@@ -289,13 +290,8 @@ class Scheduler(Fleet):
 
     def share(self, now: float) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
-        loads, speeds = self.own_loads()
-        return LocalShare(
-            loads=loads,
-            speeds=speeds,
-            queued={lane: self._queues.length(lane) for lane in Lane},
-            rates=self._drained.own(now),
-        )
+        queued = {lane: self._queues.length(lane) for lane in Lane}
+        return self.local_share(queued, self._drained.own(now))
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -325,21 +321,19 @@ class Scheduler(Fleet):
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
-    def _waits(
+    def _who_starts(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, behind: int
-    ) -> bool:
-        """Whether a long request that could start now waits for a long place about to
-        free instead, where its prefill would stall fewer answers (least_time's
-        `worth_waiting`). Only with nobody of its lane and model waiting `behind` it: a
-        queue means every place is wanted, and waiting would only cost throughput. Not
-        with the split on: there the lanes keep long prefills apart already."""
-        if ticket.lane is not Lane.LONG or ticket.exclude or behind > 0 or self.lanes.enabled:
-            return False
-        if not isinstance(self.strategy, LeastTime):
-            return False
-        freeing = self._freeing(ticket, now, len(self._holding))
-        return bool(freeing) and self.strategy.worth_waiting(
-            candidates, freeing, self.states, ticket, now
+    ) -> Ticket | None:
+        """Who of `ticket`'s FIFO takes a place on `candidates` now (`long_waits.py`):
+        `ticket`, the newest request queued `behind` it, or nobody."""
+        if self.lanes.enabled:
+            return ticket
+        youngest = self._queues.youngest(ticket.lane, ticket.model) if behind else None
+        if behind and (youngest is None or youngest.id == ticket.id):
+            return ticket  # only retries behind it: every place is wanted
+        freeing = lambda: self._freeing(ticket, now, len(self._holding))  # noqa: E731
+        return long_waits.who_starts(
+            self.strategy, ticket, youngest, candidates, freeing, self.states, now
         )
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
@@ -363,7 +357,7 @@ class Scheduler(Fleet):
                 wait_until = self._queues.wait_until(ticket.id)
                 expired = wait_until is not None and wait_until <= now
                 # One whose wait ran out, not its deadline, still starts if it can: it may
-                # have waited for a better place by choice (`_waits`).
+                # have waited for a better place by choice (`_who_starts`).
                 candidates = (
                     []
                     if ticket.deadline <= now
@@ -375,9 +369,12 @@ class Scheduler(Fleet):
                     placed = True
                     break
                 behind = self._queues.length_for(ticket.lane, ticket.model) - 1
-                if candidates and (expired or not self._waits(ticket, candidates, now, behind)):
-                    self._queues.remove(ticket.id)
-                    out.append(self._assign(ticket, candidates, now, rng))
+                if not candidates:
+                    continue
+                starts = ticket if expired else self._who_starts(ticket, candidates, now, behind)
+                if starts is not None:
+                    self._queues.remove(starts.id)
+                    out.append(self._assign(starts, candidates, now, rng))
                     placed = True
                     break
             if not placed:

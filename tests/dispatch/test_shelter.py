@@ -192,3 +192,45 @@ def test_when_its_wait_runs_out_it_starts_where_it_can() -> None:
     (refused,) = sched.expire(3, 1.0, rng)
     assert isinstance(refused, Rejected)
     assert refused.reason == "deadline"
+
+
+def _slow_and_fast_fleet(slow_flag: bool = True) -> Scheduler:
+    """`slow` prefills 2,000 tokens/s (a long prompt's first token after 3 s), `fast`
+    20,000 and is prefilling long prompt 1 (its one long place taken: 0.6 s for the next);
+    `slow_flag`: the gateway has flagged `slow` a slow card. Long prompt 2 waits for the
+    fast place by choice, and 3 queues behind it."""
+    rng = random.Random(0)
+    limits = Limits(max_long_per_instance=1, lane_split=False, max_queue_wait_long=30.0)
+    sched = make(
+        InstanceSpec("fast", slots=16),
+        InstanceSpec("slow", slots=16),
+        strategy="least_time",
+        limits=limits,
+    )
+    bring_up(sched, rng)
+    for state, rate in zip(sched.states, (20000.0, 2000.0), strict=True):
+        state.speed.prefill = Ewma(higher_is_better=True, value=rate, samples=9)
+        state.speed.tpot = Ewma(higher_is_better=False, value=0.02, samples=9)
+    sched.states[1].speed.slow = slow_flag
+    assert sched.submit(_long(1), 0.0, rng) == Assigned(_long(1), "fast")
+    assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
+    assert isinstance(sched.submit(_long(3), 0.0, rng), Queued)
+    return sched
+
+
+def test_the_slow_place_goes_to_the_newest_long_prompt_in_the_queue() -> None:
+    """The oldest would see its first token after 3 s on the slow card, after 0.6 s once
+    the fast card's prefill ends: the newest takes the slow place, the oldest the fast
+    one, so the slow place is used as soon as without the swap."""
+    rng = random.Random(0)
+    sched = _slow_and_fast_fleet()
+    assert sched.drain(0.1, rng) == [Assigned(_long(3), "slow")]
+    assert sched.prefill_done(1, 0.3, rng) == [Assigned(_long(2), "fast")]
+
+
+def test_only_a_card_flagged_slow_is_handed_to_the_newest() -> None:
+    """Unflagged, the card is one like the others whose prediction is off for now (an
+    even fleet's scrape lag): the oldest takes the place, first come first served."""
+    rng = random.Random(0)
+    sched = _slow_and_fast_fleet(slow_flag=False)
+    assert sched.drain(0.1, rng) == [Assigned(_long(2), "slow")]
