@@ -219,14 +219,12 @@ class LeastTime:
         answers decoding, waiting wherever it cut the cost by a quarter put the long p99
         TTFT 35% above least_busy's for no goodput; by half, 8% (`loadtest lanes`).
         """
-        predicted = self._predict([*candidates, *freeing], fleet, ticket, now)
-        soon = [
-            predicted[f.name].cost for f in freeing if self._on_time(predicted[f.name], ticket.lane)
-        ]
+        predicted, soon = self._now_and_soon(candidates, freeing, fleet, ticket, now)
         if not soon:
             return False
         start = self._in_time(candidates, predicted, ticket.lane)
-        return min(soon) < (1 - self.WAIT_GAIN) * min(predicted[c.name].cost for c in start)
+        best_now = min(predicted[c.name].cost for c in start)
+        return min(p.cost for p in soon) < (1 - self.WAIT_GAIN) * best_now
 
     def sooner_elsewhere(
         self,
@@ -241,12 +239,23 @@ class LeastTime:
         `candidates` now. The scheduler asks for the head of the long queue when the
         places now are all on slow cards: if so, the newest long prompt takes the place,
         and the head, which has waited longest, the fast one about to free."""
+        predicted, soon = self._now_and_soon(candidates, freeing, fleet, ticket, now)
+        best_now = min(predicted[c.name].ttft for c in candidates)
+        return bool(soon) and min(p.ttft for p in soon) < (1 - self.HAND_GAIN) * best_now
+
+    def _now_and_soon(
+        self,
+        candidates: Sequence[InstanceState],
+        freeing: Sequence[InstanceState],
+        fleet: Sequence[InstanceState],
+        ticket: Ticket,
+        now: float,
+    ) -> tuple[dict[str, Prediction], list[Prediction]]:
+        """Predictions on every card, in one pass (the fleet's loads and medians once),
+        and those of the `freeing` cards where its first token comes within objective."""
         predicted = self._predict([*candidates, *freeing], fleet, ticket, now)
-        soon = [
-            predicted[f.name].ttft for f in freeing if self._on_time(predicted[f.name], ticket.lane)
-        ]
-        now_best = min(predicted[c.name].ttft for c in candidates)
-        return bool(soon) and min(soon) < (1 - self.HAND_GAIN) * now_best
+        soon = [predicted[f.name] for f in freeing if self._on_time(predicted[f.name], ticket.lane)]
+        return predicted, soon
 
     def choose(
         self,
