@@ -9,9 +9,13 @@ other strategies always start it):
   to free where that halves its cost, the wait included (`LeastTime.worth_waiting`).
 - With a queue behind it, every place is wanted and waiting would cost throughput. But
   where the places now are all on cards flagged slow (`speed.slow`) and its first token
-  would come sooner on a card about to free (`LeastTime.sooner_elsewhere`), the newest
-  long request takes the slow place, and the head, which has waited longest, the fast
-  one as it frees. The slow place is used as soon as without the swap.
+  would come 10% sooner, and within its TTFT objective, on a card about to free
+  (`LeastTime.sooner_elsewhere`), the newest long request takes the slow place (with
+  several, the newest first), and the head, which has waited longest, waits for the
+  other, which it gets as it frees unless a retry or another gateway process takes it
+  first. The slow place is used as soon as without the swap. The newest goes only
+  where it may itself and before its deadline (the scheduler checks); the head still
+  starts wherever it can once its queue wait runs out.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ class Scheduler(Fleet):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
-        # FIFO: nobody may overtake requests already waiting for the same lane and model.
+        # FIFO: nobody may overtake requests already waiting for the same lane and model
+        # (in the queue, only a slow card's place may go to the newest: `long_waits.py`).
         if not self._queues.waiting_before(ticket):
             candidates = self._candidates(ticket, now, len(self._holding))
             if candidates and self._who_starts(ticket, candidates, now, behind=0):
@@ -332,9 +333,15 @@ class Scheduler(Fleet):
         if behind and (youngest is None or youngest.id == ticket.id):
             return ticket  # only retries behind it: every place is wanted
         freeing = lambda: self._freeing(ticket, now, len(self._holding))  # noqa: E731
-        return long_waits.who_starts(
+        starts = long_waits.who_starts(
             self.strategy, ticket, youngest, candidates, freeing, self.states, now
         )
+        if starts is None or starts is ticket:
+            return starts
+        # The newest takes the place on its own terms: its deadline, its own limits.
+        if starts.deadline <= now or not self._candidates(starts, now, len(self._holding)):
+            return ticket
+        return starts
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
         """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
@@ -373,6 +380,8 @@ class Scheduler(Fleet):
                     continue
                 starts = ticket if expired else self._who_starts(ticket, candidates, now, behind)
                 if starts is not None:
+                    if starts is not ticket:  # the newest, where it may go itself
+                        candidates = self._candidates(starts, now, len(self._holding))
                     self._queues.remove(starts.id)
                     out.append(self._assign(starts, candidates, now, rng))
                     placed = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from _sched_helpers import FAR, bring_up, make
 
 from gateway.dispatch import (
@@ -194,7 +195,7 @@ def test_when_its_wait_runs_out_it_starts_where_it_can() -> None:
     assert refused.reason == "deadline"
 
 
-def _slow_and_fast_fleet(slow_flag: bool = True) -> Scheduler:
+def _slow_and_fast_fleet(slow_flag: bool = True, newest_deadline: float = FAR) -> Scheduler:
     """`slow` prefills 2,000 tokens/s (a long prompt's first token after 3 s), `fast`
     20,000 and is prefilling long prompt 1 (its one long place taken: 0.6 s for the next);
     `slow_flag`: the gateway has flagged `slow` a slow card. Long prompt 2 waits for the
@@ -214,7 +215,7 @@ def _slow_and_fast_fleet(slow_flag: bool = True) -> Scheduler:
     sched.states[1].speed.slow = slow_flag
     assert sched.submit(_long(1), 0.0, rng) == Assigned(_long(1), "fast")
     assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
-    assert isinstance(sched.submit(_long(3), 0.0, rng), Queued)
+    assert isinstance(sched.submit(_long(3, newest_deadline), 0.0, rng), Queued)
     return sched
 
 
@@ -234,3 +235,25 @@ def test_only_a_card_flagged_slow_is_handed_to_the_newest() -> None:
     rng = random.Random(0)
     sched = _slow_and_fast_fleet(slow_flag=False)
     assert sched.drain(0.1, rng) == [Assigned(_long(2), "slow")]
+
+
+@pytest.mark.parametrize(("slow_rate", "starts"), [(8000.0, 3), (9500.0, 2)])
+def test_the_newest_takes_the_slow_place_only_for_a_tenth_sooner(
+    slow_rate: float, starts: int
+) -> None:
+    """Behind fast's prefill the oldest's first token comes after 0.6 s. The slow card
+    now takes 0.75 s (8,000 tokens/s): more than 10% later, so the newest takes it. Or
+    it takes 0.63 s: less, so the oldest does."""
+    rng = random.Random(0)
+    sched = _slow_and_fast_fleet()
+    sched.states[1].speed.prefill = Ewma(higher_is_better=True, value=slow_rate, samples=9)
+    assert sched.drain(0.1, rng) == [Assigned(_long(starts), "slow")]
+
+
+def test_a_newest_past_its_deadline_is_not_handed_the_place() -> None:
+    rng = random.Random(0)
+    sched = _slow_and_fast_fleet(newest_deadline=0.05)
+    placed, refused = sched.drain(0.1, rng)
+    assert placed == Assigned(_long(2), "slow")
+    assert isinstance(refused, Rejected)
+    assert (refused.ticket.id, refused.reason) == (3, "deadline")
