@@ -209,8 +209,8 @@ class Fleet:
                 for s in self.states
             },
             speeds={s.name: s.speed.own() for s in self.states},
-            queued=dict(queued),
-            rates=dict(rates),
+            queued=queued,
+            rates=rates,
         )
 
     def report_load(self, name: str, report: LoadReport) -> None:
