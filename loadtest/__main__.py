@@ -33,6 +33,7 @@ def _common_of(args: argparse.Namespace) -> scenarios.Common:
         pin=not args.no_pin,
         limit=args.limit,
         gateway_ref=getattr(args, "gateway_ref", None),
+        retries=getattr(args, "retries", 0),
     )
 
 

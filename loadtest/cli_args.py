@@ -52,6 +52,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _retries(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send a refused or failed request again up to N times, as the OpenAI SDK does"
+        " (its default: 2), timed from its first attempt (default: 0, a refusal is lost)",
+    )
+
+
 def _mix(p: argparse.ArgumentParser, long_share: float, max_tokens: str) -> None:
     g = p.add_argument_group("workload mix (tokens, ~4 UTF-8 bytes each)")
     g.add_argument("--long-share", type=float, default=long_share, help="share above 4096")
@@ -182,6 +193,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--ladder", type=_floats, help="extra loads, e.g. 0.5,0.75,1 (default: none)")
     p.add_argument("--ladder-duration", type=float, default=20.0, help="seconds per ladder load")
     _mix(p, 0.2, "32-128")
+    _retries(p)
     _common(p)
 
     p = sub.add_parser(
@@ -200,6 +212,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     g.add_argument("--short-tokens", type=_range, default=SEED_MIX.short_tokens)
     g.add_argument("--long-tokens", type=_range, default=SEED_MIX.long_tokens)
     g.add_argument("--max-tokens", type=_range, default=SEED_MIX.max_tokens)
+    _retries(p)
     _common(p)
 
     p = sub.add_parser(

@@ -118,7 +118,8 @@ async def _one_setup(
                 )
             )
             route = lambda spec, worker: gw.base_url  # noqa: E731
-        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        http = await stack.enter_async_context(session())
+        client = Client(http, harness.KEY, retries=common.retries)
         if concurrency is None:
             run = await run_open(client, specs, route, label=label, limit=common.limit)
         else:

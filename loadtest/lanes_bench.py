@@ -128,7 +128,8 @@ async def _gateway_run(
             )
         )
         route: Route = lambda spec, worker: gw.base_url  # noqa: E731
-        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        http = await stack.enter_async_context(session())
+        client = Client(http, harness.KEY, retries=common.retries)
         run = await run_open(client, specs, route, label=setup, limit=common.limit)
         return run, fleet_names(fleet.urls, opts.speeds)
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
@@ -216,7 +217,8 @@ async def _baseline_run(
             fronts.front(setup, fleet.urls, core=gw_core, seed=common.seed)
         )
         route: Route = lambda spec, worker: url + "/v1"  # noqa: E731
-        client = Client(await stack.enter_async_context(session()), harness.KEY)
+        http = await stack.enter_async_context(session())
+        client = Client(http, harness.KEY, retries=common.retries)
         run = await run_open(client, specs, route, label=setup, limit=common.limit)
         return run, fleet_names(fleet.urls, opts.speeds)
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
@@ -288,6 +290,7 @@ def table(runs: dict[str, report.Summary]) -> str:
                 f"{s['output_tokens_per_s']:,.0f}",
                 f"{s['goodput_rps']:.2f}",
                 str(sum(s["errors"].values())),
+                str(s.get("retried", 0)),
             ]
         )
     headers = [
@@ -299,6 +302,7 @@ def table(runs: dict[str, report.Summary]) -> str:
         "out tok/s",
         "goodput req/s",
         "errors",
+        "retried",
     ]
     return report.table(headers, rows)
 

@@ -14,13 +14,14 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from loadtest import sdk_retry
 from loadtest.progress import Progress
 
 # The simulator (and the gateway's lane estimate) count about 4 UTF-8 bytes as a token.
@@ -139,6 +140,7 @@ class Result:
     answered: float | None = None  # until the status line arrived (a refusal's wait)
     tokens: int = 0
     reads: int = 0  # body reads that carried data (how chunked the stream arrived)
+    attempts: int = 1  # with the client's retries on, how many times it was sent
 
     @property
     def ok(self) -> bool:
@@ -157,7 +159,10 @@ def instance_label(url: str) -> str:
 
 
 class Client:
-    """Streams chat completions from one OpenAI-compatible base URL (or several, pinned)."""
+    """Streams chat completions from one OpenAI-compatible base URL (or several, pinned).
+
+    With `retries`, a refused or failed attempt is sent again as the OpenAI SDK would
+    (`sdk_retry.py`), and the request is timed from its first attempt."""
 
     def __init__(
         self,
@@ -166,26 +171,48 @@ class Client:
         *,
         model: str = "sim-model",
         timeout: float = 120.0,
+        retries: int = 0,
     ) -> None:
         self.session = session
         self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.retries = retries
 
     async def send(self, base_url: str, spec: RequestSpec) -> Result:
         """Send one streaming request to base_url (ending in /v1) and time its tokens."""
-        body = {
-            "model": self.model,
-            "messages": spec.chat_messages(),
-            "max_tokens": spec.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = json.dumps(
+            {
+                "model": self.model,
+                "messages": spec.chat_messages(),
+                "max_tokens": spec.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
         result = Result(spec.index, spec.long, time.perf_counter())
+        # Seeded by the request, so every setup of a run sees the same jitter.
+        rng = random.Random(spec.index)
+        while True:
+            headers = await self._attempt(base_url, body, result)
+            retries_made = result.attempts - 1
+            # As the SDK: once a stream began (200), whatever happens to it is not retried.
+            if result.status == 200 or retries_made >= self.retries:
+                break
+            if not sdk_retry.should_retry(result.status, headers):
+                break
+            await asyncio.sleep(sdk_retry.delay(retries_made, headers, rng))
+            result.attempts += 1
+            result.status, result.error = 0, None
+        result.latency = time.perf_counter() - result.sent
+        return result
+
+    async def _attempt(self, base_url: str, body: str, result: Result) -> Mapping[str, str]:
+        """One attempt; the answer's headers (empty when none came)."""
         try:
             async with self.session.post(
                 base_url + "/chat/completions",
-                data=json.dumps(body),
+                data=body,
                 headers=self.headers,
                 timeout=self.timeout,
             ) as resp:
@@ -197,12 +224,12 @@ class Client:
                     result.error = f"status {resp.status}"
                 else:
                     await _read_stream(resp, result)
+                return {k.lower(): v for k, v in resp.headers.items()}
         except TimeoutError:
             result.error = "timeout"
         except (aiohttp.ClientError, OSError) as exc:
             result.error = type(exc).__name__
-        result.latency = time.perf_counter() - result.sent
-        return result
+        return {}
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, result: Result) -> None:

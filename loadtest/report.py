@@ -71,6 +71,8 @@ def summarize(run: Run, *, ttft_slo: float, tpot_slo: float) -> Summary:
         "completed": len(results),
         "ok": len(ok),
         "errors": dict(sorted(errors.items())),
+        # Sent more than once (the client's retries): ok ones are timed from the first try.
+        "retried": sum(1 for r in results if r.attempts > 1),
         "duration_s": duration,
         "requests_per_s": len(ok) / duration,
         "output_tokens_per_s": sum(r.tokens for r in ok) / duration,

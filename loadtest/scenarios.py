@@ -50,6 +50,7 @@ class Common:
     limit: float = 300.0  # seconds any one run may take
     gateway_ref: str | None = None  # run the gateway as committed at this ref
     gateway_dir: Path | None = None  # where that snapshot lies (set by the CLI)
+    retries: int = 0  # the client's retries, as the OpenAI SDK's (lanes and compare)
 
 
 def say(text: str = "") -> None:
