@@ -53,7 +53,10 @@ class GatewayError(Exception):
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         out = dict(headers or {})
         if self.retry_after is not None:
+            # Whole seconds for HTTP clients at large; exactly for the OpenAI SDK, which
+            # reads `retry-after-ms` first (admission's excess is often well under 1 s).
             out["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+            out["retry-after-ms"] = str(max(1, round(self.retry_after * 1000)))
         return web.Response(
             status=self.status, body=self.body(), content_type="application/json", headers=out
         )

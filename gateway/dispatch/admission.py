@@ -13,7 +13,10 @@ Its budget is what is left of its deadline, capped by the lane's `max_queue_wait
 the time the lane's requests take from being sent to their first token (learned): a
 request that starts at the end of its budget should still see its first token within
 the objective. Beyond the budget, it is refused now with 429 and a `Retry-After` of the
-excess, instead of holding its client until the budget runs out.
+excess, instead of holding its client until the budget runs out. The excess is also sent
+exactly, in milliseconds: a client that retries (the OpenAI SDK does, twice by default,
+and reads `retry-after-ms` first) comes back when the queue should have room, soon enough
+to meet an objective that a whole-second `Retry-After` would have made it miss.
 
 The drain rate counts only departures that found requests waiting, and the gaps between
 them: those gaps are the fleet's service time, not lulls in arrivals. So refusing does
@@ -28,7 +31,6 @@ refused by prediction and the budget's timer still bounds every wait.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Mapping
 
@@ -82,17 +84,22 @@ def predicted_wait(ahead: int, rate: float | None) -> float | None:
 
 
 def refusal(ahead: int, rate: float | None, budget: float) -> float | None:
-    """None to admit; else how long until it could be admitted (its Retry-After, >= 1 s).
+    """None to admit; else how long until it could be admitted: the excess of its
+    predicted wait over its budget, and never less than one departure (1 / rate), since
+    the queue cannot have moved before then. The shell sends it as `Retry-After` in whole
+    seconds (at least 1) and exactly as `retry-after-ms`, which the OpenAI SDK reads first.
 
     >>> refusal(9, 2.0, 10.0) is None      # waits 5 s, has 10
     True
     >>> refusal(39, 2.0, 10.0)             # waits 20 s, has 10: try again in 10 s
     10.0
+    >>> refusal(20, 10.0, 2.05)            # 2.1 s, has 2.05: not before the next departure
+    0.1
     """
     wait = predicted_wait(ahead, rate)
-    if wait is None or wait <= budget:
+    if wait is None or rate is None or wait <= budget:
         return None
-    return max(1.0, float(math.ceil(wait - budget)))
+    return max(1.0 / rate, wait - budget)
 
 
 RateKey = tuple[Lane, "str | None"]

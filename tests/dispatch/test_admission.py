@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -69,12 +70,14 @@ def test_rate_forgets_gaps_older_than_its_window() -> None:
 
 
 def test_refusal_admits_within_budget_and_says_when_to_come_back() -> None:
-    """Wait = (ahead + 1) / rate; over the budget the Retry-After is the excess, at least 1 s."""
+    """Wait = (ahead + 1) / rate; over the budget it comes back after the excess, and not
+    before the next departure (1 / rate)."""
     assert predicted_wait(9, 2.0) == 5.0
     assert predicted_wait(9, None) is None
     assert refusal(9, 2.0, budget=5.0) is None
     assert refusal(39, 2.0, budget=10.0) == 10.0
-    assert refusal(10, 2.0, budget=5.0) == 1.0  # 0.5 s over: never less than 1 s
+    assert refusal(10, 2.0, budget=5.0) == 0.5  # 0.5 s over
+    assert refusal(20, 10.0, budget=2.09) == pytest.approx(0.1)  # 0.01 s over: one departure
     assert refusal(10_000, None, budget=1.0) is None  # unknown rate: the timer bounds it
 
 
@@ -128,7 +131,8 @@ def saturate(sched: Scheduler, rng: random.Random, departures: int, every: float
 
 
 def test_request_predicted_to_wait_past_its_budget_is_refused_at_arrival() -> None:
-    """At 2 departures/s and a 2 s budget, 4 may queue; the 5th is refused with Retry-After."""
+    """At 2 departures/s and a 2 s budget, 4 may queue; the 5th is refused, told to come
+    back after its excess (2.5 s of wait, 0.5 s over)."""
     rng = random.Random(0)
     sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=2.0)
     now = saturate(sched, rng, departures=6, every=0.5)
@@ -136,7 +140,7 @@ def test_request_predicted_to_wait_past_its_budget_is_refused_at_arrival() -> No
         assert isinstance(sched.submit(Ticket(i, Lane.SHORT, FAR), now, rng), Queued)
     assert isinstance(sched.submit(Ticket(4, Lane.SHORT, FAR), now, rng), Queued)  # 2.0 s
     refused = sched.submit(Ticket(5, Lane.SHORT, FAR), now, rng)
-    assert refused == Rejected(Ticket(5, Lane.SHORT, FAR), "predicted_wait", 1.0)
+    assert refused == Rejected(Ticket(5, Lane.SHORT, FAR), "predicted_wait", 0.5)
     assert sched.queue_length(Lane.SHORT) == 4
 
 

@@ -60,6 +60,8 @@ async def test_flood_is_refused_fast_with_retry_after_and_never_504() -> None:
             assert answered < 10, "a request was held near its 20 s deadline"
             if status != 200:
                 assert int(headers["Retry-After"]) >= 1
+                # exactly, for the OpenAI SDK: never later than the whole seconds say
+                assert 0 < int(headers["retry-after-ms"]) <= 1000 * int(headers["Retry-After"])
         # About rate x budget (20/s x 2 s) of the second flood are admitted, the rest
         # refused; and the admission was right: most of those admitted were served.
         second_statuses = [status for status, _, _ in second]
