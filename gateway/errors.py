@@ -22,7 +22,9 @@
 
 The body is always OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 so the SDK raises the matching exception class with our message. Messages quote the bad
-value (never a key) and say what was expected.
+value (never a key) and say what was expected. "+ Retry-After" is whole seconds, with
+`retry-after-ms` beside it (the exact delay, which the SDK reads first), except on the
+503 for a connection too many, which is written before any request exists.
 """
 
 from __future__ import annotations

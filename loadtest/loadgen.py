@@ -14,7 +14,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -191,8 +191,7 @@ class Client:
             }
         )
         result = Result(spec.index, spec.long, time.perf_counter())
-        # Seeded by the request, so every setup of a run sees the same jitter.
-        rng = random.Random(spec.index)
+        rng: random.Random | None = None
         while True:
             headers = await self._attempt(base_url, body, result)
             retries_made = result.attempts - 1
@@ -201,14 +200,17 @@ class Client:
                 break
             if not sdk_retry.should_retry(result.status, headers):
                 break
+            # Seeded by the request, so every setup of a run sees the same jitter.
+            rng = rng or random.Random(spec.index)
             await asyncio.sleep(sdk_retry.delay(retries_made, headers, rng))
             result.attempts += 1
-            result.status, result.error = 0, None
         result.latency = time.perf_counter() - result.sent
         return result
 
-    async def _attempt(self, base_url: str, body: str, result: Result) -> Mapping[str, str]:
+    async def _attempt(self, base_url: str, body: str, result: Result) -> dict[str, str]:
         """One attempt; the answer's headers (empty when none came)."""
+        result.status, result.error, result.answered, result.instance = 0, None, None, ""
+        headers: dict[str, str] = {}
         try:
             async with self.session.post(
                 base_url + "/chat/completions",
@@ -218,18 +220,18 @@ class Client:
             ) as resp:
                 result.answered = time.perf_counter() - result.sent
                 result.status = resp.status
+                headers = {k.lower(): v for k, v in resp.headers.items()}
                 result.instance = resp.headers.get("X-Gateway-Instance") or instance_label(base_url)
                 if resp.status != 200:
                     await resp.read()
                     result.error = f"status {resp.status}"
                 else:
                     await _read_stream(resp, result)
-                return {k.lower(): v for k, v in resp.headers.items()}
         except TimeoutError:
             result.error = "timeout"
         except (aiohttp.ClientError, OSError) as exc:
             result.error = type(exc).__name__
-        return {}
+        return headers
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, result: Result) -> None:

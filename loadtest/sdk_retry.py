@@ -14,7 +14,9 @@ This follows openai-python 3.57.0 (`_base_client.py`: `_should_retry`,
 - the delay is `retry-after-ms`, else `retry-after` (seconds), when it is above 0 and at
   most 120 s; a `Retry-After` above 120 s means no retry at all;
 - otherwise 0.5 s x 2^n (n: retries already made), at most 8 s, less a random 0-25%.
-`Retry-After` as an HTTP date is not read: the gateway sends seconds.
+`Retry-After` as an HTTP date is not read: the gateway sends seconds. The load generator's
+own timeout (`Client`, 120 s for the whole request) is not the SDK's (600 s to read, 5 s
+to connect), so a timeout would be retried at another moment than the SDK's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ SDK_MAX_RETRIES = 2  # openai-python's DEFAULT_MAX_RETRIES
 INITIAL_DELAY = 0.5
 MAX_DELAY = 8.0
 MAX_RETRY_AFTER = 120.0
+_INFINITY = ("inf", "+inf", "infinity", "+infinity")  # spelled out, not an overflow
 
 
 def retry_after(headers: Mapping[str, str]) -> float | None:
@@ -40,9 +43,12 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
         if value is None:
             continue
         try:
-            return float(value) / divisor
+            delay = float(value)
         except ValueError:
             continue
+        if delay == math.inf and value.strip().lower() not in _INFINITY:
+            return MAX_RETRY_AFTER + 1  # an overflow is a long delay, as the SDK reads it
+        return delay / divisor
     return None
 
 
@@ -55,6 +61,8 @@ def should_retry(status: int, headers: Mapping[str, str]) -> bool:
     """
     if status == 0:
         return True
+    if status < 400:  # the SDK judges only error answers
+        return False
     delay = retry_after(headers)
     if delay is not None and math.isfinite(delay) and delay > MAX_RETRY_AFTER:
         return False

@@ -22,10 +22,14 @@ HEADERS: list[dict[str, str]] = [
     {"retry-after": "0"},
     {"retry-after": "121"},
     {"retry-after": "soon"},
+    {"retry-after": "1e400"},
+    {"retry-after": "inf"},
+    {"retry-after": "-inf"},
+    {"retry-after-ms": "nope", "retry-after": "2"},
     {"x-should-retry": "false"},
     {"x-should-retry": "true"},
 ]
-STATUSES = [400, 401, 404, 408, 409, 422, 429, 500, 502, 503]
+STATUSES = [400, 401, 404, 408, 409, 422, 429, 500, 502, 503, 504]
 
 
 @pytest.fixture
@@ -41,12 +45,15 @@ def test_should_retry_agrees_with_the_sdk(sdk: openai.OpenAI) -> None:
             assert sdk_retry.should_retry(status, headers) is theirs, (status, headers)
 
 
-def test_delay_agrees_with_the_sdk_jitter_included(sdk: openai.OpenAI) -> None:
+def test_delay_agrees_with_the_sdk_jitter_included(
+    sdk: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     httpx = _base_client.httpx2
     options = _base_client.FinalRequestOptions.construct(method="post", url="/chat/completions")
     for retries_made in range(sdk.max_retries):
         for headers in HEADERS:
-            random.seed(retries_made)  # the SDK draws its jitter from the module's generator
+            # The SDK draws its jitter from `random.random`: give it the same draws as ours.
+            monkeypatch.setattr(_base_client, "random", random.Random(retries_made).random)
             remaining = sdk.max_retries - retries_made
             theirs = sdk._calculate_retry_timeout(remaining, options, httpx.Headers(headers))
             ours = sdk_retry.delay(retries_made, headers, random.Random(retries_made))
@@ -62,24 +69,25 @@ def test_backoff_doubles_to_its_cap() -> None:
 
 @pytest.fixture
 async def refusing() -> AsyncIterator[tuple[str, list[int]]]:
-    """A server that answers 429 (Retry-After 0.2 s) to the first try of each request and
-    streams one token to the next; a `bad` model gets 400. Yields its URL and the
+    """A server for each model's case: `ok` gets 429 (`retry-after-ms` 200, `Retry-After`
+    1) on its first try and one streamed token on the next; `busy` always 429 with no
+    delay; `bad` 400; `cut` a stream that ends before `[DONE]`. Yields its URL and the
     attempts it saw."""
     seen: list[int] = []
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        model = (await request.json())["model"]
         seen.append(1)
-        if body["model"] == "bad":
+        if model == "bad":
             return web.json_response({"error": {"message": "no"}}, status=400)
-        if len(seen) % 2:
-            return web.json_response(
-                {"error": {"message": "busy"}}, status=429, headers={"Retry-After": "0.2"}
-            )
+        if model == "busy" or (model == "ok" and len(seen) % 2):
+            delay = {"retry-after-ms": "200", "Retry-After": "1"} if model == "ok" else {}
+            return web.json_response({"error": {"message": "busy"}}, status=429, headers=delay)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
-        await resp.write(b"data: [DONE]\n\n")
+        if model != "cut":
+            await resp.write(b"data: [DONE]\n\n")
         return resp
 
     app = web.Application()
@@ -101,18 +109,43 @@ async def test_a_refused_request_is_sent_again_and_timed_from_its_first_try(
 ) -> None:
     url, seen = refusing
     async with session() as http:
-        result = await Client(http, "k", retries=2).send(url, SPEC)
+        result = await Client(http, "k", model="ok", retries=2).send(url, SPEC)
     assert (result.ok, result.attempts, len(seen)) == (True, 2, 2)
     assert result.ttft is not None
-    assert result.ttft >= 0.2  # the Retry-After is in it
+    assert 0.2 <= result.ttft < 1.0  # retry-after-ms, not Retry-After, is in it
     assert result.latency is not None
     assert result.latency >= result.ttft
+
+
+async def test_retries_run_out_on_the_third_refusal(refusing: tuple[str, list[int]]) -> None:
+    """Without a delay from the server: the SDK's backoff, 0.375-0.5 s then 0.75-1 s."""
+    url, seen = refusing
+    async with session() as http:
+        result = await Client(http, "k", model="busy", retries=2).send(url, SPEC)
+    assert (result.status, result.ok, result.attempts, len(seen)) == (429, False, 3, 3)
+    assert result.latency is not None
+    assert result.latency >= 0.375 + 0.75
+
+
+async def test_no_answer_is_sent_again() -> None:
+    """A refused connection (status 0) is retried, as the SDK retries connection errors."""
+    async with session() as http:
+        result = await Client(http, "k", retries=1).send("http://127.0.0.1:9/v1", SPEC)
+    assert (result.status, result.attempts, result.ok) == (0, 2, False)
+    assert result.error is not None
+
+
+async def test_a_stream_that_began_is_not_sent_again(refusing: tuple[str, list[int]]) -> None:
+    url, seen = refusing
+    async with session() as http:
+        result = await Client(http, "k", model="cut", retries=2).send(url, SPEC)
+    assert (result.status, result.error, result.attempts, len(seen)) == (200, "truncated", 1, 1)
 
 
 async def test_without_retries_a_refusal_is_lost(refusing: tuple[str, list[int]]) -> None:
     url, seen = refusing
     async with session() as http:
-        result = await Client(http, "k").send(url, SPEC)
+        result = await Client(http, "k", model="ok").send(url, SPEC)
     assert (result.status, result.attempts, result.ok, len(seen)) == (429, 1, False, 1)
 
 

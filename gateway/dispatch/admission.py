@@ -85,9 +85,10 @@ def predicted_wait(ahead: int, rate: float | None) -> float | None:
 
 def refusal(ahead: int, rate: float | None, budget: float) -> float | None:
     """None to admit; else how long until it could be admitted: the excess of its
-    predicted wait over its budget, and never less than one departure (1 / rate), since
-    the queue cannot have moved before then. The shell sends it as `Retry-After` in whole
-    seconds (at least 1) and exactly as `retry-after-ms`, which the OpenAI SDK reads first.
+    predicted wait over its budget, and never less than the usual gap between
+    departures (1 / rate), before which the queue has most likely not moved. The shell
+    sends it as `Retry-After` in whole seconds (at least 1) and exactly as
+    `retry-after-ms`, which the OpenAI SDK reads first.
 
     >>> refusal(9, 2.0, 10.0) is None      # waits 5 s, has 10
     True

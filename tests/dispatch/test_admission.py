@@ -77,6 +77,7 @@ def test_refusal_admits_within_budget_and_says_when_to_come_back() -> None:
     assert refusal(9, 2.0, budget=5.0) is None
     assert refusal(39, 2.0, budget=10.0) == 10.0
     assert refusal(10, 2.0, budget=5.0) == 0.5  # 0.5 s over
+    assert refusal(12, 2.0, budget=5.0) == 1.5  # 1.5 s over
     assert refusal(20, 10.0, budget=2.09) == pytest.approx(0.1)  # 0.01 s over: one departure
     assert refusal(10_000, None, budget=1.0) is None  # unknown rate: the timer bounds it
 
