@@ -130,6 +130,21 @@ async def gateway_with(
 
 
 @contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """A test's own little server (a collector, an instance's /tokenize): `app` on a free
+    loopback port, for as long as the block runs; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def fleet(*configs: SimConfig) -> AsyncIterator[list[SimInstance]]:
     sims = [SimInstance(c) for c in configs]
     try:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 from aiohttp import web
+from fakes import serving
 from openai import _base_client
 
 from loadtest import sdk_retry
@@ -92,13 +93,8 @@ async def refusing() -> AsyncIterator[tuple[str, list[int]]]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}/v1", seen
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield f"{url}/v1", seen
 
 
 SPEC = RequestSpec(index=0, at=0.0, prompt_tokens=10, max_tokens=1, client=0)

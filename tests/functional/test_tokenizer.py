@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from fakes import serving
 
 from gateway.schema import PrefillSection, Timeouts
 from gateway.tokenizer import LocalTokenizer, TokenCounter
@@ -61,15 +62,8 @@ async def tokenize_server() -> AsyncIterator[tuple[str, list[dict[str, object]]]
 
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", seen
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, seen
 
 
 async def test_instance_tokenize_is_asked_only_near_the_threshold(

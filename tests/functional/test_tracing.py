@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakes import KEY, Gateway, fleet, gateway_with, write_config
+from fakes import KEY, Gateway, fleet, gateway_with, serving, write_config
 
 from gateway import config as gateway_config
 from gateway.app import PROXY
@@ -224,18 +224,11 @@ async def test_spans_reach_an_otlp_http_collector() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/traces", collect)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        spans = tracing.start(f"http://127.0.0.1:{port}/v1/traces", "gateway-otlp-test")
+    async with serving(app) as url:
+        spans = tracing.start(f"{url}/v1/traces", "gateway-otlp-test")
         span = spans.request("/v1/chat/completions", "POST", None)
         span.end(200, lane="short", model="m", request_id="r1")
         await asyncio.to_thread(spans.shutdown)  # flushes the batch; the loop serves it
-    finally:
-        await runner.cleanup()
     ((path, content_type, body),) = received
     assert path == "/v1/traces"
     assert content_type == "application/x-protobuf"
