@@ -57,10 +57,13 @@ def test_p99_is_not_reported_from_fewer_than_100_samples() -> None:
         "goodput_rps": 1.0,
     }
     row = report.run_table([summary]).splitlines()[2].split()
-    # ttft p50 p90 p99 max | tpot p50 p90 p99 | e2e p50 p99 max
-    assert row[3:7] == ["10.0", "n/a", "n/a", "10.0"]
-    assert row[7:10] == ["-", "-", "-"]  # no samples at all: nothing to report
-    assert row[10:13] == ["20.0", "20.0", "20.0"]
+    # run ok/req errors retried | ttft p50 p90 p99 max | tpot p50 p90 p99 | e2e p50 p99 max
+    assert row[3] == "0"  # a summary from before --retries counts none
+    assert row[4:8] == ["10.0", "n/a", "n/a", "10.0"]
+    assert row[8:11] == ["-", "-", "-"]  # no samples at all: nothing to report
+    assert row[11:14] == ["20.0", "20.0", "20.0"]
+    retried = report.run_table([{**summary, "retried": 3}]).splitlines()[2].split()
+    assert retried[3] == "3"
     assert "p99 needs 100" in report.run_table([summary])
 
 
