@@ -103,6 +103,9 @@ class Limits:
     # Long requests placed and not yet answered in full, on a shared instance (None: no
     # bound): each long prefill there stalls the long answers decoding there.
     max_long_running_per_instance: int | None = None
+    # The long lane's TPOT objective ([slo] long_tpot): which long answers the bound
+    # protects (holding.counts_toward_running_bound).
+    long_tpot_objective: float = 0.1
     gateway_queue_size: int = 1024
     global_limit: int | None = None  # the upstream connection pool: beyond it, queue here
     metrics_stale_after: float = 30.0

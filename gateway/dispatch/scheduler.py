@@ -14,8 +14,8 @@ least_time a long request may wait for a better place, and a slow card's place m
 to the newest long request rather than the oldest (`long_waits.py`).
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
-its prompt's cached share on each instance (`affinity.py`) is estimated here, counts in
-the strategies' costs, and only its uncached part counts as prefill work.
+its prompt's cached share on each (`affinity.py`), estimated here, counts in the
+strategies' costs, and only the rest as prefill work.
 """
 
 from __future__ import annotations
@@ -310,11 +310,11 @@ class Scheduler(Fleet):
         held = _Held(
             state,
             ticket,
-            # The peers' prefill work there is ahead of it too, as the shared view last said:
-            # leaving it out would teach every replica a slower rate than the instance's.
+            # The peers' prefill there is ahead too (else replicas learn too slow a rate).
             ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
+            counts_running=self._counts_running(state, ticket, ticket.tokens - cached),
         )
         self._holding[ticket.id] = held
         held.take()

@@ -17,6 +17,7 @@ from gateway.dispatch import (
     SharedView,
     Ticket,
 )
+from gateway.dispatch.scheduler import Scheduler
 
 
 def _long(i: int) -> Ticket:
@@ -78,3 +79,48 @@ def test_without_the_bound_long_answers_running_do_not_hold_a_place() -> None:
     for i in range(1, 6):
         assert isinstance(sched.submit(_long(i), float(i), rng), Assigned)
         sched.prefill_done(i, i + 0.3, rng)
+
+
+def _long_answer(i: int, max_tokens: int) -> Ticket:
+    return Ticket(i, Lane.LONG, FAR, tokens=6000, max_tokens=max_tokens)
+
+
+def _learn_the_prefill_rate(sched_limits: Limits) -> tuple[Scheduler, random.Random]:
+    """One instance that has seen a 6,000-token prefill take 0.3 s, and is empty again."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=16), limits=sched_limits)
+    bring_up(sched, rng)
+    assert isinstance(sched.submit(_long_answer(1, 32), 0.0, rng), Assigned)
+    sched.prefill_done(1, 0.3, rng, ttft=0.3)
+    sched.release(1, Outcome.SUCCESS, 1.0, rng)
+    return sched, rng
+
+
+def test_a_long_answer_long_enough_to_absorb_the_stalls_holds_no_running_place() -> None:
+    """Bound 1, TPOT objective 50 ms: one 0.3 s stall over 512 tokens is 0.6 ms, far
+    under half the objective, so long prompts keep coming while such answers run. Over
+    8 tokens it is 37.5 ms: that answer holds its place and the next prompt waits."""
+    limits = Limits(
+        max_long_per_instance=1, max_long_running_per_instance=1, long_tpot_objective=0.05
+    )
+    sched, rng = _learn_the_prefill_rate(limits)
+    for i, t in ((2, 1.0), (3, 1.3), (4, 1.6)):
+        assert isinstance(sched.submit(_long_answer(i, 512), t, rng), Assigned)
+        sched.prefill_done(i, t + 0.3, rng, ttft=0.3)
+    assert isinstance(sched.submit(_long_answer(5, 8), 1.9, rng), Assigned)
+    sched.prefill_done(5, 2.2, rng, ttft=0.3)
+    assert isinstance(sched.submit(_long_answer(6, 512), 2.2, rng), Queued)
+    (sixth,) = sched.release(5, Outcome.SUCCESS, 2.5, rng)
+    assert isinstance(sixth, Assigned)
+    assert sixth.ticket.id == 6
+
+
+def test_an_answer_placed_before_the_rate_is_known_counts() -> None:
+    """With no prefill seen yet the stall is unknown, and the answer counts, as before."""
+    rng = random.Random(0)
+    limits = Limits(max_long_per_instance=1, max_long_running_per_instance=1)
+    sched = make(InstanceSpec("a", slots=16), limits=limits)
+    bring_up(sched, rng)
+    assert isinstance(sched.submit(_long_answer(1, 4096), 0.0, rng), Assigned)
+    sched.prefill_done(1, 0.3, rng, ttft=0.3)
+    assert isinstance(sched.submit(_long_answer(2, 4096), 0.3, rng), Queued)
