@@ -196,7 +196,9 @@ class InstanceState:
     # The gateway's own traffic: exact and instant.
     inflight: int = 0
     long_prefilling: int = 0
-    long_running: int = 0  # long requests of ours there, from placing until their answer ends
+    # Long requests of ours there, from placing until their answer ends; with a running
+    # bound, only those that count toward it (holding.counts_toward_running_bound).
+    long_running: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of ours there, no first token yet
     # The models it serves, from its /v1/models (None until known; pinned ones win).
     observed_models: frozenset[str] | None = None
