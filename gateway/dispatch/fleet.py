@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
-from .holding import counts_toward_running_bound
+from .holding import Held, counts_toward_running_bound
 from .lanes import LaneSplit
 from .model import (
     HealthPolicy,
@@ -326,16 +326,16 @@ class Fleet:
             return running is None or state.long_running + state.peers.long_running < running
         return True
 
-    def _counts_running(self, state: InstanceState, ticket: Ticket, uncached: int) -> bool:
-        """Whether a long request placed there counts toward the running bound
+    def _counts_running(self, held: Held) -> bool:
+        """Whether a request holding a long place counts toward the running bound
         (`holding.counts_toward_running_bound`: only answers a stall can hurt)."""
         bound = self.limits.max_long_running_per_instance
-        rate = state.speed.prefill_rate
-        if bound is None:
+        if bound is None or not held.long_place:
             return True
-        stall = uncached / rate if rate else None
+        rate = held.state.speed.prefill_rate
+        stall = held.uncached / rate if rate else None
         return counts_toward_running_bound(
-            bound, stall, ticket.max_tokens, self.limits.long_tpot_objective
+            bound, stall, held.ticket.max_tokens, self.limits.long_tpot_objective
         )
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:

@@ -314,8 +314,8 @@ class Scheduler(Fleet):
             ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
-            counts_running=self._counts_running(state, ticket, ticket.tokens - cached),
         )
+        held.counts_running = self._counts_running(held)
         self._holding[ticket.id] = held
         held.take()
         self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)

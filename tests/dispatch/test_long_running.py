@@ -20,8 +20,8 @@ from gateway.dispatch import (
 from gateway.dispatch.scheduler import Scheduler
 
 
-def _long(i: int) -> Ticket:
-    return Ticket(i, Lane.LONG, FAR, tokens=6000, max_tokens=32)
+def _long(i: int, max_tokens: int = 32) -> Ticket:
+    return Ticket(i, Lane.LONG, FAR, tokens=6000, max_tokens=max_tokens)
 
 
 def test_a_long_request_waits_while_the_long_answers_running_fill_the_bound() -> None:
@@ -81,16 +81,18 @@ def test_without_the_bound_long_answers_running_do_not_hold_a_place() -> None:
         sched.prefill_done(i, i + 0.3, rng)
 
 
-def _long_answer(i: int, max_tokens: int) -> Ticket:
-    return Ticket(i, Lane.LONG, FAR, tokens=6000, max_tokens=max_tokens)
-
-
-def _learn_the_prefill_rate(sched_limits: Limits) -> tuple[Scheduler, random.Random]:
-    """One instance that has seen a 6,000-token prefill take 0.3 s, and is empty again."""
+def _one_card(limits: Limits) -> tuple[Scheduler, random.Random]:
+    """One shared instance with 16 slots, up."""
     rng = random.Random(0)
-    sched = make(InstanceSpec("a", slots=16), limits=sched_limits)
+    sched = make(InstanceSpec("a", slots=16), limits=limits)
     bring_up(sched, rng)
-    assert isinstance(sched.submit(_long_answer(1, 32), 0.0, rng), Assigned)
+    return sched, rng
+
+
+def _learn_the_prefill_rate(limits: Limits) -> tuple[Scheduler, random.Random]:
+    """One instance that has seen a 6,000-token prefill take 0.3 s, and is empty again."""
+    sched, rng = _one_card(limits)
+    assert isinstance(sched.submit(_long(1), 0.0, rng), Assigned)
     sched.prefill_done(1, 0.3, rng, ttft=0.3)
     sched.release(1, Outcome.SUCCESS, 1.0, rng)
     return sched, rng
@@ -105,11 +107,11 @@ def test_a_long_answer_long_enough_to_absorb_the_stalls_holds_no_running_place()
     )
     sched, rng = _learn_the_prefill_rate(limits)
     for i, t in ((2, 1.0), (3, 1.3), (4, 1.6)):
-        assert isinstance(sched.submit(_long_answer(i, 512), t, rng), Assigned)
+        assert isinstance(sched.submit(_long(i, 512), t, rng), Assigned)
         sched.prefill_done(i, t + 0.3, rng, ttft=0.3)
-    assert isinstance(sched.submit(_long_answer(5, 8), 1.9, rng), Assigned)
+    assert isinstance(sched.submit(_long(5, 8), 1.9, rng), Assigned)
     sched.prefill_done(5, 2.2, rng, ttft=0.3)
-    assert isinstance(sched.submit(_long_answer(6, 512), 2.2, rng), Queued)
+    assert isinstance(sched.submit(_long(6, 512), 2.2, rng), Queued)
     (sixth,) = sched.release(5, Outcome.SUCCESS, 2.5, rng)
     assert isinstance(sixth, Assigned)
     assert sixth.ticket.id == 6
@@ -117,10 +119,7 @@ def test_a_long_answer_long_enough_to_absorb_the_stalls_holds_no_running_place()
 
 def test_an_answer_placed_before_the_rate_is_known_counts() -> None:
     """With no prefill seen yet the stall is unknown, and the answer counts, as before."""
-    rng = random.Random(0)
-    limits = Limits(max_long_per_instance=1, max_long_running_per_instance=1)
-    sched = make(InstanceSpec("a", slots=16), limits=limits)
-    bring_up(sched, rng)
-    assert isinstance(sched.submit(_long_answer(1, 4096), 0.0, rng), Assigned)
+    sched, rng = _one_card(Limits(max_long_per_instance=1, max_long_running_per_instance=1))
+    assert isinstance(sched.submit(_long(1, 4096), 0.0, rng), Assigned)
     sched.prefill_done(1, 0.3, rng, ttft=0.3)
-    assert isinstance(sched.submit(_long_answer(2, 4096), 0.3, rng), Queued)
+    assert isinstance(sched.submit(_long(2, 4096), 0.3, rng), Queued)
