@@ -20,7 +20,9 @@ over every request rather than over the ones admitted); `cap1` sets
 `max_long_per_instance = 1`; `running3` and `running4` set
 `max_long_running_per_instance`. The baselines a user would pick instead, `nginx`
 (least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
-skipped with a line where they are not installed.
+skipped with a line where they are not installed. Any setup may be named again with
+`#N` (`nginx#2`): the same front once more, on the same requests, for the A/A spread
+that `lanes_targets` prints (how far one front lands from itself in one sitting).
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
 tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
@@ -87,8 +89,9 @@ FLAGS = frozenset({"shared", "over_objective", "queue_all", "cap1", "running3", 
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
-    """`strategy[:flag+flag][@ref]` as (strategy, flags, ref or None); unknown flags raise."""
-    name, _, ref = setup.partition("@")
+    """`strategy[:flag+flag][@ref][#N]` as (strategy, flags, ref or None); unknown flags
+    raise. `#N` marks a repeat (`lanes_targets.front`) and changes nothing of the setup."""
+    name, _, ref = lanes_targets.front(setup).partition("@")
     strategy, _, variant = name.partition(":")
     flags = set(variant.split("+")) if variant else set()
     if flags - FLAGS:
@@ -214,7 +217,7 @@ async def _baseline_run(
             )
         )
         url = await stack.enter_async_context(
-            fronts.front(setup, fleet.urls, core=gw_core, seed=common.seed)
+            fronts.front(lanes_targets.front(setup), fleet.urls, core=gw_core, seed=common.seed)
         )
         route: Route = lambda spec, worker: url + "/v1"  # noqa: E731
         http = await stack.enter_async_context(session())
@@ -228,9 +231,9 @@ async def _one(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> report.Summary | None:
     fronts = _baselines()
-    if setup in lanes_targets.BASELINES:
+    if (base := lanes_targets.front(setup)) in lanes_targets.BASELINES:
         why = "loadtest/baselines.py is not in this tree" if fronts is None else None
-        why = why or fronts.missing(setup)
+        why = why or fronts.missing(base)
         if why:
             say(f"{setup}: skipped ({why})")
             return None
@@ -265,6 +268,8 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
         say(table(runs))
         for name, verdicts in lanes_targets.judge_run(runs).items():
             say(lanes_targets.render(f"{load:g}", name, verdicts, runs[name]))
+        for name, spreads in lanes_targets.spread(runs).items():
+            say(lanes_targets.render_spread(f"{load:g}", name, spreads))
     say(f"wrote {write_json(common, opts.name, body)}")
     if plot_path(common, f"{opts.name}.png"):
         plot_cdf(loads, common.out / f"{opts.name}.png", opts)

@@ -13,6 +13,11 @@ The p50 end-to-end of all requests is judged too: the issue's table has that col
 the benchmark page reports it beside the short prompts' own. "Best" is the lowest
 (highest for tokens/s and goodput) of the baselines in that run, per target: the
 baselines move from run to run as much as we do, so only a run's own baselines count.
+
+A setup named again with `#N` (`nginx#2`) is the same front run once more in the same
+sitting, on the same requests. A repeat is not judged and does not count toward "best"
+(two draws of nginx would raise the bar); it gives each target's A/A spread, how far
+one front lands from itself, the noise floor a verdict near its bound is read against.
 """
 
 from __future__ import annotations
@@ -87,12 +92,61 @@ def judge(ours: Summary, baselines: Sequence[Summary]) -> list[Verdict]:
     return out
 
 
+def front(setup: str) -> str:
+    """A setup without its repeat mark: `nginx#2` is nginx run a second time."""
+    return setup.partition("#")[0]
+
+
+def is_repeat(setup: str) -> bool:
+    return front(setup) != setup
+
+
 def judge_run(runs: Mapping[str, Summary]) -> dict[str, list[Verdict]]:
-    """Each gateway setup of one load against the baselines beside it (none: nothing)."""
+    """Each gateway setup of one load against the baselines beside it (none: nothing);
+    repeats (`#N`) are neither judged nor baselines (see `spread`)."""
     baselines = [runs[name] for name in BASELINES if name in runs]
     if not baselines:
         return {}
-    return {name: judge(s, baselines) for name, s in runs.items() if name not in BASELINES}
+    return {
+        name: judge(s, baselines)
+        for name, s in runs.items()
+        if front(name) not in BASELINES and not is_repeat(name)
+    }
+
+
+@dataclass(frozen=True)
+class Spread:
+    target: str
+    first: float
+    again: float
+
+    @property
+    def relative(self) -> float:
+        """|again - first| over the smaller of the two."""
+        low = min(abs(self.first), abs(self.again))
+        return abs(self.again - self.first) / low if low else 0.0
+
+
+def spread(runs: Mapping[str, Summary]) -> dict[str, list[Spread]]:
+    """Per repeat (`nginx#2`) whose first run is beside it: every target's value in both."""
+    out = {}
+    for name, again in runs.items():
+        first = runs.get(front(name))
+        if not is_repeat(name) or first is None:
+            continue
+        pairs = ((t, t.value(first), t.value(again)) for t in TARGETS)
+        out[name] = [Spread(t.name, a, b) for t, a, b in pairs if a is not None and b is not None]
+    return out
+
+
+def render_spread(load: str, name: str, spreads: Sequence[Spread]) -> str:
+    """A repeat's A/A spread at one load, as a text table."""
+    rows = [
+        [s.target, _number(s.target, s.first), _number(s.target, s.again), f"{s.relative:.1%}"]
+        for s in spreads
+    ]
+    head = f"{name} at {float(load):.0%} of capacity: A/A spread against {front(name)}"
+    return head + "\n" + table(["target", front(name), name, "spread"], rows)
 
 
 def _number(target: str, value: float) -> str:
@@ -140,6 +194,7 @@ def report_file(path: Path, setup: str | None = None) -> str:
         for name, verdicts in judged.items():
             if setup is None or name == setup:
                 parts.append(render(load, name, verdicts, runs[name]))
+        parts += [render_spread(load, name, s) for name, s in spread(runs).items()]
     return "\n\n".join(parts)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from loadtest import lanes_targets
+from loadtest.lanes_bench import parse_setup
 
 RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results" / "lanes"
 
@@ -118,3 +119,34 @@ def test_main_prints_every_gateway_setup(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "gateway at 6e72517" in out
     assert out.count("targets met") == 4  # two gateway setups at two loads
+
+
+def test_a_repeat_is_neither_judged_nor_a_baseline_but_gives_the_a_a_spread() -> None:
+    """`nginx#2` is nginx again: it does not raise the bar ("best" stays the first
+    nginx's), is not judged as a gateway setup, and each target's spread is reported."""
+    nginx = _summary(tokens=400.0, e2e=1.00)
+    again = _summary(tokens=404.0, e2e=1.05)
+    runs = {"least_time": _summary(tokens=402.0, e2e=1.0), "nginx": nginx, "nginx#2": again}
+    judged = lanes_targets.judge_run(runs)
+    assert list(judged) == ["least_time"]
+    tokens = next(v for v in judged["least_time"] if v.target == "output tokens/s")
+    assert tokens.best == 400.0  # not the repeat's 404
+    assert tokens.met
+    (spreads,) = lanes_targets.spread(runs).values()
+    by_target = {s.target: s for s in spreads}
+    assert by_target["output tokens/s"].relative == pytest.approx(0.01)
+    assert by_target["p50 end-to-end, all requests"].relative == pytest.approx(0.05)
+    assert by_target["short p50 TTFT"].relative == 0.0
+    text = lanes_targets.render_spread("0.75", "nginx#2", spreads)
+    assert text.startswith("nginx#2 at 75% of capacity: A/A spread against nginx")
+    assert "5.0%" in text
+
+
+def test_a_repeat_without_its_first_run_has_no_spread() -> None:
+    assert lanes_targets.spread({"nginx#2": _summary(), "least_time": _summary()}) == {}
+
+
+def test_a_repeated_gateway_setup_is_the_same_setup() -> None:
+    assert parse_setup("least_time:shared+cap1@abc#2") == ("least_time", {"shared", "cap1"}, "abc")
+    assert lanes_targets.front("nginx#2") == "nginx"
+    assert not lanes_targets.is_repeat("nginx")
