@@ -172,7 +172,30 @@ def by_class(run: Run, common: Common, names: dict[str, str]) -> report.Summary:
         r.latency for r in ok if not r.long and r.latency is not None
     )
     summary["missed"] = missed_objectives(run.results, common.ttft_slo, common.tpot_slo)
+    summary["last_answers"] = last_answers(run, names)
     return summary
+
+
+def last_answers(run: Run, names: dict[str, str], most: int = 5) -> list[dict[str, Any]]:
+    """The `most` answers that ended last, last one last, timed from the run's start.
+
+    When every front serves every request, tokens/s differs only by the span, and the
+    span ends with the last answer: these say which request that was and where it went
+    (the benchmark page, `lanes`, "Round 8": one long prompt on the slow card).
+    """
+    ok = [r for r in run.results if r.ok and r.latency is not None]
+    ends = sorted(ok, key=lambda r: r.sent + (r.latency or 0.0))[-most:]
+    return [
+        {
+            "end_s": r.sent + (r.latency or 0.0) - run.started,
+            "sent_s": r.sent - run.started,
+            "long": r.long,
+            "instance": names.get(r.instance, r.instance),
+            "ttft_s": r.ttft,
+            "latency_s": r.latency,
+        }
+        for r in ends
+    ]
 
 
 def missed_objectives(

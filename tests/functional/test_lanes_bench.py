@@ -17,7 +17,12 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
     """lanes runs the shared gateway queueing all, least_time with a flag, and an unknown
     setup (skipped), per class."""
     opts = lanes_bench.LanesOptions(
-        setups=("least_busy:shared+queue_all", "least_time:over_objective", "nginx_nowhere"),
+        setups=(
+            "least_busy:shared+queue_all",
+            "least_time:over_objective",
+            "least_time:over_objective#2",
+            "nginx_nowhere",
+        ),
         speeds=(1.0, 0.4),
         loads=(0.4,),
         duration=2.0,
@@ -26,7 +31,11 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
     common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
     body = await lanes_bench.lanes(opts, common)
     runs = body["loads"]["0.4"]
-    assert set(runs) == {"least_busy:shared+queue_all", "least_time:over_objective"}
+    assert set(runs) == {
+        "least_busy:shared+queue_all",
+        "least_time:over_objective",
+        "least_time:over_objective#2",  # a repeat runs as its own setup
+    }
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():  # every request is good or missed in exactly one way
         missed = sum(n for by in summary["missed"].values() for n in by.values())
@@ -36,6 +45,13 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
         assert len(summary["short_ttfts"]) + len(summary["long_ttfts"]) == summary["ok"]
         assert summary["long_ttfts"] == sorted(summary["long_ttfts"])
         assert summary["short_ttft_s"]["p50"] is not None
+        last = summary["last_answers"]
+        ends = [a["end_s"] for a in last]
+        assert ends == sorted(ends)
+        assert 0 < len(last) <= 5
+        # The last answer ends the run's span (the span is measured after it).
+        assert ends[-1] <= summary["duration_s"]
+        assert all(a["end_s"] == pytest.approx(a["sent_s"] + a["latency_s"]) for a in last)
     assert json.loads((tmp_path / "lanes.json").read_text())["loads"]
     assert (tmp_path / "lanes.png").exists() == report.can_plot()
 
