@@ -183,18 +183,18 @@ def last_answers(run: Run, names: dict[str, str], most: int = 5) -> list[dict[st
     span ends with the last answer: these say which request that was and where it went
     (the benchmark page, `lanes`, "Round 8": one long prompt on the slow card).
     """
-    ok = [r for r in run.results if r.ok and r.latency is not None]
-    ends = sorted(ok, key=lambda r: r.sent + (r.latency or 0.0))[-most:]
+    ended = [(r.sent + r.latency, r) for r in run.results if r.ok and r.latency is not None]
+    ended.sort(key=lambda pair: pair[0])
     return [
         {
-            "end_s": r.sent + (r.latency or 0.0) - run.started,
+            "end_s": end - run.started,
             "sent_s": r.sent - run.started,
             "long": r.long,
             "instance": names.get(r.instance, r.instance),
             "ttft_s": r.ttft,
             "latency_s": r.latency,
         }
-        for r in ends
+        for end, r in ended[-most:]
     ]
 
 

@@ -110,7 +110,7 @@ def judge_run(runs: Mapping[str, Summary]) -> dict[str, list[Verdict]]:
     return {
         name: judge(s, baselines)
         for name, s in runs.items()
-        if front(name) not in BASELINES and not is_repeat(name)
+        if name not in BASELINES and not is_repeat(name)
     }
 
 
@@ -131,8 +131,8 @@ def spread(runs: Mapping[str, Summary]) -> dict[str, list[Spread]]:
     """Per repeat (`nginx#2`) whose first run is beside it: every target's value in both."""
     out = {}
     for name, again in runs.items():
-        first = runs.get(front(name))
-        if not is_repeat(name) or first is None:
+        first = runs.get(front(name)) if is_repeat(name) else None
+        if first is None:
             continue
         pairs = ((t, t.value(first), t.value(again)) for t in TARGETS)
         out[name] = [Spread(t.name, a, b) for t, a, b in pairs if a is not None and b is not None]

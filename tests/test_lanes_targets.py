@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from loadtest import lanes_targets
-from loadtest.lanes_bench import parse_setup
 
 RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results" / "lanes"
 
@@ -144,9 +143,3 @@ def test_a_repeat_is_neither_judged_nor_a_baseline_but_gives_the_a_a_spread() ->
 
 def test_a_repeat_without_its_first_run_has_no_spread() -> None:
     assert lanes_targets.spread({"nginx#2": _summary(), "least_time": _summary()}) == {}
-
-
-def test_a_repeated_gateway_setup_is_the_same_setup() -> None:
-    assert parse_setup("least_time:shared+cap1@abc#2") == ("least_time", {"shared", "cap1"}, "abc")
-    assert lanes_targets.front("nginx#2") == "nginx"
-    assert not lanes_targets.is_repeat("nginx")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import lanes_bench, report, scenarios
+from loadtest import lanes_bench, lanes_targets, report, scenarios
 from loadtest.loadgen import Mix, Result
 
 TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_tokens=(3, 3))
@@ -84,6 +84,16 @@ def test_a_setup_names_its_strategy_flags_and_ref() -> None:
     assert lanes_bench.parse_setup("least_time") == ("least_time", set(), None)
     with pytest.raises(ValueError, match="'bogus'"):
         lanes_bench.parse_setup("least_time:bogus")
+
+
+def test_a_repeated_gateway_setup_is_the_same_setup() -> None:
+    assert lanes_bench.parse_setup("least_time:shared+cap1@abc#2") == (
+        "least_time",
+        {"shared", "cap1"},
+        "abc",
+    )
+    assert lanes_targets.front("nginx#2") == "nginx"
+    assert not lanes_targets.is_repeat("nginx")
 
 
 def test_missed_goodput_is_split_by_class_and_objective() -> None:
