@@ -124,6 +124,7 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 duration=args.duration,
                 mix=_mix_of(args),
                 name=args.name,
+                capacity=args.capacity,
             ),
             common,
         ),

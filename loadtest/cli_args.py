@@ -205,6 +205,13 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     p.add_argument("--loads", type=_floats, default=defaults.loads, help="shares of capacity")
+    p.add_argument(
+        "--capacity",
+        choices=("measured", "estimate"),
+        default=defaults.capacity,
+        help="what the loads are shares of: compare's estimate, or measured with every card"
+        " kept full straight to it (about 40 s more)",
+    )
     p.add_argument("--duration", type=float, default=defaults.duration, help="seconds per load")
     p.add_argument("--name", default=defaults.name, help="report file name")
     g = p.add_argument_group("workload mix (default: the issue's)")

@@ -76,11 +76,15 @@ def capacity(speeds: Sequence[float], mix: Mix, sim: SimConfig) -> float:
     by the speed. With full batches of max_num_seqs, a request costs its prefill plus
     max_tokens / max_num_seqs of the decode steps.
     """
+    per_request = request_cost(mix.mean_prompt_tokens(), mix.mean_max_tokens(), sim)
+    return sum(speeds) / per_request
+
+
+def request_cost(prompt_tokens: float, max_tokens: float, sim: SimConfig) -> float:
+    """Seconds of a speed-1 card one request costs at full batches (see `capacity`)."""
     seqs = sim.max_num_seqs
     step = sim.decode_s_per_token * (1 + sim.decode_slowdown_per_seq * (seqs - 1))
-    per_request = mix.mean_prompt_tokens() / sim.prefill_tokens_per_s
-    per_request += mix.mean_max_tokens() * step / seqs
-    return sum(speeds) / per_request
+    return prompt_tokens / sim.prefill_tokens_per_s + max_tokens * step / seqs
 
 
 async def _one_setup(

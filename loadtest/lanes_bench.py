@@ -4,7 +4,9 @@ The issue's mix: half the requests 200-token prompts, half 6,000-token ones, eve
 max_tokens 32, on the slow-card fleet (speeds 1, 1, 1, 0.4) whose simulated engines
 batch up to 8,192 tokens a step (vLLM's default `max_num_batched_tokens` for its OpenAI
 server on GPUs of 70 GiB and more), Poisson arrivals at each of `loads` times the fleet's
-capacity. Every setup gets a fresh fleet (and gateway) and exactly the same requests.
+capacity: `compare.capacity`'s estimate, or with `--capacity measured` what the fleet
+serves with every card kept full straight to it (`capacity.py`). Every setup gets a fresh
+fleet (and gateway) and exactly the same requests.
 
 Setups: a strategy name (`least_busy`, `least_time`) runs the gateway as configured by
 default, with the split between the lanes; `@ref` at the end runs the gateway as
@@ -13,12 +15,15 @@ flags after a colon, joined by `+`, change the settings: `shared` sets
 `lane_split = false`, every instance serving both lanes and long prefills capped by
 `max_long_per_instance` (the gateway before the split);
 `over_objective` sets `least_time_decode = "over_objective"` (least_time before it
-counted every output token), e.g. `least_time:shared+over_objective`; `queue_all` sets
+counted every output token), e.g. `least_time:shared+over_objective`, and `full` sets
+`least_time_decode = "full"` (every output token at the card's TPOT counts); `queue_all` sets
 `max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
 is served, late if need be, as the baselines do (like with like for tokens/s, and a p99
 over every request rather than over the ones admitted); `cap1` sets
 `max_long_per_instance = 1`; `running3` and `running4` set
-`max_long_running_per_instance`. The baselines a user would pick instead, `nginx`
+`max_long_running_per_instance`; `cardq0` and `cardq4` set `max_queue_per_instance`
+(requests a card holds waiting beyond its running slots; the rest wait in the gateway,
+oldest first across the lanes). The baselines a user would pick instead, `nginx`
 (least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
 skipped with a line where they are not installed. Any setup may be named again with
 `#N` (`nginx#2`): the same front once more, on the same requests, for the A/A spread
@@ -39,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import compare, harness, lanes_targets, report
+from loadtest import capacity, compare, harness, lanes_targets, report
 from loadtest.loadgen import (
     SEED_MIX,
     Client,
@@ -83,9 +88,15 @@ class LanesOptions:
     duration: float = 40.0  # seconds of Poisson arrivals per load
     mix: Mix = field(default_factory=lambda: SEED_MIX)
     name: str = "lanes"  # the report's file name (JSON and PNG)
+    # What `loads` are shares of: "estimate" (`compare.capacity`) or "measured" (every card
+    # kept full, straight to it: `capacity.py`), which checks the estimate.
+    capacity: str = "estimate"
 
 
-FLAGS = frozenset({"shared", "over_objective", "queue_all", "cap1", "running3", "running4"})
+CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
+FLAGS = frozenset(
+    {"shared", "over_objective", "full", "queue_all", "cap1", "running3", "running4", *CARD_QUEUES}
+)
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -154,8 +165,13 @@ def _dispatch(flags: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "over_objective" in flags:
         out["least_time_decode"] = "over_objective"
+    if "full" in flags:
+        out["least_time_decode"] = "full"
     if "queue_all" in flags:
         out["max_queue_wait"] = QUEUE_ALL
+    for flag, depth in CARD_QUEUES.items():
+        if flag in flags:
+            out["max_queue_per_instance"] = depth
     return out
 
 
@@ -275,7 +291,18 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
     cap = compare.capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
     say(f"capacity estimate {cap:.1f} req/s")
     loads: dict[str, dict[str, report.Summary]] = {}
-    body = {"options": asdict(opts), "capacity_req_per_s": cap, "loads": loads}
+    body: dict[str, Any] = {"options": asdict(opts), "capacity_estimate_req_per_s": cap}
+    if opts.capacity == "measured":
+        measured = await capacity.measure(
+            opts.speeds,
+            opts.mix,
+            max_num_seqs=opts.max_num_seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            common=common,
+        )
+        body["capacity_measured"] = measured.as_json()
+        cap = measured.req_per_s
+    body.update(capacity_req_per_s=cap, loads=loads)  # the rate each load is a share of
     for load in opts.loads:
         rate = load * cap
         count = max(1, round(rate * opts.duration))

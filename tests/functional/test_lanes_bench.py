@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import lanes_bench, lanes_targets, report, scenarios
+from loadtest import capacity, lanes_bench, lanes_targets, report, scenarios
 from loadtest.loadgen import Mix, Result
 
 TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_tokens=(3, 3))
 
 
-async def test_lanes_smoke(tmp_path: Path) -> None:
-    """lanes runs the shared gateway queueing all, least_time with a flag, and an unknown
-    setup (skipped), per class."""
+async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lanes measures the fleet's capacity, then runs the shared gateway queueing all,
+    least_time with a flag, and an unknown setup (skipped), per class, at a share of it."""
+    monkeypatch.setattr(capacity, "WARM", 1.0)
+    monkeypatch.setattr(capacity, "WINDOW", 3.0)
     opts = lanes_bench.LanesOptions(
         setups=(
             "least_busy:shared+queue_all",
@@ -27,9 +29,20 @@ async def test_lanes_smoke(tmp_path: Path) -> None:
         loads=(0.4,),
         duration=2.0,
         mix=TINY,
+        capacity="measured",
     )
     common = scenarios.Common(seed=3, out=tmp_path, pin=False, limit=30.0)
     body = await lanes_bench.lanes(opts, common)
+    measured = body["capacity_measured"]
+    # Every card kept full serves something, and the loads are shares of what was
+    # measured rather than of the estimate.
+    assert all(share > 0 for share in measured["per_card"].values())
+    assert body["capacity_estimate_req_per_s"] == measured["estimate_req_per_s"]
+    assert (
+        body["capacity_req_per_s"]
+        == measured["req_per_s"]
+        == pytest.approx(measured["estimate_req_per_s"] * measured["share_of_estimate"])
+    )
     runs = body["loads"]["0.4"]
     assert set(runs) == {
         "least_busy:shared+queue_all",
@@ -69,6 +82,11 @@ def test_setup_flags_become_dispatch_settings() -> None:
     assert lanes_bench._dispatch({"queue_all"}) == {"max_queue_wait": lanes_bench.QUEUE_ALL}
     assert lanes_bench._dispatch({"over_objective", "queue_all", "shared"}) == {
         "least_time_decode": "over_objective",
+        "max_queue_wait": lanes_bench.QUEUE_ALL,
+    }
+    assert lanes_bench._dispatch({"cardq0"}) == {"max_queue_per_instance": 0}
+    assert lanes_bench._dispatch({"cardq4", "queue_all"}) == {
+        "max_queue_per_instance": 4,
         "max_queue_wait": lanes_bench.QUEUE_ALL,
     }
 
