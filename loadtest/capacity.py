@@ -36,7 +36,7 @@ from loadtest.loadgen import (
     run_closed,
 )
 from loadtest.loadgen import session as client_session
-from loadtest.scenarios import Common, cores, fleet_names, say
+from loadtest.scenarios import Common, cores, fleet_names, say, to_v1
 
 QUEUED = 4  # clients per card beyond its running slots: a waiting queue it never empties
 WARM = 5.0  # s before the window opens: batches fill, the first long prefills pass
@@ -119,7 +119,7 @@ async def measure(
                 max_num_batched_tokens=max_num_batched_tokens,
             )
         )
-        urls = [url.rstrip("/") + "/v1" for url in fleet.urls]
+        urls = [to_v1(url) for url in fleet.urls]
         route: Route = lambda spec, worker: urls[worker % len(urls)]  # noqa: E731
         http = await stack.enter_async_context(client_session())
         run = await run_closed(
