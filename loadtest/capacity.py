@@ -49,14 +49,17 @@ SEED_OFFSET = 7919  # its requests are drawn apart from the benchmark's own
 class Measured:
     """A measured capacity and what it came from."""
 
-    req_per_s: float  # the estimate x the fleet's share
     estimate_req_per_s: float  # compare.capacity's, for the same fleet and mix
     share_of_estimate: float  # priced work served / (window x the fleet's speed)
     window_s: float
     per_card: dict[str, float]  # fleet_names label -> that card's share
 
+    @property
+    def req_per_s(self) -> float:
+        return self.estimate_req_per_s * self.share_of_estimate
+
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"req_per_s": self.req_per_s, **asdict(self)}
 
 
 def work_in_window(
@@ -137,8 +140,9 @@ async def measure(
     span, work = work_in_window(run, specs, names, warm, sim)
     label_speeds = dict(zip(names.values(), speeds, strict=True))
     share, per_card = shares(span, work, label_speeds)
+    measured = Measured(estimate, share, span, per_card)
     say(
-        f"capacity measured {share * estimate:.2f} req/s ({share:.1%} of the estimate"
+        f"capacity measured {measured.req_per_s:.2f} req/s ({share:.1%} of the estimate"
         f" {estimate:.2f}), {span:.0f} s with every card kept full"
     )
-    return Measured(share * estimate, estimate, share, span, per_card)
+    return measured

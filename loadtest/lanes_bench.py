@@ -16,8 +16,8 @@ flags after a colon, joined by `+`, change the settings: `shared` sets
 `max_long_per_instance` (the gateway before the split);
 `over_objective` sets `least_time_decode = "over_objective"` (least_time before it
 counted every output token), e.g. `least_time:shared+over_objective`, and `full` sets
-`least_time_decode = "full"` (every output token at the card's TPOT counts); `queue_all` sets
-`max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
+`least_time_decode = "full"` (every output token at the card's TPOT counts); `queue_all`
+sets `max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
 is served, late if need be, as the baselines do (like with like for tokens/s, and a p99
 over every request rather than over the ones admitted); `cap1` sets
 `max_long_per_instance = 1`; `running3` and `running4` set
@@ -93,10 +93,9 @@ class LanesOptions:
     capacity: str = "estimate"
 
 
+DECODES = frozenset({"over_objective", "full"})  # flag = its least_time_decode
 CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
-FLAGS = frozenset(
-    {"shared", "over_objective", "full", "queue_all", "cap1", "running3", "running4", *CARD_QUEUES}
-)
+FLAGS = frozenset({"shared", "queue_all", "cap1", "running3", "running4", *DECODES, *CARD_QUEUES})
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -163,10 +162,8 @@ def _prefill(flags: set[str]) -> dict[str, Any]:
 def _dispatch(flags: set[str]) -> dict[str, Any]:
     """The `[dispatch]` settings a setup's flags ask for."""
     out: dict[str, Any] = {}
-    if "over_objective" in flags:
-        out["least_time_decode"] = "over_objective"
-    if "full" in flags:
-        out["least_time_decode"] = "full"
+    for decode in DECODES & flags:
+        out["least_time_decode"] = decode
     if "queue_all" in flags:
         out["max_queue_wait"] = QUEUE_ALL
     for flag, depth in CARD_QUEUES.items():

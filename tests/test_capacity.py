@@ -8,7 +8,7 @@ import pytest
 from gateway.sim.sim_engine import SimConfig
 from loadtest import compare
 from loadtest.capacity import Measured, shares, work_in_window
-from loadtest.loadgen import TEMPLATE_TOKENS, RequestSpec, Result, Run
+from loadtest.loadgen import TEMPLATE_TOKENS, Mix, RequestSpec, Result, Run
 
 NAMES = {"127.0.0.1:1": "#0 x1.0", "127.0.0.1:2": "#1 x0.4"}
 SIM = SimConfig(max_num_seqs=16)
@@ -60,8 +60,6 @@ def test_shares_divide_the_work_by_the_window_and_the_speed() -> None:
 
 def test_the_estimate_prices_the_mean_request_as_request_cost_does() -> None:
     """One formula: a fleet of speed 1 serving requests of exactly the mix's means."""
-    from loadtest.loadgen import Mix
-
     mix = Mix(
         long_share=0.5, short_tokens=(200, 200), long_tokens=(6000, 6000), max_tokens=(32, 32)
     )
@@ -83,6 +81,6 @@ def test_no_window_when_the_sends_ended_inside_the_warm_up() -> None:
 
 
 def test_the_report_carries_the_share_and_the_rate_it_gives() -> None:
-    out = Measured(9.0, 10.0, 0.9, 30.0, {"#0 x1.0": 0.9}).as_json()
+    out = Measured(10.0, 0.9, 30.0, {"#0 x1.0": 0.9}).as_json()
     assert out["share_of_estimate"] == 0.9
     assert out["req_per_s"] == out["estimate_req_per_s"] * out["share_of_estimate"]
