@@ -257,3 +257,43 @@ def test_a_newest_past_its_deadline_is_not_handed_the_place() -> None:
     assert placed == Assigned(_long(2), "slow")
     assert isinstance(refused, Rejected)
     assert (refused.ticket.id, refused.reason) == (3, "deadline")
+
+
+def _alone_with_a_slow_place(slow_flag: bool) -> Scheduler:
+    """`fast` (20,000 tokens/s) prefills long prompt 1 and `slow` (8,000) has one answer
+    decoding; long prompt 2 comes with nobody queued behind it. On `slow` it costs 0.75 s
+    to its first token plus 0.75 s of stall; behind fast's prefill 0.6 s plus 0.3 s: 40%
+    less, short of halving."""
+    rng = random.Random(0)
+    limits = Limits(max_long_per_instance=1, lane_split=False, max_queue_wait_long=30.0)
+    sched = make(
+        InstanceSpec("fast", slots=16),
+        InstanceSpec("slow", slots=16),
+        strategy="least_time",
+        limits=limits,
+    )
+    bring_up(sched, rng)
+    for state, rate in zip(sched.states, (20000.0, 8000.0), strict=True):
+        state.speed.prefill = Ewma(higher_is_better=True, value=rate, samples=9)
+        state.speed.tpot = Ewma(higher_is_better=False, value=0.02, samples=9)
+    sched.states[1].speed.slow = slow_flag
+    assert sched.submit(_long(1), 0.0, rng) == Assigned(_long(1), "fast")
+    sched.states[1].inflight = 1
+    return sched
+
+
+def test_with_only_a_slow_card_free_a_tenth_less_is_worth_the_wait() -> None:
+    """Where every place now is on a card flagged slow, it waits for the fast card's
+    place for 40% less, and takes it when fast's prefill ends."""
+    rng = random.Random(0)
+    sched = _alone_with_a_slow_place(slow_flag=True)
+    assert isinstance(sched.submit(_long(2), 0.0, rng), Queued)
+    assert sched.prefill_done(1, 0.3, rng) == [Assigned(_long(2), "fast")]
+
+
+def test_on_a_card_not_flagged_slow_it_still_takes_halving() -> None:
+    """The same figures on a card not flagged slow (an even fleet whose prediction is
+    off for now): 40% is not enough, it starts there at once."""
+    rng = random.Random(0)
+    sched = _alone_with_a_slow_place(slow_flag=False)
+    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "slow")
