@@ -72,7 +72,6 @@ class LeastTime:
     # A long prompt waits for a place about to free only where that cuts its cost by
     # more than this share (see `worth_waiting`).
     WAIT_GAIN = 0.5
-    SLOW_WAIT_GAIN = 0.1  # the same, where the places now are all on slow cards
     # The head of the long queue hands a slow card's place to the newest long prompt
     # where its own first token would come this much sooner on a card about to free
     # (see `sooner_elsewhere`): the prediction counts the whole prefill there as still
@@ -221,20 +220,13 @@ class LeastTime:
         a small saving does not buy it: on an even fleet where every card has a dozen
         answers decoding, waiting wherever it cut the cost by a quarter put the long p99
         TTFT 35% above least_busy's for no goodput; by half, 8% (`loadtest lanes`).
-        Where every place now is on a card flagged slow, a tenth (SLOW_WAIT_GAIN) is
-        enough: what it saves there is mostly its own prefill on a card measured slow,
-        not a guess at the stalls. A 0.4-speed card's 6,000-token prefill takes 0.75 s;
-        behind a fast card's prefill its first token comes within 0.6 s. Halving never
-        came, so the long prompts sent as the fleet emptied took the slow card, and the
-        last answer of a sitting was one of them (the benchmark page, `lanes`, "Round 9").
         """
         predicted, soon = self._now_and_soon(candidates, freeing, fleet, ticket, now)
         if not soon:
             return False
         start = self._in_time(candidates, predicted, ticket.lane)
         best_now = min(predicted[c.name].cost for c in start)
-        gain = self.SLOW_WAIT_GAIN if all(c.speed.slow for c in start) else self.WAIT_GAIN
-        return min(p.cost for p in soon) < (1 - gain) * best_now
+        return min(p.cost for p in soon) < (1 - self.WAIT_GAIN) * best_now
 
     def sooner_elsewhere(
         self,

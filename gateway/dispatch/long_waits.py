@@ -6,8 +6,7 @@ long to its first token. Two choices, both made when a place is there for the he
 the long queue (with the split on, the lanes keep long prefills apart already, and
 other strategies always start it):
 - With nobody of its lane and model queued behind it, it waits for a long place about
-  to free where that halves its cost, the wait included, or cuts it by a tenth where
-  the places now are all on cards flagged slow (`LeastTime.worth_waiting`).
+  to free where that halves its cost, the wait included (`LeastTime.worth_waiting`).
 - With a queue behind it, every place is wanted and waiting would cost throughput. But
   where the places now are all on cards flagged slow (`speed.slow`) and its first token
   would come 10% sooner, and within its TTFT objective, on a card about to free
