@@ -122,9 +122,6 @@ class PrefillSection(Frozen):
     max_long_per_instance: int = Field(2, ge=1)
     # Long requests placed and not yet fully answered on a shared instance; None: no bound.
     max_long_running_per_instance: int | None = Field(None, ge=1)
-    # After a long prefill on a shared instance with answers running, its long place
-    # stays closed for this share of the prefill's time (dispatch/prefill_gap.py); 0: off.
-    long_prefill_gap: float = Field(0.0, ge=0, le=10)
     # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
     # Off by default until its long-lane tail and the even fleet stop regressing (measured
     # on the benchmark page): turning it on is the operator's trade.

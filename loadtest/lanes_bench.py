@@ -23,8 +23,7 @@ over every request rather than over the ones admitted); `cap1` sets
 `max_long_per_instance = 1`; `running3` and `running4` set
 `max_long_running_per_instance`; `cardq0` and `cardq4` set `max_queue_per_instance`
 (requests a card holds waiting beyond its running slots; the rest wait in the gateway,
-oldest first across the lanes); `gap15` and `gap30` set `long_prefill_gap` (a breather
-after each long prefill on a card). The baselines a user would pick instead, `nginx`
+oldest first across the lanes). The baselines a user would pick instead, `nginx`
 (least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
 skipped with a line where they are not installed. Any setup may be named again with
 `#N` (`nginx#2`): the same front once more, on the same requests, for the A/A spread
@@ -96,10 +95,7 @@ class LanesOptions:
 
 DECODES = frozenset({"over_objective", "full"})  # flag = its least_time_decode
 CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
-GAPS = {"gap15": 0.15, "gap30": 0.3}  # flag -> long_prefill_gap
-FLAGS = frozenset(
-    {"shared", "queue_all", "cap1", "running3", "running4", *DECODES, *CARD_QUEUES, *GAPS}
-)
+FLAGS = frozenset({"shared", "queue_all", "cap1", "running3", "running4", *DECODES, *CARD_QUEUES})
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -160,9 +156,6 @@ def _prefill(flags: set[str]) -> dict[str, Any]:
     for bound in (3, 4):
         if f"running{bound}" in flags:
             out["max_long_running_per_instance"] = bound
-    for flag, gap in GAPS.items():
-        if flag in flags:
-            out["long_prefill_gap"] = gap
     return out
 
 

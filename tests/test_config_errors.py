@@ -64,13 +64,6 @@ CASES: list[Any] = [
         id="long-running-bound",
     ),
     pytest.param(
-        "[prefill]\nlong_prefill_gap = -0.1\n",
-        None,
-        "config.toml",
-        ["prefill.long_prefill_gap", "-0.1"],
-        id="prefill-gap",
-    ),
-    pytest.param(
         "[gateway]\nport = 70000\n", None, "config.toml", ["gateway.port", "70000"], id="port-range"
     ),
     pytest.param(

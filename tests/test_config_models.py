@@ -232,10 +232,3 @@ def test_the_running_bound_and_its_tpot_objective_reach_the_scheduler(tmp_path: 
     _, limits, _ = scheduler_inputs(load_ok(tmp_path, toml))
     assert limits.max_long_running_per_instance == 4
     assert limits.long_tpot_objective == 0.04
-
-
-def test_the_prefill_gap_reaches_the_scheduler(tmp_path: Path) -> None:
-    """`[prefill] long_prefill_gap` reaches the scheduler's limits; off by default."""
-    assert scheduler_inputs(load_ok(tmp_path, ""))[1].long_prefill_gap == 0.0
-    _, limits, _ = scheduler_inputs(load_ok(tmp_path, "[prefill]\nlong_prefill_gap = 0.3\n"))
-    assert limits.long_prefill_gap == 0.3

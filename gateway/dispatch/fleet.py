@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import health, prefill_gap, speed
+from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
 from .holding import Held, counts_toward_running_bound
 from .lanes import LaneSplit
@@ -40,7 +40,6 @@ from .model import (
     SharedView,
     Ticket,
 )
-from .queues import WaitQueues
 
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
@@ -54,7 +53,6 @@ class Fleet:
         self, specs: Sequence[InstanceSpec], limits: Limits, health_policy: HealthPolicy
     ) -> None:
         self._by_name: dict[str, InstanceState] = {}
-        self._queues = WaitQueues()  # the scheduler's; where a request has waited counts
         # Prompts placed where they were not (all) cached yet, for the other processes'
         # prefix indexes; the newest `MAX_PLACEMENTS` only, taken each publish round.
         self._placements: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
@@ -250,13 +248,7 @@ class Fleet:
             for s in self._pool[ticket.lane]
             if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
         ]
-        since = self._queues.since(ticket.id)
-        return up, [
-            s
-            for s in up
-            if self._has_room(s, ticket)
-            and not (self._takes_long_gap(s, ticket) and prefill_gap.holds(s, since, now))
-        ]
+        return up, [s for s in up if self._has_room(s, ticket)]
 
     def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
         """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
@@ -345,25 +337,6 @@ class Fleet:
         return counts_toward_running_bound(
             bound, stall, held.ticket.max_tokens, self.limits.long_tpot_objective
         )
-
-    def _takes_long_gap(self, state: InstanceState, ticket: Ticket) -> bool:
-        """Whether a breather after a long prefill there (prefill_gap.py) concerns it."""
-        return state.spec.lane == "any" and self._takes_long_place(state, ticket)
-
-    def _open_gap(self, held: Held, now: float) -> None:
-        """A long prefill ended there: its long place stays closed for a breather."""
-        state, share = held.state, self.limits.long_prefill_gap
-        gap = prefill_gap.gap_after(held.uncached, state.speed.prefill_rate, share)
-        if held.long_place and state.spec.lane == "any" and gap > 0:
-            state.long_gap, state.long_gap_until = gap, now + gap
-
-    def wake_at(self, now: float) -> float | None:
-        """When the scheduler wants a `drain` with nothing else happening: a breather
-        stops holding the long request that has waited longest (None: never)."""
-        if self.limits.long_prefill_gap <= 0:
-            return None
-        since = self._queues.longest_waiting(Lane.LONG)
-        return prefill_gap.wake_at(self.states, since, now)
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
         """A long request counts as a long prefill there, unless it is cached there enough

@@ -106,9 +106,6 @@ class Limits:
     # The long lane's TPOT objective ([slo] long_tpot): which long answers the bound
     # protects (holding.counts_toward_running_bound).
     long_tpot_objective: float = 0.1
-    # After a long prefill on a shared instance with answers running, its long place
-    # stays closed for this share of the prefill's time (prefill_gap.py; 0: off).
-    long_prefill_gap: float = 0.0
     gateway_queue_size: int = 1024
     global_limit: int | None = None  # the upstream connection pool: beyond it, queue here
     metrics_stale_after: float = 30.0
@@ -203,10 +200,6 @@ class InstanceState:
     # bound, only those that count toward it (holding.counts_toward_running_bound).
     long_running: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of ours there, no first token yet
-    # After a long prefill here, its long place stays closed until then (prefill_gap.py),
-    # for a gap of `long_gap` seconds.
-    long_gap_until: float = -math.inf
-    long_gap: float = 0.0
     # The models it serves, from its /v1/models (None until known; pinned ones win).
     observed_models: frozenset[str] | None = None
     cache: PrefixIndex = field(default_factory=PrefixIndex)

@@ -23,7 +23,6 @@ class WaitQueues:
         self._retries: dict[int, Ticket] = {}
         self._where: dict[int, QueueKey | None] = {}
         self._wait_until: dict[int, float] = {}
-        self._since: dict[int, float] = {}  # when each was queued
         self._fifo_count = {lane: 0 for lane in Lane}
         self._retry_count = {lane: 0 for lane in Lane}
 
@@ -57,7 +56,7 @@ class WaitQueues:
         """Everything of `lane` that waits: new requests and retries."""
         return self._fifo_count[lane] + self._retry_count[lane]
 
-    def add(self, ticket: Ticket, wait_until: float, now: float) -> int:
+    def add(self, ticket: Ticket, wait_until: float) -> int:
         """Queue `ticket` until `wait_until` at the latest; return its position (1-based)."""
         if ticket.exclude:
             queue, where = self._retries, _RETRIES
@@ -69,7 +68,6 @@ class WaitQueues:
         queue[ticket.id] = ticket
         self._where[ticket.id] = where
         self._wait_until[ticket.id] = wait_until
-        self._since[ticket.id] = now
         return len(queue)
 
     def remove(self, ticket_id: int) -> Ticket | None:
@@ -78,7 +76,6 @@ class WaitQueues:
             return None
         where = self._where.pop(ticket_id)
         del self._wait_until[ticket_id]
-        del self._since[ticket_id]
         if where is _RETRIES:
             ticket = self._retries.pop(ticket_id)
             self._retry_count[ticket.lane] -= 1
@@ -92,14 +89,6 @@ class WaitQueues:
 
     def wait_until(self, ticket_id: int) -> float | None:
         return self._wait_until.get(ticket_id)
-
-    def since(self, ticket_id: int) -> float | None:
-        """When `ticket_id` was queued (None if it is not queued)."""
-        return self._since.get(ticket_id)
-
-    def longest_waiting(self, lane: Lane) -> float | None:
-        """When the longest-waiting request of `lane` (of any model) was queued."""
-        return min((self._since[t.id] for t in self if t.lane is lane), default=None)
 
     def retries(self) -> list[Ticket]:
         return list(self._retries.values())
@@ -120,7 +109,7 @@ class WaitQueues:
     def clear(self) -> list[Ticket]:
         """Empty every queue; return what waited."""
         out = list(self)
-        for mapping in (self._fifos, self._retries, self._where, self._wait_until, self._since):
+        for mapping in (self._fifos, self._retries, self._where, self._wait_until):
             mapping.clear()
         for counts in (self._fifo_count, self._retry_count):
             counts.update(dict.fromkeys(counts, 0))

@@ -42,6 +42,7 @@ from .model import (
     SharedView,
     Ticket,
 )
+from .queues import WaitQueues
 from .snapshot import Snapshot
 from .speed import Ewma
 from .strategies import Strategy
@@ -58,6 +59,7 @@ class Scheduler(Fleet):
         super().__init__(specs, limits, health_policy)
         self.strategy = strategy
         self.closed = False
+        self._queues = WaitQueues()
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Drain rates per lane and model: each model's instances drain its own queue.
@@ -140,7 +142,7 @@ class Scheduler(Fleet):
             if spill := self._spill_candidates(ticket, now, len(self._holding)):
                 return self._assign(ticket, spill, now, rng)
             return Rejected(ticket, "predicted_wait", refused)
-        return Queued(ticket, self._queues.add(ticket, wait_until, now), wait_until)
+        return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
@@ -153,7 +155,7 @@ class Scheduler(Fleet):
             return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
         # A retry was admitted once already; it waits apart, bounded like any other.
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        return Queued(ticket, self._queues.add(ticket, wait_until, now), wait_until)
+        return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def cancel(self, ticket_id: int) -> bool:
         """Drop a queued request whose client left; False if it is not queued (any more)."""
@@ -187,7 +189,7 @@ class Scheduler(Fleet):
 
         Its prompt leaves the instance's prefill work; the time teaches the prefill rate
         (on the tokens computed: a cache hit is not a fast card); a long one gives up its
-        long-prefill place, which a breather may keep closed a moment (prefill_gap.py).
+        long-prefill place.
         """
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
@@ -198,7 +200,6 @@ class Scheduler(Fleet):
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
             self._service_ttft[held.ticket.lane].update(ttft)
-            self._open_gap(held, now)
         return self._drain(now, rng) if held.long_place else []
 
     def update_lanes(

@@ -29,7 +29,6 @@ from gateway.dispatch import (
     Scheduler,
     SharedView,
 )
-from gateway.dispatch.speed import Ewma
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import Metrics
 from gateway.shared_codec import combine, decode, encode
@@ -239,30 +238,3 @@ async def test_processes_hearing_one_push_do_not_all_fill_the_room_it_freed() ->
     for w in waits:
         w.cancel()
     await asyncio.gather(*waits, return_exceptions=True)
-
-
-@pytest.mark.parametrize("loop_name", LOOPS)
-def test_a_long_request_held_by_a_breather_is_placed_by_the_wake_timer(loop_name: str) -> None:
-    """After a long prefill the card's long place stays closed for a breather
-    (`long_prefill_gap`); a long request that comes then is placed when it ends, by the
-    dispatcher's own timer, with nothing else happening."""
-
-    async def scenario() -> None:
-        limits = Limits(max_long_per_instance=1, lane_split=False, long_prefill_gap=0.3)
-        scheduler = Scheduler([InstanceSpec("a", slots=16)], STRATEGIES["least_busy"](30.0), limits)
-        dispatcher = Dispatcher(scheduler, Metrics(CollectorRegistry()), rng=random.Random(0))
-        dispatcher.probe("a", True)
-        scheduler.states[0].speed.prefill = Ewma(higher_is_better=True, value=20000.0, samples=9)
-        deadline = dispatcher.clock() + 60
-        first = dispatcher.new_ticket(Lane.LONG, deadline, tokens=6000, max_tokens=32)
-        assert await dispatcher.acquire(first) == "a"
-        dispatcher.prefill_done(first.id, ttft=0.3)  # a gap of 0.09 s begins
-        second = dispatcher.new_ticket(Lane.LONG, deadline, tokens=6000, max_tokens=32)
-        waiter = asyncio.create_task(dispatcher.acquire(second))
-        await asyncio.sleep(0)
-        assert not waiter.done()
-        assert scheduler.queue_length(Lane.LONG) == 1
-        assert await asyncio.wait_for(waiter, 2.0) == "a"
-        assert scheduler.holder(second.id) == "a"
-
-    run(loop_name, scenario)
