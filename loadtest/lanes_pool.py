@@ -1,0 +1,150 @@
+"""Issue 10's targets pooled over sittings: how one setup stands against the best
+baseline beside it, sitting after sitting, rather than in one.
+
+    python -m loadtest.lanes_pool results/lanes/round*.json \
+        --setup least_time:shared+cap1+queue_all --commit 71dfb1b --commit 41a1591
+
+Each sitting is judged as `lanes_targets` judges it, against its own baselines. Per load
+and target this prints in how many sittings the target was met, and the margin: the
+bound over ours for a figure where lower is better, ours over the bound where higher
+is, so above 1 is met. The margins are summed up as their geometric mean with an
+interval of two standard errors of the mean of their logarithms: where the interval
+holds 1, the sittings cannot tell the setup from its bound, whatever a single sitting
+said.
+
+A setup is its name without any `@ref`, run at a commit: the ref, or else the commit the
+report names. `--commit` keeps only sittings at those commits: pool commits whose
+`gateway/` is the same (`git rev-parse REF:gateway`), or the figures mix two gateways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.lanes_targets import TARGETS, Verdict, judge_run
+from loadtest.report import table
+
+
+@dataclass(frozen=True)
+class Pooled:
+    load: str
+    target: str
+    margins: tuple[float, ...]  # one per sitting: above 1 is met
+    met: int  # sittings where the target was met (goodput: strictly above the bound)
+
+    @property
+    def geometric_mean(self) -> float:
+        return math.exp(_mean([math.log(m) for m in self.margins]))
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The geometric mean's two-standard-error interval (None under two sittings)."""
+        logs = [math.log(m) for m in self.margins]
+        if len(logs) < 2:
+            return None
+        mean = _mean(logs)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+        half = 2 * sd / math.sqrt(len(logs))
+        return math.exp(mean - half), math.exp(mean + half)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def margin(verdict: Verdict, higher_is_better: bool) -> float:
+    """Above 1 where `verdict` is on the good side of its bound, by that factor."""
+    if higher_is_better:
+        return verdict.ours / verdict.bound
+    return verdict.bound / verdict.ours
+
+
+def ran(name: str, report_commit: str) -> tuple[str, str]:
+    """A setup's name as (the setup without `@ref`, the commit it ran).
+
+    >>> ran("least_time:shared@41a1591", "c677319")
+    ('least_time:shared', '41a1591')
+    >>> ran("least_time:shared", "c677319")
+    ('least_time:shared', 'c677319')
+    """
+    setup, _, ref = name.partition("@")
+    return setup, ref or report_commit
+
+
+def pool(
+    reports: Sequence[dict[str, Any]], setup: str, commits: Collection[str] | None = None
+) -> list[Pooled]:
+    """Every target at every load where `setup` was judged in some report, at one of
+    `commits` (None: at any)."""
+    better = {t.name: t.higher_is_better for t in TARGETS}
+    found: dict[tuple[str, str], list[Verdict]] = {}
+    for body in reports:
+        commit = str(body.get("source", {}).get("commit") or "?")
+        for load, runs in body["loads"].items():
+            for name, verdicts in judge_run(runs).items():
+                this, at = ran(name, commit)
+                if this == setup and (commits is None or at in commits):
+                    for v in verdicts:
+                        found.setdefault((f"{float(load):g}", v.target), []).append(v)
+    return [
+        Pooled(
+            load,
+            target,
+            tuple(margin(v, better[target]) for v in verdicts),
+            sum(v.met for v in verdicts),
+        )
+        for (load, target), verdicts in sorted(found.items(), key=lambda kv: float(kv[0][0]))
+    ]
+
+
+def render(pooled: Sequence[Pooled]) -> str:
+    rows = []
+    for p in pooled:
+        interval = p.interval
+        rows.append(
+            [
+                f"{float(p.load):.0%}",
+                p.target,
+                f"{p.met} of {len(p.margins)}",
+                f"{p.geometric_mean:.3f}",
+                "n/a" if interval is None else f"{interval[0]:.3f}-{interval[1]:.3f}",
+                f"{min(p.margins):.3f}-{max(p.margins):.3f}",
+            ]
+        )
+    head = ["load", "target", "met", "margin (geo. mean)", "2 SE", "range"]
+    return table(head, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.lanes_pool", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
+    parser.add_argument("--setup", required=True, help="the setup to pool, without @ref")
+    parser.add_argument(
+        "--commit", action="append", help="only sittings at this commit (again for more)"
+    )
+    args = parser.parse_args(argv)
+    reports = []
+    for path in args.reports:
+        body = json.loads(path.read_text())
+        if isinstance(body, dict) and isinstance(body.get("loads"), dict):
+            reports.append(body)
+        else:
+            print(f"{path}: not a lanes report (no loads), skipped", file=sys.stderr)
+    pooled = pool(reports, args.setup, args.commit)
+    if not pooled:
+        parser.error(f"no report judged {args.setup} (at {args.commit or 'any commit'})")
+    print(render(pooled))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
