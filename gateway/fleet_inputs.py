@@ -42,7 +42,6 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         max_long_per_instance=config.prefill.max_long_per_instance,
         max_long_running_per_instance=config.prefill.max_long_running_per_instance,
         long_tpot_objective=config.file.slo.long_tpot,
-        long_place_for_queue=config.prefill.long_place_for_queue,
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,
         metrics_stale_after=stale_after,

@@ -122,8 +122,6 @@ class PrefillSection(Frozen):
     max_long_per_instance: int = Field(2, ge=1)
     # Long requests placed and not yet fully answered on a shared instance; None: no bound.
     max_long_running_per_instance: int | None = Field(None, ge=1)
-    # While long requests queue in the gateway, one long place more on each shared instance.
-    long_place_for_queue: bool = False
     # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
     # Off by default until its long-lane tail and the even fleet stop regressing (measured
     # on the benchmark page): turning it on is the operator's trade.

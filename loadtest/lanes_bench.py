@@ -95,9 +95,7 @@ class LanesOptions:
 
 DECODES = frozenset({"over_objective", "full"})  # flag = its least_time_decode
 CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
-FLAGS = frozenset(
-    {"shared", "queue_all", "cap1", "cap2q", "running3", "running4", *DECODES, *CARD_QUEUES}
-)
+FLAGS = frozenset({"shared", "queue_all", "cap1", "running3", "running4", *DECODES, *CARD_QUEUES})
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -155,8 +153,6 @@ def _prefill(flags: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"lane_split": "shared" not in flags}
     if "cap1" in flags:
         out["max_long_per_instance"] = 1
-    if "cap2q" in flags:
-        out["long_place_for_queue"] = True
     for bound in (3, 4):
         if f"running{bound}" in flags:
             out["max_long_running_per_instance"] = bound

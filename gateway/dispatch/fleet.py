@@ -40,7 +40,6 @@ from .model import (
     SharedView,
     Ticket,
 )
-from .queues import WaitQueues
 
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
@@ -49,7 +48,6 @@ class Fleet:
     states: list[InstanceState]
     limits: Limits
     health_policy: HealthPolicy
-    _queues: WaitQueues  # the scheduler's
 
     def __init__(
         self, specs: Sequence[InstanceSpec], limits: Limits, health_policy: HealthPolicy
@@ -322,12 +320,7 @@ class Fleet:
         ):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
-            cap = self.limits.max_long_per_instance
-            if self.limits.long_place_for_queue and self._queues.length_for(
-                ticket.lane, ticket.model
-            ):
-                cap += 1
-            if prefill_cap and long_prefilling >= cap:
+            if prefill_cap and long_prefilling >= self.limits.max_long_per_instance:
                 return False
             running = self.limits.max_long_running_per_instance
             return running is None or state.long_running + state.peers.long_running < running

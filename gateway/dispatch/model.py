@@ -106,10 +106,6 @@ class Limits:
     # The long lane's TPOT objective ([slo] long_tpot): which long answers the bound
     # protects (holding.counts_toward_running_bound).
     long_tpot_objective: float = 0.1
-    # While long requests queue in the gateway, each shared instance takes one long
-    # request more than max_long_per_instance: the next prefill waits at the card, so it
-    # starts in the step the one before ends (no round trip through the gateway).
-    long_place_for_queue: bool = False
     gateway_queue_size: int = 1024
     global_limit: int | None = None  # the upstream connection pool: beyond it, queue here
     metrics_stale_after: float = 30.0
