@@ -82,7 +82,8 @@ def pool(
     reports: Sequence[dict[str, Any]], setup: str, commits: Collection[str] | None = None
 ) -> list[Pooled]:
     """Every target at every load where `setup` was judged in some report, at one of
-    `commits` (None: at any)."""
+    `commits` as the reports name them (None: at any). A verdict with a zero on either
+    side (a baseline with no request in both objectives) has no margin and is left out."""
     better = {t.name: t.higher_is_better for t in TARGETS}
     found: dict[tuple[str, str], list[Verdict]] = {}
     for body in reports:
@@ -91,7 +92,7 @@ def pool(
             for name, verdicts in judge_run(runs).items():
                 this, at = ran(name, commit)
                 if this == setup and (commits is None or at in commits):
-                    for v in verdicts:
+                    for v in (v for v in verdicts if v.ours > 0 and v.bound > 0):
                         found.setdefault((f"{float(load):g}", v.target), []).append(v)
     return [
         Pooled(

@@ -90,3 +90,12 @@ def test_a_setup_no_report_judged_is_an_error(capsys: pytest.CaptureFixture[str]
         lanes_pool.main([str(RESULTS / "round9-seed4.json"), "--setup", "least_tme"])
     assert exited.value.code == 2
     assert "no report judged least_tme" in capsys.readouterr().err
+
+
+def test_a_zero_on_either_side_has_no_margin_and_is_left_out() -> None:
+    nothing = _summary(400.0) | {"met_slo": 0}
+    pooled = lanes_pool.pool(
+        [_report("aaa", {"least_time": _summary(400.0), "nginx": nothing})], "least_time"
+    )
+    assert "goodput (both objectives)" not in {p.target for p in pooled}
+    assert "output tokens/s" in {p.target for p in pooled}
