@@ -17,7 +17,6 @@ serves that much and no more.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -97,34 +96,29 @@ async def measure(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     common: Common,
-    warm: float | None = None,
-    window: float | None = None,
 ) -> Measured:
-    """Keep every card of a fresh fleet full for about `warm` + `window` seconds (WARM and
-    WINDOW unless given; longer where the cards serve less than the estimate) and measure
-    what share of the estimate it serves."""
-    warm = WARM if warm is None else warm
-    window = WINDOW if window is None else window
+    """Keep every card of a fresh fleet full for about WARM + WINDOW seconds (longer where
+    the cards serve less than the estimate) and measure what share of the estimate it
+    serves."""
     sim = SimConfig(max_num_seqs=max_num_seqs)
     estimate = compare.capacity(speeds, mix, sim)
     clients = (max_num_seqs + QUEUED) * len(speeds)
     # Every client sends several, so the last goes out well after the first ones end.
-    count = max(math.ceil(estimate * (warm + window)), ROUNDS * clients)
+    count = max(math.ceil(estimate * (WARM + WINDOW)), ROUNDS * clients)
     specs = make_workload(count, mix, common.seed + SEED_OFFSET)
     _, fleet_core = cores(common)
-    async with contextlib.AsyncExitStack() as stack:
-        fleet = await stack.enter_async_context(
-            harness.fleet_process(
-                speeds,
-                max_num_seqs=max_num_seqs,
-                seed=common.seed,
-                core=fleet_core,
-                max_num_batched_tokens=max_num_batched_tokens,
-            )
-        )
+    async with (
+        harness.fleet_process(
+            speeds,
+            max_num_seqs=max_num_seqs,
+            seed=common.seed,
+            core=fleet_core,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ) as fleet,
+        client_session() as http,
+    ):
         urls = [to_v1(url) for url in fleet.urls]
         route: Route = lambda spec, worker: urls[worker % len(urls)]  # noqa: E731
-        http = await stack.enter_async_context(client_session())
         run = await run_closed(
             Client(http, harness.KEY),
             specs,
@@ -137,7 +131,7 @@ async def measure(
     failed = run.unfinished + sum(not r.ok for r in run.results)
     if failed:
         raise RuntimeError(f"capacity run: {failed} of {count} requests not served")
-    span, work = work_in_window(run, specs, names, warm, sim)
+    span, work = work_in_window(run, specs, names, WARM, sim)
     label_speeds = dict(zip(names.values(), speeds, strict=True))
     share, per_card = shares(span, work, label_speeds)
     measured = Measured(estimate, share, span, per_card)

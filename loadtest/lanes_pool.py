@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,22 +42,16 @@ class Pooled:
 
     @property
     def geometric_mean(self) -> float:
-        return math.exp(_mean([math.log(m) for m in self.margins]))
+        return statistics.geometric_mean(self.margins)
 
     @property
     def interval(self) -> tuple[float, float] | None:
         """The geometric mean's two-standard-error interval (None under two sittings)."""
-        logs = [math.log(m) for m in self.margins]
-        if len(logs) < 2:
+        if len(self.margins) < 2:
             return None
-        mean = _mean(logs)
-        sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
-        half = 2 * sd / math.sqrt(len(logs))
+        logs = [math.log(m) for m in self.margins]
+        mean, half = statistics.fmean(logs), 2 * statistics.stdev(logs) / math.sqrt(len(logs))
         return math.exp(mean - half), math.exp(mean + half)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
 
 
 def margin(verdict: Verdict, higher_is_better: bool) -> float:
@@ -86,14 +81,9 @@ def pool(
     side (a baseline with no request in both objectives) has no margin and is left out."""
     better = {t.name: t.higher_is_better for t in TARGETS}
     found: dict[tuple[str, str], list[Verdict]] = {}
-    for body in reports:
-        commit = str(body.get("source", {}).get("commit") or "?")
-        for load, runs in body["loads"].items():
-            for name, verdicts in judge_run(runs).items():
-                this, at = ran(name, commit)
-                if this == setup and (commits is None or at in commits):
-                    for v in (v for v in verdicts if v.ours > 0 and v.bound > 0):
-                        found.setdefault((f"{float(load):g}", v.target), []).append(v)
+    for load, v in _verdicts(reports, setup, commits):
+        if v.ours > 0 and v.bound > 0:
+            found.setdefault((load, v.target), []).append(v)
     return [
         Pooled(
             load,
@@ -103,6 +93,19 @@ def pool(
         )
         for (load, target), verdicts in sorted(found.items(), key=lambda kv: float(kv[0][0]))
     ]
+
+
+def _verdicts(
+    reports: Sequence[dict[str, Any]], setup: str, commits: Collection[str] | None
+) -> Iterator[tuple[str, Verdict]]:
+    """(load, verdict) of every sitting of `setup` at one of `commits` (None: any)."""
+    for body in reports:
+        commit = str(body.get("source", {}).get("commit") or "?")
+        for load, runs in body["loads"].items():
+            for name, verdicts in judge_run(runs).items():
+                this, at = ran(name, commit)
+                if this == setup and (commits is None or at in commits):
+                    yield from ((f"{float(load):g}", v) for v in verdicts)
 
 
 def render(pooled: Sequence[Pooled]) -> str:
