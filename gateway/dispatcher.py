@@ -94,9 +94,6 @@ class Dispatcher:
         # its prefill, released): the shared view's pusher listens (shared.py).
         self.on_change: Callable[[], None] | None = None
         self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
-        # A drain the scheduler asked for at a time of its own (`wake_at`: a long place
-        # opens ahead of its first token), and that time.
-        self._wake: tuple[asyncio.TimerHandle, float] | None = None
 
     def snapshot(self) -> Snapshot:
         """The scheduler's state now, as a frozen copy (dispatch/snapshot.py)."""
@@ -131,7 +128,6 @@ class Dispatcher:
             return decision.instance
         if isinstance(decision, Rejected):
             raise self._rejection(decision)
-        self._arm_wake()  # it may wait for a place that opens ahead (dispatch/prefetch.py)
         return await self._wait(decision)
 
     async def lease(self, ticket: Ticket) -> Lease:
@@ -270,22 +266,6 @@ class Dispatcher:
                 future.set_result(decision.instance)
             elif isinstance(decision, Rejected):
                 future.set_exception(self._rejection(decision))
-        self._arm_wake()
-
-    def _arm_wake(self) -> None:
-        """Keep one timer for the scheduler's next `wake_at`, when nothing else may
-        happen (moved earlier when the scheduler wants an earlier drain)."""
-        at = self.scheduler.wake_at(self.clock())
-        if at is None or (self._wake is not None and self._wake[1] <= at):
-            return
-        if self._wake is not None:
-            self._wake[0].cancel()
-        delay = max(0.001, at - self.clock())
-        self._wake = (asyncio.get_running_loop().call_later(delay, self._woken), at)
-
-    def _woken(self) -> None:
-        self._wake = None
-        self._settle(self.scheduler.drain(self.clock(), self.rng))
 
     def _rejection(self, decision: Rejected) -> errors.GatewayError:
         self.metrics.rejections.labels(decision.reason).inc()

@@ -41,8 +41,6 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         max_queue_per_instance=dispatch.max_queue_per_instance,
         max_long_per_instance=config.prefill.max_long_per_instance,
         max_long_running_per_instance=config.prefill.max_long_running_per_instance,
-        long_prefetch=config.prefill.long_prefetch,
-        long_prefetch_queue=config.prefill.long_prefetch_queue,
         long_tpot_objective=config.file.slo.long_tpot,
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,

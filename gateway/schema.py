@@ -122,12 +122,6 @@ class PrefillSection(Frozen):
     max_long_per_instance: int = Field(2, ge=1)
     # Long requests placed and not yet fully answered on a shared instance; None: no bound.
     max_long_running_per_instance: int | None = Field(None, ge=1)
-    # A long place opens this share of its holder's predicted prefill time before the
-    # first token is due, so the next long prompt waits at the card (dispatch/prefetch.py);
-    # 0: at the first token.
-    long_prefetch: float = Field(0.0, ge=0, lt=1)
-    # ... only while at least this many long requests wait in the gateway queue.
-    long_prefetch_queue: int = Field(0, ge=0)
     # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
     # Off by default until its long-lane tail and the even fleet stop regressing (measured
     # on the benchmark page): turning it on is the operator's trade.

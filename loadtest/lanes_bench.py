@@ -95,21 +95,7 @@ class LanesOptions:
 
 DECODES = frozenset({"over_objective", "full"})  # flag = its least_time_decode
 CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
-PREFETCH = {"pre10": 0.1, "pre20": 0.2}  # flag -> long_prefetch
-PREFETCH_QUEUES = {"preq8": 8}  # flag -> long_prefetch_queue
-FLAGS = frozenset(
-    {
-        "shared",
-        "queue_all",
-        "cap1",
-        "running3",
-        "running4",
-        *DECODES,
-        *CARD_QUEUES,
-        *PREFETCH,
-        *PREFETCH_QUEUES,
-    }
-)
+FLAGS = frozenset({"shared", "queue_all", "cap1", "running3", "running4", *DECODES, *CARD_QUEUES})
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -170,12 +156,6 @@ def _prefill(flags: set[str]) -> dict[str, Any]:
     for bound in (3, 4):
         if f"running{bound}" in flags:
             out["max_long_running_per_instance"] = bound
-    for flag, share in PREFETCH.items():
-        if flag in flags:
-            out["long_prefetch"] = share
-    for flag, queued in PREFETCH_QUEUES.items():
-        if flag in flags:
-            out["long_prefetch_queue"] = queued
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import health, prefetch, speed
+from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
 from .holding import Held, counts_toward_running_bound
 from .lanes import LaneSplit
@@ -248,7 +248,7 @@ class Fleet:
             for s in self._pool[ticket.lane]
             if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
         ]
-        return up, [s for s in up if self._has_room(s, ticket, now)]
+        return up, [s for s in up if self._has_room(s, ticket)]
 
     def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
         """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
@@ -307,12 +307,10 @@ class Fleet:
             for s in up
             if s not in room
             and s.fleet_inflight < s.spec.slots
-            and self._has_room(s, ticket, now, prefill_cap=False)
+            and self._has_room(s, ticket, prefill_cap=False)
         ]
 
-    def _has_room(
-        self, state: InstanceState, ticket: Ticket, now: float, prefill_cap: bool = True
-    ) -> bool:
+    def _has_room(self, state: InstanceState, ticket: Ticket, prefill_cap: bool = True) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
         if (
@@ -320,13 +318,8 @@ class Fleet:
             and self.lanes.capped(state)
             and self._takes_long_place(state, ticket)
         ):
-            # Fleet-wide: the other processes' long requests there take places too; a
-            # place of ours about to free is open already with `long_prefetch`.
-            long_prefilling = (
-                state.long_prefilling
-                + state.peers.long_prefilling
-                - (prefetch.opening(state, now) if self._opens_ahead() else 0)
-            )
+            # Fleet-wide: the other processes' long requests there take places too.
+            long_prefilling = state.long_prefilling + state.peers.long_prefilling
             if prefill_cap and long_prefilling >= self.limits.max_long_per_instance:
                 return False
             running = self.limits.max_long_running_per_instance
@@ -344,11 +337,6 @@ class Fleet:
         return counts_toward_running_bound(
             bound, stall, held.ticket.max_tokens, self.limits.long_tpot_objective
         )
-
-    def _opens_ahead(self) -> bool:
-        """Whether long places open ahead of their first token now (`long_prefetch`;
-        the scheduler adds its queue's condition)."""
-        return self.limits.long_prefetch > 0
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
         """A long request counts as a long prefill there, unless it is cached there enough

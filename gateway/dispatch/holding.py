@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import InstanceState, Lane, LongPlace, Ticket
+from .model import InstanceState, Lane, Ticket
 
 
 def counts_toward_running_bound(
@@ -55,8 +55,6 @@ class Held:
     uncached: int = 0  # its own prompt tokens not in the instance's prefix cache
     long_place: bool = False  # holds one of the instance's max_long_per_instance places
     counts_running: bool = True  # counts toward max_long_running_per_instance there
-    # With `long_prefetch`, its long place's times (prefetch.py); None: not predicted.
-    place: LongPlace | None = None
 
     @property
     def departs_at_prefill(self) -> bool:
@@ -72,8 +70,6 @@ class Held:
         state.pending_prefill_tokens += self.uncached
         if self.long_place:
             state.long_prefilling += 1
-            if self.place is not None:
-                state.long_places.append(self.place)
             if self.counts_running:
                 state.long_running += 1
 
@@ -83,8 +79,6 @@ class Held:
         self.state.pending_prefill_tokens -= self.uncached
         if self.long_place:
             self.state.long_prefilling -= 1
-            if self.place is not None:
-                self.state.long_places.remove(self.place)
 
     def leave(self) -> None:
         """It left its instance; `end_prefill` came first (the scheduler records a

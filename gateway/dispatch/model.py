@@ -10,7 +10,7 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from .affinity import BLOCK_TOKENS, DEFAULT_INDEX_BLOCKS, PrefixIndex
 from .speed import PeerSpeed, Speed
@@ -96,14 +96,6 @@ class LocalShare:
     rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
 
 
-class LongPlace(NamedTuple):
-    """A long place held on an instance, with `long_prefetch` (prefetch.py)."""
-
-    due: float  # when its first token is due (inf: not predicted)
-    opens: float  # when the place opens to the next long prompt (inf: at its first token)
-    uncached: int  # its prompt tokens to prefill
-
-
 @dataclass(frozen=True)
 class Limits:
     max_queue_per_instance: int = 32
@@ -124,11 +116,6 @@ class Limits:
     # queue`); the app sets each lane's TTFT objective unless configured otherwise.
     max_queue_wait_short: float = math.inf
     max_queue_wait_long: float = math.inf
-    # A long place opens this share of its holder's predicted prefill time before its
-    # first token is due, so the next long prompt waits at the card (prefetch.py; 0: off).
-    long_prefetch: float = 0.0
-    # ... only while at least this many long requests wait in the gateway queue.
-    long_prefetch_queue: int = 0
     # A long request whose uncached part on an instance is at most this is cheap to
     # prefill there and takes no `max_long_per_instance` place.
     long_input_threshold: int = 4096
@@ -213,8 +200,6 @@ class InstanceState:
     # bound, only those that count toward it (holding.counts_toward_running_bound).
     long_running: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of ours there, no first token yet
-    # The long places of ours there, with `long_prefetch` (prefetch.py).
-    long_places: list[LongPlace] = field(default_factory=list)
     # The models it serves, from its /v1/models (None until known; pinned ones win).
     observed_models: frozenset[str] | None = None
     cache: PrefixIndex = field(default_factory=PrefixIndex)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
-from . import admission, health, long_waits, prefetch, snapshot
+from . import admission, health, long_waits, snapshot
 from .fleet import Fleet
 from .holding import Held as _Held
 from .holding import UnknownTicket
@@ -284,20 +284,6 @@ class Scheduler(Fleet):
         """Place (or turn away) the queued requests that can be now."""
         return self._drain(now, rng) if self._queues else []
 
-    def _opens_ahead(self) -> bool:
-        """With `long_prefetch`, while at least `long_prefetch_queue` long requests wait
-        in the gateway queue (prefetch.py)."""
-        queued = self._queues.length(Lane.LONG)
-        return super()._opens_ahead() and queued >= self.limits.long_prefetch_queue
-
-    def wake_at(self, now: float) -> float | None:
-        """When the scheduler wants a `drain` with nothing else happening: a long place
-        opens ahead of its first token while long requests wait (prefetch.py). None:
-        nothing to wake for."""
-        if not self._queues.length(Lane.LONG) or not self._opens_ahead():
-            return None
-        return prefetch.wake_at(self.states, now)
-
     @property
     def queued(self) -> bool:
         """Whether any request waits in the gateway queue."""
@@ -321,18 +307,14 @@ class Scheduler(Fleet):
     ) -> Assigned:
         state = self.strategy.choose(candidates, self.states, ticket, now, rng)
         cached = state.cached_tokens(ticket)
-        rate = state.speed.prefill_rate
         held = _Held(
             state,
             ticket,
             # The peers' prefill there is ahead too (else replicas learn too slow a rate).
-            ahead=prefetch.ahead_of_next(state, now, rate) + state.peers.pending_prefill_tokens,
+            ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
         )
-        if held.long_place and self.limits.long_prefetch > 0:
-            share = self.limits.long_prefetch
-            held.place = prefetch.place(now, held.uncached, rate, share, state.long_places)
         held.counts_running = self._counts_running(held)
         self._holding[ticket.id] = held
         held.take()
