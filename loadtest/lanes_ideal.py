@@ -57,8 +57,9 @@ def ideal(specs: Sequence[RequestSpec], speeds: Sequence[float], sim: SimConfig)
     """The ideal fleet's TTFT for every long request of `specs` (see the module doc)."""
     if not specs:
         return Ideal([], 0.0)
-    span = max(s.at for s in specs) or 1.0
+    span = max(s.at for s in specs) or 1.0  # the arrivals' span (one at 0: a second)
     rest = sum(compare.request_cost(0 if s.long else _tokens(s), s.max_tokens, sim) for s in specs)
+    # Past the fleet's whole time the long prompts would never start: keep 1% for them.
     share = min(0.99, rest / (span * sum(speeds)))
     free = [0.0] * len(speeds)
     ttfts = []
