@@ -37,7 +37,7 @@ from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
 from loadtest import compare, lanes_bench, lanes_targets, report
-from loadtest.loadgen import TEMPLATE_TOKENS, RequestSpec, make_workload
+from loadtest.loadgen import TEMPLATE_TOKENS, Mix, RequestSpec, make_workload
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,9 @@ def workload_ideal(
 
 
 def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """Per report and load: its seed, duration, the bound for the long p99 (half the
-    best baseline's) and every gateway setup's long p99; loads without a baseline or
-    measured on a capacity other than the estimate are left out."""
+    """Per report and load: its seed, duration, fleet and mix, the bound for the long p99
+    (half the best baseline's) and every gateway setup's long p99; loads without a
+    baseline or measured on a capacity other than the estimate are left out."""
     out = []
     for path in paths:
         body = json.loads(path.read_text())
@@ -124,9 +124,18 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
                     "duration": body["options"]["duration"],
                     "bound": 0.5 * min(baselines),
                     "ours": ours,
+                    "opts": _options(body["options"]),
                 }
             )
     return out
+
+
+def _options(saved: dict[str, Any]) -> lanes_bench.LanesOptions:
+    """The fleet and mix a report's sitting ran (as `lanes` wrote its options)."""
+    mix = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["mix"].items()}
+    return lanes_bench.LanesOptions(
+        speeds=tuple(saved["speeds"]), max_num_seqs=saved["max_num_seqs"], mix=Mix(**mix)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rows:
         print("\nreport, load: bound (half the best baseline's long p99); ideal; ours, ms")
     for row in rows:
-        p99 = workload_ideal(row["seed"], row["load"], row["duration"], opts).percentile(99)
+        fleet = workload_ideal(row["seed"], row["load"], row["duration"], row["opts"])
+        p99 = fleet.percentile(99)
         ours = ", ".join(
             f"{name} {value * 1e3:,.0f} ({value / p99:.2f}x ideal)"
             for name, value in sorted(row["ours"].items())

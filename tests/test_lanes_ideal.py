@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,12 @@ def _run(long_p99: float) -> dict[str, Any]:
     return {"long_ttft_s": {"p99": long_p99}}
 
 
+def _options(**changes: Any) -> dict[str, Any]:
+    """A sitting's options as `lanes` writes them (JSON: tuples as lists)."""
+    saved = json.loads(json.dumps(asdict(lanes_ideal.lanes_bench.LanesOptions())))
+    return {**saved, "duration": 90.0, **changes}
+
+
 def _write(path: Path, body: Any) -> Path:
     path.write_text(json.dumps(body))
     return path
@@ -78,8 +85,8 @@ def test_sittings_bound_is_half_the_best_baseline(tmp_path: Path) -> None:
         "vllm-router": _run(6.0),
         "nginx#2": _run(4.0),  # a repeat: not a baseline
     }
-    body = {"common": {"seed": 3}, "options": {"duration": 90.0}, "loads": {"1": runs}}
-    measured = {**body, "options": {"duration": 90.0, "capacity": "measured"}}
+    body = {"common": {"seed": 3}, "options": _options(speeds=[1.0, 0.5]), "loads": {"1": runs}}
+    measured = {**body, "options": {**_options(), "capacity": "measured"}}
     no_baseline = {**body, "loads": {"1": {"least_time": _run(3.0)}}}
     paths = [
         _write(tmp_path / "a.json", body),
@@ -92,13 +99,15 @@ def test_sittings_bound_is_half_the_best_baseline(tmp_path: Path) -> None:
     assert (row["seed"], row["load"], row["duration"]) == (3, 1.0, 90.0)
     assert row["bound"] == pytest.approx(3.0)
     assert row["ours"] == {"least_time:shared+cap1": 3.0}
+    assert row["opts"].speeds == (1.0, 0.5)  # the sitting's own fleet and mix
+    assert row["opts"].mix == lanes_ideal.lanes_bench.LanesOptions().mix
 
 
 def test_cli_prints_the_ideal_fleet_and_each_sitting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = {"least_time": _run(3.0), "nginx": _run(7.0)}
-    body = {"common": {"seed": 1}, "options": {"duration": 20.0}, "loads": {"1": runs}}
+    body = {"common": {"seed": 1}, "options": _options(duration=20.0), "loads": {"1": runs}}
     path = _write(tmp_path / "sitting.json", body)
     assert lanes_ideal.main(["--seeds", "1", "--loads", "1", "--duration", "20", str(path)]) == 0
     out = capsys.readouterr().out
