@@ -25,7 +25,6 @@ from typing import Any
 from gateway.sim.sim_engine import SimConfig
 from loadtest import compare, harness
 from loadtest.loadgen import (
-    TEMPLATE_TOKENS,
     Client,
     Mix,
     RequestSpec,
@@ -76,7 +75,7 @@ def work_in_window(
         if r.ok and r.latency is not None and start <= r.sent + r.latency <= stop:
             spec = specs[r.index]
             label = names.get(r.instance, r.instance)
-            cost = compare.request_cost(spec.prompt_tokens + TEMPLATE_TOKENS, r.tokens, sim)
+            cost = compare.request_cost(spec.tokens, r.tokens, sim)
             work[label] = work.get(label, 0.0) + cost
     return window, work
 

@@ -282,10 +282,20 @@ async def _one(
     return by_class(run, common, names)
 
 
+def estimate(opts: LanesOptions) -> float:
+    """The fleet's capacity in requests/s by `compare.capacity`'s estimate."""
+    return compare.capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
+
+
+def workload(opts: LanesOptions, rate: float, seed: int) -> list[RequestSpec]:
+    """The requests a sitting sends at `rate` per second for `opts.duration`."""
+    return make_workload(max(1, round(rate * opts.duration)), opts.mix, seed, rate=rate)
+
+
 async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
     """Every setup at every load, on the same requests per load."""
     pin_self(common)
-    cap = compare.capacity(opts.speeds, opts.mix, SimConfig(max_num_seqs=opts.max_num_seqs))
+    cap = estimate(opts)
     say(f"capacity estimate {cap:.1f} req/s")
     loads: dict[str, dict[str, report.Summary]] = {}
     body: dict[str, Any] = {"options": asdict(opts), "capacity_estimate_req_per_s": cap}
@@ -301,10 +311,8 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
         cap = measured.req_per_s
     body.update(capacity_req_per_s=cap, loads=loads)  # the rate each load is a share of
     for load in opts.loads:
-        rate = load * cap
-        count = max(1, round(rate * opts.duration))
-        specs = make_workload(count, opts.mix, common.seed, rate=rate)
-        say(f"open loop at {load:.0%} of capacity: {rate:.1f} req/s, {count} requests")
+        specs = workload(opts, load * cap, common.seed)
+        say(f"open loop at {load:.0%} of capacity: {load * cap:.1f} req/s, {len(specs)} requests")
         runs = {}
         for setup in opts.setups:
             summary = await _one(setup, specs, opts, common)

@@ -28,6 +28,7 @@ our setups sit against it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
 from loadtest import compare, lanes_bench, lanes_targets, report
-from loadtest.loadgen import TEMPLATE_TOKENS, Mix, RequestSpec, make_workload
+from loadtest.loadgen import Mix, RequestSpec
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,13 @@ def ideal(specs: Sequence[RequestSpec], speeds: Sequence[float], sim: SimConfig)
     if not specs:
         return Ideal([], 0.0)
     span = max(s.at for s in specs) or 1.0  # the arrivals' span (one at 0: a second)
-    rest = sum(compare.request_cost(0 if s.long else _tokens(s), s.max_tokens, sim) for s in specs)
+    rest = sum(compare.request_cost(0 if s.long else s.tokens, s.max_tokens, sim) for s in specs)
     # Past the fleet's whole time the long prompts would never start: keep 1% for them.
     share = min(0.99, rest / (span * sum(speeds)))
     free = [0.0] * len(speeds)
     ttfts = []
     for spec in sorted((s for s in specs if s.long), key=lambda s: s.at):
-        prefill = _tokens(spec) / sim.prefill_tokens_per_s
+        prefill = spec.tokens / sim.prefill_tokens_per_s
         ends = [
             max(free[i], spec.at) + prefill / (speed * (1 - share))
             for i, speed in enumerate(speeds)
@@ -75,18 +76,13 @@ def ideal(specs: Sequence[RequestSpec], speeds: Sequence[float], sim: SimConfig)
     return Ideal(sorted(ttfts), share)
 
 
-def _tokens(spec: RequestSpec) -> int:
-    return spec.prompt_tokens + TEMPLATE_TOKENS
-
-
 def workload_ideal(
     seed: int, load: float, duration: float, opts: lanes_bench.LanesOptions
 ) -> Ideal:
     """The ideal fleet on the requests `lanes` sends at `seed` and `load` (of the estimate)."""
-    sim = SimConfig(max_num_seqs=opts.max_num_seqs)
-    rate = load * compare.capacity(opts.speeds, opts.mix, sim)
-    specs = make_workload(max(1, round(rate * duration)), opts.mix, seed, rate=rate)
-    return ideal(specs, opts.speeds, sim)
+    opts = dataclasses.replace(opts, duration=duration)
+    specs = lanes_bench.workload(opts, load * lanes_bench.estimate(opts), seed)
+    return ideal(specs, opts.speeds, SimConfig(max_num_seqs=opts.max_num_seqs))
 
 
 def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
@@ -102,11 +98,9 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
             continue
         for load, runs in body.get("loads", {}).items():
             baselines = [
-                run["long_ttft_s"]["p99"]
-                for name, run in runs.items()
-                if lanes_targets.front(name) in lanes_targets.BASELINES
-                and not lanes_targets.is_repeat(name)
-                and run.get("long_ttft_s", {}).get("p99")
+                p99
+                for run in lanes_targets.baselines_of(runs)
+                if (p99 := run.get("long_ttft_s", {}).get("p99"))
             ]
             if not baselines:
                 continue

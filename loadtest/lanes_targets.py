@@ -101,10 +101,15 @@ def is_repeat(setup: str) -> bool:
     return front(setup) != setup
 
 
+def baselines_of(runs: Mapping[str, Summary]) -> list[Summary]:
+    """The baselines of one load, by their plain names (a repeat `nginx#2` is none)."""
+    return [runs[name] for name in BASELINES if name in runs]
+
+
 def judge_run(runs: Mapping[str, Summary]) -> dict[str, list[Verdict]]:
     """Each gateway setup of one load against the baselines beside it (none: nothing);
     repeats (`#N`) are neither judged nor baselines (see `spread`)."""
-    baselines = [runs[name] for name in BASELINES if name in runs]
+    baselines = baselines_of(runs)
     if not baselines:
         return {}
     return {

@@ -85,8 +85,13 @@ class RequestSpec:
     think: float = 0.0
 
     @property
+    def tokens(self) -> int:
+        """Its prompt as the simulator and the gateway count it, template included."""
+        return self.prompt_tokens + TEMPLATE_TOKENS
+
+    @property
     def long(self) -> bool:
-        return self.prompt_tokens + TEMPLATE_TOKENS > LONG_THRESHOLD
+        return self.tokens > LONG_THRESHOLD
 
     def prompt(self) -> str:
         """A deterministic text of exactly prompt_tokens simulator tokens, unique per request."""
