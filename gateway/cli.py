@@ -11,14 +11,15 @@ Without --config it uses the defaults embedded in the package (two instances on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from . import __version__, log, preflight
-from .config import Config, ConfigError, load
+from gateway import __version__
+from gateway.config import preflight
+from gateway.config.load import Config, ConfigError, load
+from gateway.observe import log
 
 _EPILOG = """\
 environment:
@@ -151,26 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in warnings:
         log.get("gateway.cli").warning("config_warning", problem=warning)
     if config.gateway.workers > 1:
-        from .workers import supervise
+        from gateway.process.workers import supervise
 
         return supervise(config, args.log_level, simulate=args.simulate)
+    from gateway.process.serve import serve_here
+
     return serve_here(config, simulate=args.simulate)
-
-
-def serve_here(config: Config, *, simulate: bool = False) -> int:
-    """Serve in this process until a stop signal; the process's exit status."""
-    from .server import serve
-
-    try:
-        import uvloop
-
-        uvloop.run(serve(config, simulate=simulate))
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(serve(config, simulate=simulate))
-    except OSError as exc:
-        print(f"gateway: cannot listen: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

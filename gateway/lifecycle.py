@@ -6,7 +6,7 @@ runs, and the requests in progress (uvicorn's `ServerState` and `Server.should_e
             (readiness 503)                  (in-progress requests are cancelled; each
                                               answers 503 or ends its stream in-band)
 
-The server (server.py) moves the state on; the proxy registers each request's task and
+The server (process/serve.py) moves the state on; the proxy registers each request's task and
 reads `aborting` when it is cancelled, to tell our drain deadline from a client that left;
 `/readyz` reads `draining`. Nothing else keeps a shutdown flag.
 """

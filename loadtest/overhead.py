@@ -257,7 +257,8 @@ def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
 
 
 def _frame_name(frame: str) -> str:
-    # "handle (gateway/proxy.py:171)" -> "handle (gateway/proxy.py)": lines split a function
+    # "handle (gateway/proxy/handler.py:171)" -> "handle (gateway/proxy/handler.py)":
+    # lines split a function
     name, _, where = frame.partition(" (")
     path = where.rstrip(")").rpartition(":")[0] or where.rstrip(")")
     for marker in ("site-packages/", "lib/python3"):

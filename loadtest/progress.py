@@ -10,10 +10,26 @@ import asyncio
 import importlib
 import sys
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Sequence
+from typing import Any, Protocol, TextIO
 
-if TYPE_CHECKING:
-    from loadtest.loadgen import Run
+
+class _Result(Protocol):
+    @property
+    def ok(self) -> bool: ...
+
+
+class Run(Protocol):
+    """What the progress line reads of a run (loadgen's `Run` is one)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def results(self) -> Sequence[_Result]: ...
 
 
 def _tqdm() -> Any | None:

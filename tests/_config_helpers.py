@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from gateway.config import Config, ConfigError, load
+from gateway.config.load import Config, ConfigError, load
 
 KEY = "sk-test-0123456789abcdef"
 ENV = {"GATEWAY_API_KEY": KEY}

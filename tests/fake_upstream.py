@@ -1,4 +1,4 @@
-"""A fake of `upstream.py`'s seam: scripted answers replayed read by read, no sockets.
+"""A fake of `upstream/client.py`'s seam: scripted answers replayed read by read, no sockets.
 
 httpcore's mock backend is the model: a response is the list of what the instance sends,
 handed back one `next_chunk()` at a time. An item is bytes (one read, however it splits
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.upstream import AttemptFailed, Upstream
+from gateway.upstream.client import Upstream
+from gateway.upstream.response import AttemptFailed
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class FakeUpstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-        stream: bool = False,  # the real one reads streams with h1.py; scripts replay alike
+        stream: bool = False,  # the real one reads streams on upstream/connection.py
     ) -> FakeResponse:
         self.sent.append(Sent(method, url, body, dict(headers), timeout))
         if not self.answers:

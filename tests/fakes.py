@@ -18,9 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import config as gateway_config
-from gateway.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
-from gateway.runner import make_runner
+from gateway.config import load as gateway_config
+from gateway.server.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
+from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 KEY = "sk-test-unified-key"

@@ -8,11 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway import errors
-from gateway.attempt import Failed, failed_to_send
 from gateway.dispatch import STRATEGIES, InstanceSpec, Lane, Limits, Outcome, Scheduler
-from gateway.dispatcher import Dispatcher
-from gateway.metrics import Metrics
-from gateway.upstream import AttemptFailed
+from gateway.fleet.dispatcher import Dispatcher
+from gateway.observe.metrics import Metrics
+from gateway.proxy.attempt import Failed, failed_to_send
+from gateway.upstream.response import AttemptFailed
 
 
 def one_instance() -> Dispatcher:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.body import InvalidField, lax_bool, wants_stream
+from gateway.proxy.body import InvalidField, lax_bool, wants_stream
 
 TRUE = ["1", "t", "true", "y", "yes", "on", "True", "TRUE", "tRuE", "Yes", "ON", "T", "Y"]
 FALSE = ["0", "f", "false", "n", "no", "off", "False", "FALSE", "No", "OFF", "F", "N"]

@@ -14,9 +14,11 @@ import structlog
 from _cli_helpers import run_module, write
 
 import gateway
-from gateway import __version__, log, server
+from gateway import __version__
 from gateway.cli import main
-from gateway.config import Config
+from gateway.config.load import Config
+from gateway.observe import log
+from gateway.process import serve as server
 
 
 def free_port() -> int:

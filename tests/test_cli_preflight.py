@@ -10,9 +10,11 @@ import pytest
 import structlog
 from _cli_helpers import SETTINGS, run_module, write
 
-from gateway import log, preflight, server
 from gateway.cli import main
-from gateway.config import Config
+from gateway.config import preflight
+from gateway.config.load import Config
+from gateway.observe import log
+from gateway.process import serve as server
 
 # -------------------------------------------- what --check must catch before serving
 

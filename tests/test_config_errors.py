@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from _config_helpers import ENV, KEY, URLS, channel, load_error, load_ok, write
 
-from gateway.config import ConfigError, load
+from gateway.config.load import ConfigError, load
 
 # ------------------------------------------------------------ bad configurations
 

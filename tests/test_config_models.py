@@ -9,8 +9,8 @@ import pytest
 from _config_helpers import ENV, URLS, channel, load_error, load_ok
 from pydantic import ValidationError
 
-from gateway.config import ConfigError
-from gateway.fleet_inputs import scheduler_inputs
+from gateway.config.load import ConfigError
+from gateway.fleet.inputs import scheduler_inputs
 
 # ------------------------------------------------------------------ instances
 

@@ -11,7 +11,7 @@ from _config_helpers import ENV, KEY, URLS, channel, load_error, load_ok, plain,
 from pydantic import SecretStr
 
 import gateway
-from gateway.config import ConfigError, load
+from gateway.config.load import ConfigError, load
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULTS = Path(gateway.__file__).resolve().parent / "defaults"

@@ -24,9 +24,9 @@ import yaml
 from aiohttp import web
 from fakes import fleet, gateway_with
 
-from gateway.app import build_app
-from gateway.config import load
-from gateway.schema import GatewaySection
+from gateway.config.load import load
+from gateway.config.schema import GatewaySection
+from gateway.server.app import build_app
 from gateway.sim.sim_vllm import SimConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.form import InvalidForm, boundary_of, text_fields
+from gateway.proxy.form import InvalidForm, boundary_of, text_fields
 
 NAMES = frozenset({"model", "stream"})
 

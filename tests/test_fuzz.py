@@ -19,9 +19,9 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import KeyChecker
+from gateway.proxy.auth import KeyChecker
+from gateway.proxy.tokens import estimate_request
 from gateway.sim.sim_vllm import SimConfig
-from gateway.tokens import estimate_request
 
 LIMIT = 4096
 

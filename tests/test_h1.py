@@ -1,4 +1,4 @@
-"""h1.py's HTTP/1.1 client against a tiny loopback server that sends scripted bytes."""
+"""upstream/connection.py's HTTP/1.1 client against a loopback server sending scripted bytes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from gateway import h1, h1_pool
-from gateway.upstream import AttemptFailed
+from gateway.upstream import connection as h1
+from gateway.upstream import pool as h1_pool
+from gateway.upstream.response import AttemptFailed
 
 CHUNKED_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

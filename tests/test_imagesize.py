@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.imagesize import data_url_size
+from gateway.proxy.imagesize import data_url_size
 
 # Headers written by real encoders for a 301 x 203 picture (cjpeg 9 and cwebp 1.2): each
 # JPEG up to the end of its start-of-frame segment, each WebP its first 40 bytes.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway import jsoncodec
+from gateway.proxy import jsoncodec
 
 BODIES = [
     b'{"model": "m", "messages": [{"role": "user", "content": "caf\\u00e9 \xe2\x9c\x93"}]}',

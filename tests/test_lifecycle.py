@@ -12,9 +12,9 @@ from types import FrameType
 import pytest
 from fakes import fleet, write_config
 
-from gateway import config as gateway_config
+from gateway.config import load as gateway_config
 from gateway.lifecycle import Lifecycle
-from gateway.server import serve
+from gateway.process.serve import serve
 from gateway.sim.sim_vllm import SimConfig
 
 

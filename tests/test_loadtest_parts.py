@@ -70,12 +70,12 @@ def test_p99_is_not_reported_from_fewer_than_100_samples() -> None:
 def test_top_frames_sums_py_spy_stacks() -> None:
     """Collapsed py-spy stacks become shares per function, the event loop's own apart."""
     raw = (
-        "main (a.py:1);f (gateway/proxy.py:10) 3\nmain (a.py:1);g (b.py:2) 1\n"
+        "main (a.py:1);f (gateway/proxy/handler.py:10) 3\nmain (a.py:1);g (b.py:2) 1\n"
         "main (a.py:1);Runner.run (asyncio/runners.py:118) 5\n"
     )
     top = top_frames(raw)
     assert (top["samples"], top["loop_samples"]) == (4, 5)
-    assert top["self"][0] == ("f (gateway/proxy.py)", 0.75)
+    assert top["self"][0] == ("f (gateway/proxy/handler.py)", 0.75)
     assert ("main (a.py)", 1.0) in top["inclusive"]
 
 

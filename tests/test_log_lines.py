@@ -12,7 +12,7 @@ import io
 import orjson
 import structlog
 
-from gateway import log
+from gateway.observe import log
 
 
 class Writes(io.StringIO):

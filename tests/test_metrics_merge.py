@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.metrics_merge import DEFAULT_GAUGE, merge, mode_of, render
+from gateway.observe.metrics_merge import DEFAULT_GAUGE, merge, mode_of, render
 
 
 def _worker(

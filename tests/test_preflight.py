@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import preflight
-from gateway.config import Config, ConfigError, load
+from gateway.config import preflight
+from gateway.config.load import Config, ConfigError, load
 
 KEY = "sk-preflight-test-key"
 # RFC 5737 TEST-NET-1: never assigned to a machine, so binding it fails.

@@ -21,13 +21,13 @@ from fake_upstream import FakeResponse, FakeUpstream, Pause
 from prometheus_client import CollectorRegistry
 
 from gateway import errors
-from gateway.attempt import Call
 from gateway.dispatch import Lane, Outcome
-from gateway.metrics import Metrics
-from gateway.relay import Relay
-from gateway.relay_records import Started, Streamed, Unusable, Whole
+from gateway.observe.metrics import Metrics
+from gateway.proxy.attempt import Call
+from gateway.relay.records import Started, Streamed, Unusable, Whole
+from gateway.relay.relay import Relay
 from gateway.routes import CHAT, RESPONSES
-from gateway.upstream import AttemptFailed
+from gateway.upstream.response import AttemptFailed
 
 SSE = {"Content-Type": "text/event-stream"}
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7}}\n\n'

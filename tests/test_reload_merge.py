@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gateway.config import Config, load
-from gateway.reload import merge
+from gateway.config.load import Config, load
+from gateway.process.reload import merge
 
 
 def _load(folder: Path, toml: str, settings: dict[str, Any]) -> Config:

@@ -16,7 +16,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
-from gateway.shared_codec import (
+from gateway.fleet.shared_codec import (
     combine,
     decode,
     encode,
@@ -130,7 +130,7 @@ async def test_a_cancellation_swallowed_inside_a_round_still_stops_the_loop() ->
     import asyncio
     import contextlib
 
-    from gateway.shared import SharedState
+    from gateway.fleet.shared import SharedState
 
     class Swallowing(SharedState):
         async def run_round(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gateway import splice, sse
+from gateway.relay import splice, sse
 
 
 class Source:

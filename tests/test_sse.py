@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import Framer, completion_tokens, responses_finished
+from gateway.relay.sse import Framer, completion_tokens, responses_finished
 
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":16}}\n\n'

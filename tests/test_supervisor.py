@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.workers import MAX_RESTART_DELAY, MIN_UPTIME, Slot, reserve_port, restart_delay
+from gateway.process.workers import MAX_RESTART_DELAY, MIN_UPTIME, Slot, reserve_port, restart_delay
 
 SETTINGS = {"channel": {"api_key": "k"}, "vllm": {"instances": ["http://127.0.0.1:9"]}}
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.schema import PrefillSection
-from gateway.tokens import (
+from gateway.config.schema import PrefillSection
+from gateway.proxy.tokens import (
     DEFAULT_MEDIA,
     PER_MESSAGE,
     estimate_json,

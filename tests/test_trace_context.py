@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import trace_context
-from gateway.sse import responses_finished
+from gateway.observe import trace_context
+from gateway.relay.sse import responses_finished
 
 GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -15,13 +15,16 @@ import time
 from collections.abc import Awaitable, Callable
 from email.parser import BytesParser
 from email.policy import HTTP
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from .sim_engine import (
     VOCAB,
     ApiError,
+    Faults,
+    SimConfig,
+    SimStats,
     count_tokens,
     dumps,
     embedding_vector,
@@ -29,8 +32,23 @@ from .sim_engine import (
     usage_body,
 )
 
-if TYPE_CHECKING:
-    from .sim_vllm import SimInstance
+
+class SimInstance(Protocol):
+    """What these routes use of the instance that serves them (sim_vllm's `SimInstance`)."""
+
+    config: SimConfig
+    faults: Faults
+    stats: SimStats
+
+    async def _apply_faults(self) -> None: ...
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any]: ...
+
+    def _request_id(self, request: web.Request) -> str: ...
+
+    @staticmethod
+    def _drop(request: web.Request) -> None: ...
+
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -1,5 +1,5 @@
 """The dispatch core stays pure (no I/O, clock, threads or hidden randomness in its modules),
-and the shell crosses the network only through `upstream.py`: no other gateway module
+and the shell crosses the network only through `upstream/client.py`: no other gateway module
 imports aiohttp's client.
 """
 
@@ -15,7 +15,7 @@ import gateway.dispatch
 
 DISPATCH_DIR = Path(gateway.dispatch.__file__).parent
 GATEWAY_DIR = Path(gateway.__file__).parent
-SEAM = GATEWAY_DIR / "upstream.py"
+SEAM = GATEWAY_DIR / "upstream" / "client.py"
 
 # Top-level module names the core may not import (I/O, clocks, loops, threads, logging, metrics).
 FORBIDDEN = frozenset(
@@ -140,7 +140,7 @@ def test_checker_ignores_relative_and_unrelated_imports() -> None:
 
 # ------------------------------------------------------------------ the network seam
 
-# What a module other than upstream.py may take from aiohttp: the server side and the
+# What a module other than upstream/client.py may take from aiohttp: the server side and the
 # version string. A bare `import aiohttp` would reach `aiohttp.ClientSession` and friends.
 SERVER_MODULES = ("aiohttp.web", "aiohttp.typedefs", "aiohttp.abc")
 SERVER_NAMES = frozenset({"web", "typedefs", "abc", "__version__"})
@@ -173,14 +173,14 @@ def shell_modules() -> list[Path]:
 def test_seam_checker_sees_the_shell() -> None:
     """The checker walks the real shell modules that once read aiohttp's responses."""
     names = {p.name for p in shell_modules()}
-    assert {"proxy.py", "relay.py", "health.py", "peer_metrics.py", "metrics.py"} <= names
-    assert "upstream.py" not in names
+    assert {"handler.py", "relay.py", "health.py", "peer_metrics.py", "metrics.py"} <= names
+    assert "client.py" not in names
     assert client_imports(SEAM.read_text(encoding="utf-8")) != []  # the seam itself does
 
 
 @pytest.mark.parametrize("path", shell_modules(), ids=lambda p: str(p.relative_to(GATEWAY_DIR)))
 def test_only_upstream_imports_aiohttp_client(path: Path) -> None:
-    """No gateway module but upstream.py imports aiohttp's client (or aiohttp whole)."""
+    """No gateway module but upstream/client.py imports aiohttp's client (or aiohttp whole)."""
     assert client_imports(path.read_text(encoding="utf-8"), str(path)) == []
 
 

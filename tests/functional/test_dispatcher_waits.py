@@ -29,9 +29,9 @@ from gateway.dispatch import (
     Scheduler,
     SharedView,
 )
-from gateway.dispatcher import Dispatcher
-from gateway.metrics import Metrics
-from gateway.shared_codec import combine, decode, encode
+from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.shared_codec import combine, decode, encode
+from gateway.observe.metrics import Metrics
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.peer_metrics import SCRAPE_TIMEOUT, PeerMetrics
+from gateway.observe.peer_metrics import SCRAPE_TIMEOUT, PeerMetrics
 
 
 def _registry(requests: int) -> CollectorRegistry:

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from fakes import KEY, fleet, gateway_with
 
-from gateway.app import PROXY
 from gateway.routes import Route
+from gateway.server.app import PROXY
 from gateway.sim.sim_vllm import SimConfig
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

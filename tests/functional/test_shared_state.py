@@ -13,10 +13,10 @@ import redis.asyncio as aioredis
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import RedisServer, redis_server
 
-from gateway.app import SHARED
 from gateway.dispatch import InstanceState, Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
-from gateway.shared_codec import parse_placements
+from gateway.fleet.shared_codec import parse_placements
+from gateway.server.app import SHARED
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)

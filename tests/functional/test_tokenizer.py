@@ -9,9 +9,9 @@ import pytest
 from aiohttp import web
 from fakes import serving
 
-from gateway.schema import PrefillSection, Timeouts
-from gateway.tokenizer import LocalTokenizer, TokenCounter
-from gateway.upstream import Upstream
+from gateway.config.schema import PrefillSection, Timeouts
+from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
+from gateway.upstream.client import Upstream
 
 
 def word_tokenizer(folder: Path) -> str:

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from fakes import KEY, Gateway, fleet, gateway_with, serving, write_config
 
-from gateway import config as gateway_config
-from gateway.app import PROXY
+from gateway.config import load as gateway_config
+from gateway.server.app import PROXY
 from gateway.sim.sim_vllm import SimConfig
 
 pytest.importorskip(
@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 )
 from opentelemetry.trace import SpanKind, StatusCode
 
-from gateway import tracing
+from gateway.observe import tracing
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -198,11 +198,12 @@ def test_a_bad_endpoint_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_with_tracing_off_no_opentelemetry_module_is_imported() -> None:
-    """A gateway that does not trace never imports gateway.tracing or OpenTelemetry."""
+    """A gateway that does not trace never imports gateway.observe.tracing or OpenTelemetry."""
     code = (
-        "import sys, gateway.cli, gateway.server, gateway.app, gateway.proxy\n"
+        "import sys, gateway.cli, gateway.process.serve, gateway.server.app\n"
+        "import gateway.proxy.handler\n"
         "bad = [m for m in sys.modules if m.split('.')[0] == 'opentelemetry'\n"
-        "       or m == 'gateway.tracing']\n"
+        "       or m == 'gateway.observe.tracing']\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

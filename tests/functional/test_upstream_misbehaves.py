@@ -23,8 +23,8 @@ from aiohttp import web
 from fakes import KEY, Gateway, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import PROXY
-from gateway.exchange import Exchange
+from gateway.observe.exchange import Exchange
+from gateway.server.app import PROXY
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MESSAGES: list[Any] = [{"role": "user", "content": "hello"}]

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from gateway.schema import Timeouts
-from gateway.upstream import AttemptFailed, Upstream
+from gateway.config.schema import Timeouts
+from gateway.upstream.client import Upstream
+from gateway.upstream.response import AttemptFailed
 
 
 async def _chunks(request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,358 @@
+"""The shape of `config.toml` and `settings.json`: one frozen pydantic model per section.
+
+Unknown keys are errors (`extra="forbid"`), so a typo never passes silently. Loading,
+`${VAR}` expansion and error messages live in `config/load.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from gateway.config.urls import LOOPBACK, check_http_url, endpoint
+from gateway.dispatch.model import InstanceLane
+from gateway.dispatch.strategies import STRATEGIES
+
+# RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class Frozen(BaseModel):
+    """Immutable once validated; unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- config.toml
+
+
+class GatewaySection(Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    base_url: str | None = None
+    api_key_env: str | None = "GATEWAY_API_KEY"
+    request_timeout: float = Field(120.0, gt=0)
+    max_connections: int = Field(64, ge=1)
+    # Long-lane prompts are tens of KiB; base64 images are MiBs. 16 MiB covers both.
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM, /readyz answers 503 this long while everything is still served, so
+    # a load balancer or Kubernetes' endpoint controller sees it before the listener closes.
+    drain_delay: float = Field(5.0, ge=0)
+    # Client connections (nginx's client_header_timeout / client_body_timeout /
+    # keepalive_timeout, HAProxy's maxconn). Headers are a few hundred bytes: 10 s is
+    # generous for any real client and short for a slowloris.
+    header_timeout: float = Field(10.0, gt=0)
+    # The whole body, not one read: 16 MiB in 60 s needs about 2.2 Mbit/s.
+    body_timeout: float = Field(60.0, gt=0)
+    # Longer than the pool expiry of common clients (httpx 5 s, aiohttp 15 s), so a
+    # pooled client never reuses a connection we are closing.
+    idle_timeout: float = Field(30.0, gt=0)
+    # Below a default `ulimit -n` of 1024 with room for the upstream connections.
+    max_client_connections: int = Field(900, ge=1)
+    # Processes serving the port (workers.py); 1 is the single process. 256 is far past
+    # any machine's cores: a larger number is a typo, not a plan.
+    workers: int = Field(1, ge=1, le=256)
+    # Streamed answers read by upstream/connection.py, relayed socket to socket (splice.py); false:
+    # through aiohttp's client and one await per chunk, as before.
+    splice_streams: bool = True
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_http_url(value)
+        return value
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic's lax int would take true as port 1
+            raise ValueError("expected a port number, got a boolean")
+        return value
+
+
+class HealthSection(Frozen):
+    rise: int = Field(2, ge=1)
+    fall: int = Field(3, ge=1)
+    probe_timeout: float = Field(2.0, gt=0)
+    eject_after_failures: int = Field(5, ge=1)
+    ejection_base: float = Field(10.0, gt=0)
+    ejection_max: float = Field(300.0, gt=0)
+    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
+    metrics_stale_after: float | None = Field(None, gt=0)
+
+
+class DispatchSection(Frozen):
+    strategy: str = "least_busy"
+    health_check_interval: float = Field(10.0, gt=0)
+    max_queue_per_instance: int = Field(32, ge=0)
+    # vLLM's own default; set it to the --max-num-seqs your instances run with.
+    max_num_seqs: int = Field(256, ge=1)
+    gateway_queue_size: int = Field(1024, ge=0)
+    # Longest wait in the gateway queue; None: each lane's [slo] TTFT objective, since a
+    # request that waited longer has missed it already and its client is better told now.
+    max_queue_wait: float | None = Field(None, gt=0)
+    # Blocks of 64 prompt tokens remembered per instance for prefix affinity; 0 turns
+    # affinity off. None: as many as each instance's KV cache holds, from its
+    # vllm:cache_config_info (8,192, about 524k tokens, until it says).
+    prefix_index_blocks: int | None = Field(None, ge=0)
+    # least_time: "full" counts every output token's decode time (end-to-end latency);
+    # "over_objective" only the time beyond the lane's TPOT objective.
+    least_time_decode: Literal["full", "over_objective"] = "over_objective"
+    health: HealthSection = HealthSection()
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        if value not in STRATEGIES:
+            names = ", ".join(sorted(STRATEGIES))
+            raise ValueError(f"unknown strategy {value!r}; expected one of {names}")
+        return value
+
+
+class PrefillSection(Frozen):
+    tag: str = Field("prefill", min_length=1, max_length=64)
+    long_input_threshold: int = Field(4096, ge=1)
+    max_long_per_instance: int = Field(2, ge=1)
+    # Long requests placed and not yet fully answered on a shared instance; None: no bound.
+    max_long_running_per_instance: int | None = Field(None, ge=1)
+    # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
+    # Off by default until its long-lane tail and the even fleet stop regressing (measured
+    # on the benchmark page): turning it on is the operator's trade.
+    lane_split: bool = False
+    long_ttft_factor: float = Field(4.0, ge=1)
+    # None: estimate; "instance": ask an instance's /tokenize near the threshold;
+    # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).
+    tokenizer: str | None = None
+    # What one image, audio clip or video counts in the estimate (see README, Dispatch).
+    image_tokens: int = Field(1500, ge=0)
+    image_pixels_per_token: int = Field(784, ge=0)  # 0: every image counts image_tokens
+    audio_tokens: int = Field(750, ge=0)
+    video_tokens: int = Field(8192, ge=0)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_source(cls, value: str | None) -> str | None:
+        if value is None or value == "instance":
+            return value
+        if not Path(value).is_file():
+            raise ValueError(f"expected 'instance' or the path of a tokenizer.json, got {value!r}")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
+            ) from None
+        return value
+
+
+class SloSection(Frozen):
+    """Objectives per lane, in seconds; goodput counts streamed requests that meet both."""
+
+    ttft: float = Field(2.0, gt=0)
+    tpot: float = Field(0.1, gt=0)
+    long_ttft: float = Field(15.0, gt=0)
+    long_tpot: float = Field(0.1, gt=0)
+
+
+class SharedSection(Frozen):
+    """The shared view across workers and replicas; without `redis_url`, one process alone."""
+
+    redis_url: SecretStr | None = None  # may hold a password: never logged
+    publish_interval: float = Field(0.25, gt=0, le=5)
+    # Between rounds, a changed load is pushed within this (0: rounds only).
+    push_interval: float = Field(0.02, ge=0, le=5)
+    ttl: float = Field(3.0, gt=0, le=60)  # a process's entries vanish this long after it died
+    namespace: str = Field("gateway", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+
+    @model_validator(mode="after")
+    def _ttl_covers_publishing(self) -> SharedSection:
+        if self.ttl < 2 * self.publish_interval:
+            raise ValueError(
+                f"ttl ({self.ttl:g} s) must be at least twice publish_interval "
+                f"({self.publish_interval:g} s), or live processes would vanish between writes"
+            )
+        return self
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            scheme = value.get_secret_value().partition("://")[0]
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ValueError(
+                    f"expected a redis://, rediss:// or unix:// URL, got {scheme!r}://"
+                )
+        return value
+
+
+class TracingSection(Frozen):
+    """OpenTelemetry spans (the `otel` extra); off unless an OTLP endpoint is given."""
+
+    otlp_endpoint: str | None = None  # OTLP/HTTP, e.g. http://collector:4318
+    service_name: str = Field("vllm-gateway", min_length=1, max_length=200)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_http_url(value)
+        return value
+
+
+class ConfigFile(Frozen):
+    gateway: GatewaySection = GatewaySection()
+    dispatch: DispatchSection = DispatchSection()
+    prefill: PrefillSection = PrefillSection()
+    slo: SloSection = SloSection()
+    shared: SharedSection = SharedSection()
+    tracing: TracingSection = TracingSection()
+
+
+# -------------------------------------------------------------- settings.json
+
+
+class Timeouts(Frozen):
+    connect: float = Field(10.0, gt=0)
+    read: float = Field(120.0, gt=0)
+    write: float = Field(30.0, gt=0)
+
+
+class RetrySettings(Frozen):
+    max_attempts: int = Field(3, ge=1, le=10)
+    backoff_base: float = Field(0.5, ge=0)
+    backoff_max: float = Field(8.0, ge=0)
+    budget_ratio: float = Field(0.2, ge=0, le=1)
+
+
+class Channel(Frozen):
+    base_url: str | None = None
+    api_key: SecretStr | list[SecretStr] | None = None
+    api_key_env: str | None = None
+    default_model: str | None = None
+    timeout: Timeouts = Timeouts()
+    retry: RetrySettings = RetrySettings()
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_http_url(value)
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _sendable(cls, value: dict[str, str]) -> dict[str, str]:
+        # Either would fail every request sent to an instance (aiohttp raises on CR/LF,
+        # an HTTP server answers 400 to a bad name): fail here, at --check, instead.
+        for name, text in value.items():
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(
+                    f"header name {name!r} is not a valid HTTP header name "
+                    "(letters, digits and !#$%&'*+-.^_`|~ only; no spaces or colons)"
+                )
+            if _CONTROL.search(text):
+                # The value itself is not shown: a header may carry a credential.
+                raise ValueError(
+                    f"the value of header {name!r} contains a control character "
+                    "(CR, LF or another below 0x20 except tab); it cannot be sent"
+                )
+        return value
+
+
+class InstanceConfig(Frozen):
+    url: str
+    name: str | None = None
+    lane: InstanceLane = "any"
+    api_key_env: str | None = None
+    weight: float = Field(1.0, gt=0)
+    max_num_seqs: int | None = Field(None, ge=1)
+    # The models (and LoRA adapters) it serves, for instances that hide /v1/models;
+    # without it they are learned from /v1/models every health round.
+    models: list[str] | None = Field(None, min_length=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        check_http_url(value)
+        parts = urlsplit(value)
+        if parts.path.rstrip("/"):
+            # The gateway appends /health, /metrics and /v1/... itself; `host:8000/v1`
+            # would probe /v1/health, find nothing, and mark the instance down.
+            root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+            raise ValueError(
+                f"an instance URL must not have a path: write {root!r} "
+                "(the gateway adds /v1/... and /health itself)"
+            )
+        return value.rstrip("/")
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """The host and port this URL reaches; every loopback name is one host, `loopback`."""
+        return endpoint(self.url)
+
+    @property
+    def label(self) -> str:
+        """The name used in metrics and logs: the configured name, else host:port."""
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        # Never user:password@ from the URL: the label goes into metrics and logs.
+        return parts.netloc.rpartition("@")[2] + parts.path
+
+
+class VllmSection(Frozen):
+    instances: list[InstanceConfig] = Field(min_length=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("instances", mode="before")
+    @classmethod
+    def _strings_are_urls(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"url": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("instances")
+    @classmethod
+    def _unique(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
+        # One instance listed twice gets twice its share of traffic and twice its slots
+        # counted: it overloads while the gateway believes there is room.
+        endpoints: dict[tuple[str, int], int] = {}
+        labels: dict[str, int] = {}
+        for index, spec in enumerate(value):
+            first = endpoints.setdefault(spec.endpoint, index)
+            if first != index:
+                alias = spec.endpoint[0] == LOOPBACK and spec.url != value[first].url
+                why = " (localhost, 127.x.x.x and ::1 are all this machine)" if alias else ""
+                raise ValueError(
+                    f"[{index}] {spec.url!r} is listed twice: it is the same instance as "
+                    f"[{first}] {value[first].url!r}{why}"
+                )
+            first = labels.setdefault(spec.label, index)
+            if first != index:
+                raise ValueError(
+                    f"instance name {spec.label!r} is used twice ([{first}] and [{index}])"
+                )
+        return value
+
+
+class Settings(Frozen):
+    channel: Channel = Channel()
+    vllm: VllmSection
+
+    @model_validator(mode="before")
+    @classmethod
+    def _seed_block_name(cls, data: Any) -> Any:
+        # The seed post calls the channel block after its hosted service.
+        if isinstance(data, dict) and "taotoken" in data:
+            if "channel" in data:
+                raise ValueError("give either 'channel' or 'taotoken', not both")
+            data = {("channel" if k == "taotoken" else k): v for k, v in data.items()}
+        return data

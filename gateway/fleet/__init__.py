@@ -1,0 +1,8 @@
+"""The core's shell: what feeds the pure scheduler and waits on it.
+
+`dispatcher` (queue waits and leases around `gateway.dispatch.Scheduler`), `health` (probes,
+`/metrics` and `/v1/models` scrapes), `shared` and `shared_codec` (the view of the other
+processes' load through Redis), `inputs` (what the config makes of the fleet).
+May import: the vocabulary, `gateway.dispatch`, `gateway.config`, `gateway.upstream`,
+`gateway.observe`.
+"""

@@ -1,0 +1,302 @@
+"""The async side of the scheduler: waits for a place, wakes queued requests.
+
+The pure `Scheduler` decides; this class owns the clock, the random generator and the
+futures of requests waiting in the gateway queue, and turns decisions into results or
+exceptions. Everything here runs on the event loop thread, so the scheduler's counts
+change synchronously between awaits and never race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import random
+import time
+from collections.abc import Callable
+
+from gateway import errors
+from gateway.dispatch import (
+    Assigned,
+    Decision,
+    HealthPolicy,
+    InstanceSpec,
+    Lane,
+    Limits,
+    LoadReport,
+    Outcome,
+    Queued,
+    Rejected,
+    Scheduler,
+    SharedView,
+    Snapshot,
+    Ticket,
+)
+from gateway.observe.metrics import Metrics
+
+_ids = itertools.count(1)  # ticket ids only need to be unique and increasing
+
+
+class Lease:
+    """An instance's place, held by one attempt: what the attempt may tell the scheduler.
+
+    It owns the dispatcher and the ticket id, so the relay needs neither. `release` hands
+    the place back once: a second call (a finally after an early release) does nothing.
+    """
+
+    __slots__ = ("_dispatcher", "first_token_at", "instance", "released", "ticket_id")
+
+    def __init__(self, dispatcher: Dispatcher, ticket_id: int, instance: str) -> None:
+        self._dispatcher = dispatcher
+        self.ticket_id = ticket_id
+        self.instance = instance
+        self.first_token_at: float | None = None  # when `prefill_done` was told, if it was
+        self.released = False
+
+    def prefill_done(self, at: float, ttft: float | None) -> None:
+        """The first token reached the client at `at`; `ttft` teaches least_time (or None)."""
+        if self.first_token_at is None and not self.released:
+            self.first_token_at = at
+            self._dispatcher.prefill_done(self.ticket_id, ttft)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self._dispatcher.observe_tpot(self.instance, seconds)
+
+    def release(self, outcome: Outcome, error: str | None = None) -> None:
+        """Hand the place back with what the attempt says about the instance (once)."""
+        if self.released:
+            return
+        self.released = True
+        self._dispatcher.release(self.ticket_id, outcome, error)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<Lease {self.instance} ticket={self.ticket_id} {state}>"
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        # time.monotonic, not loop.time(): uvloop's loop clock has millisecond steps,
+        # too coarse for time-per-token.
+        self.clock = clock or time.monotonic
+        self._waiters: dict[int, asyncio.Future[str]] = {}
+        # Called after anything that may change our load (a request placed, queued, past
+        # its prefill, released): the shared view's pusher listens (shared.py).
+        self.on_change: Callable[[], None] | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
+
+    def snapshot(self) -> Snapshot:
+        """The scheduler's state now, as a frozen copy (dispatch/snapshot.py)."""
+        return self.scheduler.snapshot(self.clock())
+
+    def new_ticket(
+        self,
+        lane: Lane,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        tokens: int = 0,
+        max_tokens: int = 0,
+        *,
+        model: str | None = None,
+        prefix: tuple[int, ...] = (),
+    ) -> Ticket:
+        return Ticket(next(_ids), lane, deadline, exclude, tokens, max_tokens, model, prefix)
+
+    def retry_ticket(self, ticket: Ticket, exclude: frozenset[str]) -> Ticket:
+        """The same request again, under a new id, avoiding the instances in `exclude`."""
+        return dataclasses.replace(ticket, id=next(_ids), exclude=exclude)
+
+    async def acquire(self, ticket: Ticket) -> str:
+        """Return the instance that takes `ticket`, waiting in the queue if need be.
+
+        Raises the gateway error a client should see when it cannot be placed. If the
+        caller is cancelled (its client left), the ticket leaves the queue at once.
+        """
+        decision = self.scheduler.submit(ticket, self.clock(), self.rng)
+        self._changed()
+        if isinstance(decision, Assigned):
+            return decision.instance
+        if isinstance(decision, Rejected):
+            raise self._rejection(decision)
+        return await self._wait(decision)
+
+    async def lease(self, ticket: Ticket) -> Lease:
+        """`acquire`, with the place wrapped in the `Lease` the attempt holds."""
+        return Lease(self, ticket.id, await self.acquire(ticket))
+
+    async def _wait(self, queued: Queued) -> str:
+        """Wait until the scheduler places or rejects the ticket, or the caller is cancelled.
+
+        Every outcome comes through the future, set by `_settle` from a scheduler decision:
+        a place freed (`release`, `prefill_done`, `probe`) or the wait ran out (`_expire`,
+        on a timer). So there is one way in and one way out: the timer never races the
+        assignment, and whatever ends the wait, a place given and not used is handed back.
+        """
+        ticket = queued.ticket
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        self._waiters[ticket.id] = future
+        started = self.clock()
+        timer = loop.call_later(max(0.0, queued.wait_until - started), self._expire, ticket.id)
+        try:
+            instance = await future
+        except BaseException:
+            # Cancelled (the client left, or shutdown), or rejected. If it was given a
+            # place in the same loop pass, nobody will use it: hand it back.
+            if (
+                not self.scheduler.cancel(ticket.id)
+                and future.done()
+                and not future.cancelled()
+                and future.exception() is None
+            ):
+                self.release(ticket.id, Outcome.NEUTRAL)
+            raise
+        finally:
+            timer.cancel()
+            self._waiters.pop(ticket.id, None)
+        lane = self.metrics.lane_names[ticket.lane]
+        self.metrics.queue_wait.labels(lane).observe(self.clock() - started)
+        return instance
+
+    def _expire(self, ticket_id: int) -> None:
+        self._settle(self.scheduler.expire(ticket_id, self.clock(), self.rng))
+        self._changed()
+        wait_until = self.scheduler.wait_until(ticket_id)
+        if wait_until is not None:  # the loop's clock ran ahead of ours: look again soon
+            delay = max(0.001, wait_until - self.clock())
+            asyncio.get_running_loop().call_later(delay, self._expire, ticket_id)
+
+    def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
+        self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
+        self._changed()
+
+    def prefill_done(self, ticket_id: int, ttft: float | None = None) -> None:
+        self._settle(self.scheduler.prefill_done(ticket_id, self.clock(), self.rng, ttft))
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def observe_tpot(self, name: str, seconds: float) -> None:
+        self.scheduler.observe_tpot(name, seconds)
+
+    def probe(self, name: str, ok: bool) -> bool:
+        """Record a health probe; return whether the verdict changed."""
+        if not self.scheduler.has(name):
+            return False  # removed by a reload while its probe was out
+        before = self.scheduler.state(name).up
+        self._settle(self.scheduler.probe(name, ok, self.clock(), self.rng))
+        return self.scheduler.state(name).up != before
+
+    def report_load(
+        self,
+        name: str,
+        running: float,
+        waiting: float,
+        kv: float | None,
+        prefix_queries: float | None = None,
+        prefix_hits: float | None = None,
+        cache_tokens: int | None = None,
+    ) -> None:
+        report = LoadReport(
+            running, waiting, kv, self.clock(), prefix_queries, prefix_hits, cache_tokens
+        )
+        self.scheduler.report_load(name, report)
+
+    def apply_shared(self, view: SharedView, stagger: float = 0.0) -> None:
+        """The other gateway processes' load, queues and speeds (shared.py).
+
+        With `stagger`, requests waiting in our queue are placed after a random delay of
+        up to that many seconds rather than at once: every process hears a push in the
+        same instant, and if each put a waiting request into the room it freed, they
+        would overfill it together. Staggered, the first one's push (a millisecond or
+        two) reaches the others before they look.
+        """
+        if stagger <= 0 or not self.scheduler.queued:
+            self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
+            return
+        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng, drain=False))
+        if self._drain_timer is None:
+            delay = self.rng.uniform(0.0, stagger)
+            self._drain_timer = asyncio.get_running_loop().call_later(delay, self._drain_later)
+
+    def _drain_later(self) -> None:
+        self._drain_timer = None
+        self._settle(self.scheduler.drain(self.clock(), self.rng))
+
+    def set_models(self, name: str, models: frozenset[str]) -> None:
+        """What `name`'s /v1/models lists now; requests waiting for those models may go."""
+        self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
+
+    def update_lanes(self) -> dict[str, Lane]:
+        """Re-size the split between the lanes; return the instances that changed lane."""
+        moves, decisions = self.scheduler.update_lanes(self.clock(), self.rng)
+        self._settle(decisions)
+        return moves
+
+    def reconfigure(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
+        """A reloaded instance list and limits; queued requests may be placed or refused."""
+        self._settle(self.scheduler.reconfigure(specs, limits, policy, self.clock(), self.rng))
+
+    def close(self) -> None:
+        """Shutting down: every queued request gets 503 now."""
+        self._settle(self.scheduler.close())
+
+    def _settle(self, decisions: list[Decision]) -> None:
+        if decisions:  # queued requests placed or refused (a peer's push may free room)
+            self._changed()
+        for decision in decisions:
+            future = self._waiters.get(decision.ticket.id)
+            if future is None or future.done():
+                if isinstance(decision, Assigned):  # nobody waits for it any more
+                    self.release(decision.ticket.id, Outcome.NEUTRAL)
+                continue
+            if isinstance(decision, Assigned):
+                future.set_result(decision.instance)
+            elif isinstance(decision, Rejected):
+                future.set_exception(self._rejection(decision))
+
+    def _rejection(self, decision: Rejected) -> errors.GatewayError:
+        self.metrics.rejections.labels(decision.reason).inc()
+        after = decision.retry_after
+        if decision.reason == "queue_full":
+            return errors.Overloaded(
+                "every instance is at its queue limit and the gateway queue is full; "
+                "retry after the delay in Retry-After",
+                retry_after=after,
+            )
+        if decision.reason == "no_instance":
+            return errors.NoInstanceAvailable(
+                f"no healthy vLLM instance can take a {decision.ticket.lane.value}-lane request "
+                "right now",
+                retry_after=after,
+            )
+        if decision.reason == "predicted_wait":
+            return errors.Overloaded(
+                f"every {decision.ticket.lane.value}-lane instance is at its limit and this "
+                "request would wait in the gateway queue past its time; retry after the "
+                "delay in Retry-After",
+                retry_after=after,
+            )
+        if decision.reason == "shutting_down":
+            return errors.ShuttingDown("the gateway is shutting down", retry_after=after)
+        # It never reached an instance (nothing ran on a GPU): the client may retry.
+        return errors.QueueTimeout(
+            "the request waited in the gateway queue until its time ran out; every "
+            f"{decision.ticket.lane.value}-lane instance stayed at its limit",
+            retry_after=after,
+        )
+
+    def __repr__(self) -> str:
+        return f"<Dispatcher waiting={len(self._waiters)} {self.scheduler!r}>"

@@ -1,0 +1,88 @@
+"""What the configuration makes of the fleet: the core's inputs, the proxy's endpoints
+and the prober's targets; built at start and again on each reload."""
+
+from __future__ import annotations
+
+import os
+
+from gateway.config.load import Config
+from gateway.dispatch import HealthPolicy, InstanceSpec, Limits
+from gateway.dispatch.affinity import DEFAULT_INDEX_BLOCKS
+from gateway.fleet.health import ProbeTarget
+from gateway.upstream.endpoint import Endpoint
+
+
+def _instance_headers(config: Config, api_key_env: str | None) -> dict[str, str]:
+    headers = {k: v for k, v in config.channel.headers.items() if k.lower() not in _NEVER_FORWARD}
+    headers["Content-Type"] = "application/json"
+    if api_key_env:
+        headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
+    return headers
+
+
+_NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-request-tag"})
+
+
+def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
+    """What the pure scheduler is built from (at start, and again on each reload)."""
+    dispatch = config.dispatch
+    specs = [
+        InstanceSpec(
+            name=i.label,
+            lane=i.lane,
+            weight=i.weight,
+            slots=i.max_num_seqs or dispatch.max_num_seqs,
+            models=frozenset(i.models) if i.models is not None else None,
+        )
+        for i in config.instances
+    ]
+    stale_after = dispatch.health.metrics_stale_after or 3 * dispatch.health_check_interval
+    limits = Limits(
+        max_queue_per_instance=dispatch.max_queue_per_instance,
+        max_long_per_instance=config.prefill.max_long_per_instance,
+        max_long_running_per_instance=config.prefill.max_long_running_per_instance,
+        long_tpot_objective=config.file.slo.long_tpot,
+        gateway_queue_size=dispatch.gateway_queue_size,
+        global_limit=config.gateway.max_connections,
+        metrics_stale_after=stale_after,
+        queue_retry_after=retry_after_503(config),
+        max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
+        max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
+        long_input_threshold=config.prefill.long_input_threshold,
+        lane_split=config.prefill.lane_split,
+        prefix_index_blocks=DEFAULT_INDEX_BLOCKS
+        if dispatch.prefix_index_blocks is None
+        else dispatch.prefix_index_blocks,
+        prefix_index_learned=dispatch.prefix_index_blocks is None,
+    )
+    h = dispatch.health
+    policy = HealthPolicy(
+        rise=h.rise,
+        fall=h.fall,
+        eject_after_failures=h.eject_after_failures,
+        ejection_base=h.ejection_base,
+        ejection_max=h.ejection_max,
+        max_ejected_fraction=h.max_ejected_fraction,
+    )
+    return specs, limits, policy
+
+
+def endpoints_of(config: Config) -> dict[str, Endpoint]:
+    """Each instance as the proxy sends to it, by name."""
+    return {
+        i.label: Endpoint(i.label, i.url, _instance_headers(config, i.api_key_env))
+        for i in config.instances
+    }
+
+
+def probe_targets(endpoints: dict[str, Endpoint]) -> list[ProbeTarget]:
+    return [ProbeTarget(e.name, e.url, _probe_headers(e.headers)) for e in endpoints.values()]
+
+
+def retry_after_503(config: Config) -> float:
+    """The one Retry-After of the gateway's own 503s: about one health round, 1-10 s."""
+    return max(1.0, min(config.dispatch.health_check_interval, 10.0))
+
+
+def _probe_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k == "Authorization"}

@@ -1,0 +1,376 @@
+"""The one seam to the shared store: publish what this process holds, read what the others do.
+
+Several gateway processes (workers of one gateway, replicas behind a load balancer) front
+one fleet. Each sees its own requests exactly and the instances' `/metrics` late; without
+the others' load they herd onto the same instance and each applies the per-instance limit
+on its own. So every `publish_interval` (a quarter second by default, never on a
+request's path) each process writes to Redis what it holds, under a key of its own with a
+TTL, and reads every other process's key in the same round:
+
+    per instance   requests in flight, uncached prompt tokens in prefill, long requests
+                   in prefill (max_long_per_instance), learned speed
+    per lane       requests waiting in its queue
+    retry budget   requests and retries in its window
+
+and appends to one Redis stream the prompts it placed where they were not cached yet
+(instance and block hashes), which every other process reads into its prefix index: so
+replicas agree where a prefix lives instead of each caching it somewhere else.
+
+A view a round old is too old where requests come faster than rounds: a 6,000-token prompt
+prefills in a third of a second, and replicas that all see an instance idle for a quarter
+second all send there. So between rounds each process also pushes its load on a Redis
+pub/sub channel when it changes (at once after a quiet spell; while it keeps changing, at
+most once per `push_interval`, 20 ms, the changes in between sent as one), and every
+process applies the others' pushes as they arrive. A push is one PUBLISH: the placements
+it carries reach the stream with the next round, in one entry (a process that joins later
+reads them there), and a process drops its own pushes, coming back on the channel, before
+parsing them. Each
+publication carries a sequence number, so a round's read never replaces a newer push with
+the older key. The rounds stay the source of membership and expiry: a process is in the
+view while its key lives.
+
+The sum of the others' becomes the scheduler's `SharedView`: their load counts toward each
+instance's limit and score, their queues toward the gateway queue's bound, their retries
+toward the budget, and their learned speeds blend with ours. A process that dies stops
+writing; its key expires after `ttl` and its load leaves every view with it.
+
+If Redis is away or slow, the process logs it once, sets `gateway_shared_state_up` to 0,
+dispatches on its own view (own load plus the instances' metrics) and keeps trying, with
+backoff, until Redis answers again. No request waits on Redis or fails because of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
+
+from gateway.dispatch import LocalShare, RetryBudget, SharedView
+from gateway.dispatch.fleet import MAX_PLACEMENTS
+from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.shared_codec import (
+    PeerEntry,
+    combine,
+    decode,
+    encode,
+    newest,
+    parse_placements,
+    parse_push,
+    push_key,
+    push_message,
+    redacted,
+)
+from gateway.observe import log
+
+_log = log.get("gateway.shared")
+
+BACKOFF_MAX = 5.0  # seconds between attempts while Redis is away
+STREAM_MAXLEN = 20_000  # placements kept in the stream (approximately: Redis trims lazily)
+CATCH_UP = 500  # placements a new process reads back from before it started
+
+
+class SharedState:
+    def __init__(
+        self,
+        url: str,
+        dispatcher: Dispatcher,
+        budget: RetryBudget,
+        *,
+        interval: float = 0.25,
+        ttl: float = 3.0,
+        namespace: str = "gateway",
+        process_id: str | None = None,
+        push_interval: float = 0.02,
+    ) -> None:
+        self.url = url
+        self.dispatcher = dispatcher
+        self.budget = budget
+        self.interval = interval
+        self.ttl = ttl
+        self.push_interval = push_interval  # 0: rounds only
+        self.process_id = (
+            process_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        )
+        self._members = f"{namespace}:processes"
+        self._prefix = f"{namespace}:process:"
+        self._stream = f"{namespace}:placements"
+        self._channel = f"{namespace}:pushes"
+        self._stream_at: str | None = None  # the last placement read
+        # Placements the pushes told the others, for the next round to append to the
+        # stream in one entry: one stream write a round rather than one a push, and a
+        # round reads back one entry of its own rather than a dozen. Only a process that
+        # joins later reads the stream for them, and a round later is soon enough.
+        self._unstreamed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
+        self._own_tag = self.process_id.encode() + b" "  # how our own pushes start
+        self._seq = 0  # publications made, pushes and keys alike
+        self._pushed: tuple[object, ...] | None = None  # what the last publication said
+        self._peers: dict[str, PeerEntry] = {}  # the others' newest publications
+        self._changed = asyncio.Event()  # set by the dispatcher when our load may have moved
+        # Every call is bounded: a slow Redis costs a round, never a request.
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=max(0.5, interval * 2), socket_connect_timeout=1.0
+        )
+        self.up: bool | None = None  # None until the first round
+        self.peers = 0
+        self.rounds = 0
+        self.pushes_sent = 0
+        self.pushes_heard = 0
+        self.listening = False  # subscribed to the others' pushes
+
+    async def run_forever(self) -> None:
+        """The rounds, and between them the pushes both ways, until cancelled."""
+        helpers = []
+        if self.push_interval > 0:
+            self.dispatcher.on_change = self._changed.set
+            helpers = [
+                asyncio.create_task(self._push_forever(), name="shared-state-push"),
+                asyncio.create_task(self._listen_forever(), name="shared-state-listen"),
+            ]
+        try:
+            await self._rounds_forever()
+        finally:
+            if helpers:
+                self.dispatcher.on_change = None
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+
+    async def _rounds_forever(self) -> None:
+        failures = 0
+        while True:
+            ok = await self.run_round()
+            _honour_cancel()
+            failures = 0 if ok else failures + 1
+            delay = self.interval if ok else min(BACKOFF_MAX, self.interval * 2**failures)
+            await asyncio.sleep(delay)
+
+    async def run_round(self) -> bool:
+        """Publish ours, read theirs, hand the view to the scheduler; False if Redis failed."""
+        try:
+            async with asyncio.timeout(max(1.0, self.ttl / 2)):
+                self._peers = await self._exchange()
+        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+            self._set_up(False, exc)
+            self._peers = {}  # the local view alone
+        else:
+            self._set_up(True)
+        self.rounds += 1
+        self._apply()
+        return self.up is True
+
+    def _apply(self, stagger: float = 0.0) -> None:
+        entries = list(self._peers.values())
+        self.peers = len(entries)
+        self.budget.peer_requests = sum(e.requests for e in entries)
+        self.budget.peer_retries = sum(e.retries for e in entries)
+        view = combine(entries) if entries else SharedView()
+        self.dispatcher.apply_shared(view, stagger)
+
+    def _publication(self, share: LocalShare | None = None) -> bytes:
+        """Ours now, numbered; remembered as the last thing the others were told."""
+        if share is None:
+            share = self.dispatcher.scheduler.share(self.dispatcher.clock())
+        requests, retries = self.budget.own_totals(self.dispatcher.clock())
+        self._seq += 1
+        self._pushed = push_key(share)
+        return encode(share, requests, retries, self._seq)
+
+    async def _exchange(self) -> dict[str, PeerEntry]:
+        placements = [*self._unstreamed, *self.dispatcher.scheduler.take_placements()]
+        self._unstreamed.clear()  # sent with this round, or lost with it if Redis fails
+        if self._stream_at is None:
+            await self._catch_up()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._prefix + self.process_id, self._publication(), px=int(self.ttl * 1000))
+            pipe.sadd(self._members, self.process_id)
+            pipe.smembers(self._members)
+            if placements:
+                self._add_placements(pipe, placements)
+            pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
+            results = await pipe.execute()
+        self._learn(results[-1])
+        others = sorted(m.decode() for m in results[2] if m.decode() != self.process_id)
+        if not others:
+            return {}
+        values = await self._redis.mget([self._prefix + p for p in others])
+        read: dict[str, PeerEntry] = {}
+        gone: list[str] = []
+        for process, value in zip(others, values, strict=True):
+            if value is None:  # its key expired: that process died or left
+                gone.append(process)
+                continue
+            try:
+                read[process] = decode(value)
+            except ValueError:
+                _log.warning("shared_state_entry_malformed", process=process)
+        if gone:
+            await self._redis.srem(self._members, *gone)
+        # A push heard while this round was on its way may be newer than the key.
+        return {p: newest(self._peers.get(p), entry) for p, entry in read.items()}
+
+    def _add_placements(self, pipe: Any, placements: list[tuple[str, tuple[int, ...]]]) -> None:
+        entry = {"p": self.process_id, "d": json.dumps(placements)}
+        pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)
+
+    async def _push_forever(self) -> None:
+        """When our load or queues change, push them: at once after a quiet spell, and at
+        most once per `push_interval` while they keep changing (the changes in between
+        go as one push)."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            if self.up is not True:
+                continue
+            scheduler = self.dispatcher.scheduler
+            share = scheduler.share(self.dispatcher.clock())
+            if push_key(share) == self._pushed:
+                continue
+            placements, settled = scheduler.take_placements(), scheduler.take_settled()
+            message = push_message(self.process_id, self._publication(share), placements, settled)
+            # The stream gets them with the next round (a process that starts later reads
+            # them there), so a push is one command: PUBLISH, no pipeline.
+            self._unstreamed.extend(placements)
+            # A failed push is not retried: the next change, or the next round, tells.
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(max(0.5, self.interval * 2)):
+                    await self._redis.publish(self._channel, message)
+                    self.pushes_sent += 1
+            _honour_cancel()
+            await asyncio.sleep(self.push_interval)
+
+    async def _listen_forever(self) -> None:
+        """The others' pushes, applied as they come; resubscribes after Redis comes back."""
+        while True:
+            try:
+                async with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self._channel)
+                    self.listening = True
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        _honour_cancel()
+                        if message is not None and message.get("type") == "message":
+                            self._heard(message["data"])
+            except (RedisError, OSError, TimeoutError):
+                pass  # the rounds log the outage and set the metric
+            self.listening = False
+            _honour_cancel()
+            await asyncio.sleep(min(BACKOFF_MAX, max(self.interval, 0.1)))
+
+    def _heard(self, data: bytes | str) -> None:
+        """One push of another process: its newest load replaces what we had of it."""
+        if self.up is not True:
+            return  # while Redis is away the view is ours alone; the next round rejoins
+        raw = data.encode() if isinstance(data, str) else data
+        if raw.startswith(self._own_tag):
+            return  # our own push, back from the channel: not worth parsing
+        try:
+            process, payload, placements, settled = parse_push(raw)
+            entry = decode(payload)
+        except ValueError:
+            _log.warning("shared_state_entry_malformed", channel=self._channel)
+            return
+        if placements:  # the stream brings them again at the next round: harmless
+            self.dispatcher.scheduler.learn_placements(placements)
+        if settled:
+            self.dispatcher.scheduler.learn_settled(settled)
+        old = self._peers.get(process)
+        if old is not None and entry.seq <= old.seq:
+            return
+        self.pushes_heard += 1
+        self._peers[process] = entry
+        # Every process hears this push at once: staggered, those with requests waiting
+        # do not all put one into the room it freed (dispatcher.apply_shared).
+        self._apply(stagger=self.push_interval / 2)
+
+    async def _catch_up(self) -> None:
+        """On joining, read the newest placements the others made before we started."""
+        recent: list[Any] = list(await self._redis.xrevrange(self._stream, count=CATCH_UP) or ())
+        self._stream_at = "0-0"
+        self._learn([[self._stream, recent[::-1]]])
+
+    def _learn(self, streams: Any) -> None:
+        """Placements other processes made: into our prefix indexes."""
+        for _, entries in streams or ():
+            for entry_id, fields in entries:
+                self._stream_at = _text(entry_id)
+                if _text(fields.get(b"p", b"")) == self.process_id:
+                    continue
+                try:
+                    learned = parse_placements(fields[b"d"])
+                except (KeyError, ValueError):
+                    _log.warning("shared_state_entry_malformed", stream=self._stream)
+                    continue
+                self.dispatcher.scheduler.learn_placements(learned)
+
+    def _set_up(self, up: bool, error: BaseException | None = None) -> None:
+        if up == self.up:
+            return
+        if up:
+            _log.info("shared_state_up", redis=redacted(self.url), process=self.process_id)
+        else:
+            # Once per outage, not once per round.
+            _log.warning(
+                "shared_state_down",
+                redis=redacted(self.url),
+                error=type(error).__name__ if error else None,
+                detail=str(error)[:200] if error else None,
+            )
+        self.up = up
+
+    async def close(self) -> None:
+        """Leave the view at once (rather than after the TTL), then drop the connection."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.delete(self._prefix + self.process_id)
+                    pipe.srem(self._members, self.process_id)
+                    await pipe.execute()
+        await self._redis.aclose()
+
+    def __repr__(self) -> str:
+        state = {None: "starting", True: "up", False: "down"}[self.up]
+        return f"<SharedState {redacted(self.url)} {state} peers={self.peers}>"
+
+
+class SharedStateCollector(Collector):
+    """`gateway_shared_state_up` and `gateway_shared_state_peers`, read at scrape time."""
+
+    def __init__(self, shared: SharedState) -> None:
+        self.shared = shared
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "gateway_shared_state_up",
+            "1 while the shared store (Redis) answers; 0 while this process dispatches on "
+            "its own view.",
+        )
+        up.add_metric([], 1.0 if self.shared.up else 0.0)
+        yield up
+        peers = GaugeMetricFamily(
+            "gateway_shared_state_peers",
+            "Other gateway processes (workers, replicas) in the shared view.",
+        )
+        peers.add_metric([], self.shared.peers)
+        yield peers
+
+
+def _honour_cancel() -> None:
+    """redis-py (8.1) can swallow a cancellation that lands inside a command: the command
+    returns as if nothing happened. Honour the request, or shutdown would wait forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,46 @@
+"""What one request did: the record its access-log line and its metrics are made from.
+
+The recording middleware (recorder.py) makes it and records it once the answer is done;
+in between, the proxy is its one writer: the relay and each attempt return values that
+the proxy copies in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway.observe.trace_context import TraceContext
+
+if TYPE_CHECKING:
+    from gateway.observe.tracing import Span
+
+
+@dataclass
+class Exchange:
+    """What one request did, for its access-log line and metrics."""
+
+    route: str  # a bounded name: the route's, or "other" for a path no route serves
+    request_id: str
+    started: float
+    tag: str = ""
+    model: str = ""  # as a metric label: a model the fleet serves, else "other"
+    lane: str = ""
+    instance: str = ""
+    status: int = 0
+    attempts: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    tokens: int | None = None
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    # For the access log only (never labels: unbounded, or chosen by the client).
+    method: str = ""
+    path: str = ""
+    client: str = ""  # the peer address (proxy headers are not trusted)
+    user_agent: str = ""
+    queue_wait: float = 0.0  # seconds in the gateway queue, all attempts together
+    bytes_sent: int = 0
+    trace: TraceContext | None = None
+    span: Span | None = None  # with OpenTelemetry on: the request's span
+    forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets

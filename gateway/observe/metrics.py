@@ -1,0 +1,400 @@
+"""Prometheus metrics, on a registry owned by the app (never the global one).
+
+Request-path metrics are counters and histograms updated once per request. Current state
+(queues, in-flight, up/down, vLLM load) is read by `StateCollector` from a scheduler
+snapshot at scrape time, so the hot path pays nothing for it.
+
+Conventions (what a Prometheus user expects): the vLLM instance is the label `server`
+(`instance` and `job` are Prometheus' own target labels), 0..1 gauges end in `_ratio`,
+`status` holds HTTP codes only, and there are no `_created` series. Labelled series whose
+label values are known at start are created at zero then (`start_series`), so `rate()`
+sees their first increase.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import get_args, get_type_hints
+
+from aiohttp import __version__ as aiohttp_version
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway import __version__
+from gateway.dispatch import GiveUp, Lane, Rejected, Snapshot
+from gateway.dispatch.retry import RetryReason
+
+# TTFT spans a cached short prompt (tens of ms) to a long prefill behind a queue (a minute).
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+
+OTHER_TAG = "other"
+NONE = "none"  # the label value of what a request never had (a lane, a model, a tag)
+CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle_timeout", "over_limit")
+# Label values known in advance, each series created at zero by `start_series`.
+ERROR_KINDS = ("connect", "timeout", "bad_response")  # an attempt that got no usable answer
+RETRY_REASONS = (*get_args(RetryReason), "bad_response")
+RETRY_REFUSALS: tuple[str, ...] = get_args(get_type_hints(GiveUp)["why"])
+REJECTIONS: tuple[str, ...] = get_args(get_type_hints(Rejected)["reason"])
+STREAM_ABORT_SIDES = ("client", "upstream", "shutdown")
+# What an instance answers that the gateway acts on: success, and the retryable statuses.
+INSTANCE_STATUSES = ("200", "429", "502", "503", "504")
+# Statuses of inference requests that were placed in a lane (answered by an instance, or
+# turned away by the gateway: queue full / no instance / upstream error or timeout).
+PLACED_STATUSES = ("200", "429", "502", "503", "504")
+
+
+class Registry(CollectorRegistry):
+    """A registry that leaves out `_created` series.
+
+    prometheus_client's own switch (`disable_created_metrics()`) is process-global state;
+    this keeps the choice on the app's registry. `_created` doubles the series of every
+    counter and histogram and no dashboard here reads it.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
+class Metrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        max_tags: int = 20,
+        lane_names: dict[Lane, str] | None = None,
+    ) -> None:
+        self.registry = registry
+        # How lanes are named in labels and logs (the app names the long one [prefill].tag).
+        self.lane_names = lane_names or {lane: lane.value for lane in Lane}
+        self.max_tags = max_tags
+        self._tags: set[str] = set()
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by route (unknown paths: 'other'), status, lane, model (those "
+            "the fleet serves; others fold into 'other') and (capped) X-Request-Tag.",
+            ["route", "status", "lane", "model", "tag"],
+            registry=registry,
+        )
+        self.instance_requests = Counter(
+            "gateway_instance_requests",
+            "Attempts each instance answered, by the HTTP status it answered.",
+            ["server", "status"],
+            registry=registry,
+        )
+        self.instance_errors = Counter(
+            "gateway_instance_errors",
+            "Attempts that got no usable answer from an instance, by kind "
+            "(connect, timeout, bad_response).",
+            ["server", "kind"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "gateway_retries", "Retries, by reason.", ["reason"], registry=registry
+        )
+        self.retries_refused = Counter(
+            "gateway_retries_refused",
+            "Retries not made, by why (attempts, deadline, budget).",
+            ["why"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "gateway_rejections",
+            "Requests the gateway turned away itself, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.stream_aborts = Counter(
+            "gateway_stream_aborts",
+            "Streams ended after they started, by which side broke them.",
+            ["side"],
+            registry=registry,
+        )
+        self.slo = Counter(
+            "gateway_slo_requests",
+            "Streamed requests by whether they met their lane's TTFT / TPOT objective.",
+            ["lane", "server", "objective", "result"],
+            registry=registry,
+        )
+        self.goodput = Counter(
+            "gateway_goodput_requests",
+            "Streamed requests that met both objectives of their lane (rate() = goodput).",
+            ["lane", "server"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "gateway_ttft_seconds",
+            "Time to first token (first streamed chunk), from arrival at the gateway.",
+            ["lane", "server"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "gateway_tpot_seconds",
+            "Time per output token after the first, of streamed answers.",
+            ["lane", "server"],
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "End-to-end time of requests that reached an instance.",
+            ["lane"],
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time requests spent in the gateway queue before an instance took them.",
+            ["lane"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+
+        self.client_connections = Gauge(
+            "gateway_client_connections",
+            "Client connections open now (not counting those refused over the cap).",
+            registry=registry,
+        )
+        self.client_connections_closed = Counter(
+            "gateway_client_connections_closed",
+            "Client connections the gateway cut, by reason (a timeout or the cap).",
+            ["reason"],
+            registry=registry,
+        )
+        Gauge(
+            "gateway_build_info",
+            "Always 1: the gateway's version and what it runs on, as labels.",
+            ["version", "python", "aiohttp"],
+            registry=registry,
+        ).labels(__version__, platform.python_version(), aiohttp_version).set(1)
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, _resident_memory_bytes...
+        # Every series whose labels do not depend on the fleet exists at 0 from the start.
+        for reason in CONNECTION_CUTS:
+            self.client_connections_closed.labels(reason)
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for why in RETRY_REFUSALS:
+            self.retries_refused.labels(why)
+        for reason in REJECTIONS:
+            self.rejections.labels(reason)
+        for side in STREAM_ABORT_SIDES:
+            self.stream_aborts.labels(side)
+        for lane in self.lane_names.values():
+            self.duration.labels(lane)
+            self.queue_wait.labels(lane)
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "SIGHUP reloads of config.toml and settings.json, by result (applied or failed).",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("applied", "failed"):
+            self.config_reloads.labels(result)
+        self.config_last_reload_successful = Gauge(
+            "gateway_config_last_reload_successful",
+            "1 if the last reload applied (or none was tried), 0 if it failed: the files on "
+            "disk are not what the gateway runs.",
+            registry=registry,
+        )
+        self.config_last_reload_successful.set(1)
+
+    def start_series(
+        self,
+        servers: Sequence[str],
+        *,
+        placed_routes: Iterable[str] = (),
+        keyed_routes: Iterable[str] = (),
+        models: Iterable[str] = (),
+        tag: str = "",
+    ) -> None:
+        """Create at zero the series whose labels the fleet and the routes decide.
+
+        Per server: its answers by status (200 and the retryable ones), its error kinds, and
+        TTFT, TPOT, SLO and goodput for each lane. Per route: 401 for each route that takes
+        a key, 404 for unknown paths ('other'), and for each route that places requests in a
+        lane, the statuses of PLACED_STATUSES by lane for each model known now (or none).
+        """
+        lanes = list(self.lane_names.values())
+        for server in servers:
+            for status in INSTANCE_STATUSES:
+                self.instance_requests.labels(server, status)
+            for kind in ERROR_KINDS:
+                self.instance_errors.labels(server, kind)
+            for lane in lanes:
+                self.ttft.labels(lane, server)
+                self.tpot.labels(lane, server)
+                self.goodput.labels(lane, server)
+                for objective in ("ttft", "tpot"):
+                    for result in ("met", "missed"):
+                        self.slo.labels(lane, server, objective, result)
+        self.requests.labels("other", "404", NONE, NONE, NONE)
+        for route in keyed_routes:
+            self.requests.labels(route, "401", NONE, NONE, NONE)
+        tag_label = self.tag_label(tag or NONE)
+        known_models = list(models) or [NONE]
+        for route in placed_routes:
+            for lane in lanes:
+                for model in known_models:
+                    for status in PLACED_STATUSES:
+                        self.requests.labels(route, status, lane, model, tag_label)
+
+    def tag_label(self, tag: str) -> str:
+        """The tag itself while fewer than `max_tags` distinct tags were seen, else 'other'."""
+        if tag in self._tags:
+            return tag
+        if len(self._tags) < self.max_tags:
+            self._tags.add(tag)
+            return tag
+        return OTHER_TAG
+
+    def watch(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Export the scheduler's state, from a snapshot taken at each scrape."""
+        self.registry.register(StateCollector(snapshot, self.lane_names))
+
+
+class StateCollector(Collector):
+    """Turns a snapshot of the scheduler (taken when Prometheus scrapes) into gauges."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], lane_names: dict[Lane, str]) -> None:
+        self.snapshot = snapshot
+        self.lane_names = lane_names
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        families = {
+            "queue_depth": GaugeMetricFamily(
+                "gateway_instance_queue_depth",
+                "Requests waiting at each instance beyond its running slots: the larger of "
+                "the gateway's own count and the instance's fresh vllm:num_requests_waiting.",
+                labels=["server"],
+            ),
+            "inflight": GaugeMetricFamily(
+                "gateway_instance_inflight",
+                "Requests this gateway has in flight on each instance.",
+                labels=["server"],
+            ),
+            "up": GaugeMetricFamily(
+                "gateway_instance_up",
+                "1 if the instance takes traffic (probes pass, not ejected), else 0.",
+                labels=["server"],
+            ),
+            "score": GaugeMetricFamily(
+                "gateway_instance_score",
+                "The least_busy score of each instance (lower takes the next request).",
+                labels=["server"],
+            ),
+            "running": GaugeMetricFamily(
+                "gateway_instance_vllm_running",
+                "vllm:num_requests_running at the last scrape (NaN if never or stale).",
+                labels=["server"],
+            ),
+            "waiting": GaugeMetricFamily(
+                "gateway_instance_vllm_waiting",
+                "vllm:num_requests_waiting at the last scrape (NaN if never or stale).",
+                labels=["server"],
+            ),
+            "prefill_rate": GaugeMetricFamily(
+                "gateway_instance_prefill_rate_tokens_per_second",
+                "Learned prefill throughput of each instance (NaN before any streamed answer).",
+                labels=["server"],
+            ),
+            "tpot": GaugeMetricFamily(
+                "gateway_instance_tpot_estimate_seconds",
+                "Learned time per output token of each instance (NaN before any).",
+                labels=["server"],
+            ),
+            "slow": GaugeMetricFamily(
+                "gateway_instance_slow",
+                "1 while the instance's learned speed is well below the fleet median.",
+                labels=["server"],
+            ),
+            "kv": GaugeMetricFamily(
+                "gateway_instance_vllm_kv_cache_usage_ratio",
+                "vllm:kv_cache_usage_perc at the last scrape, 0..1 (NaN if unknown).",
+                labels=["server"],
+            ),
+        }
+        prefix: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "index": GaugeMetricFamily(
+                "gateway_prefix_index_blocks",
+                "Prompt blocks (64 tokens) the gateway remembers sending to each instance.",
+                labels=["server"],
+            ),
+            "queries": CounterMetricFamily(
+                "gateway_prefix_query_tokens",
+                "Prompt tokens sent to each instance with a prefix estimate.",
+                labels=["server"],
+            ),
+            "hits": CounterMetricFamily(
+                "gateway_prefix_estimated_hit_tokens",
+                "Of those, the tokens the gateway estimated were in the instance's prefix cache.",
+                labels=["server"],
+            ),
+            "vllm_queries": CounterMetricFamily(
+                "gateway_instance_vllm_prefix_cache_query_tokens",
+                "vllm:prefix_cache_queries_total at the instance's last scrape (its own count).",
+                labels=["server"],
+            ),
+            "vllm_hits": CounterMetricFamily(
+                "gateway_instance_vllm_prefix_cache_hit_tokens",
+                "vllm:prefix_cache_hits_total at the instance's last scrape (its own count).",
+                labels=["server"],
+            ),
+        }
+        current_lane = GaugeMetricFamily(
+            "gateway_instance_lane",
+            "1 for the lane each instance serves now (static, or given by the split between "
+            "the lanes), 0 for the other; both 1 on a shared instance with the split off.",
+            labels=["server", "lane"],
+        )
+        ejections = CounterMetricFamily(
+            "gateway_instance_ejections",
+            "Passive ejections of each instance after consecutive failures.",
+            labels=["server"],
+        )
+        nan = float("nan")
+        for state in snap.instances:
+            name = [state.name]
+            report = state.fresh_report
+            families["queue_depth"].add_metric(name, state.queue_depth)
+            families["inflight"].add_metric(name, state.inflight)
+            families["up"].add_metric(name, 1.0 if state.available else 0.0)
+            families["score"].add_metric(name, state.score)
+            families["running"].add_metric(name, report.running if report else nan)
+            families["waiting"].add_metric(name, report.waiting if report else nan)
+            kv = report.kv_usage if report else None
+            families["kv"].add_metric(name, nan if kv is None else kv)
+            ejections.add_metric(name, state.ejections_total)
+            for lane in Lane:
+                on = state.current_lane in (lane.value, "any")
+                current_lane.add_metric([state.name, self.lane_names[lane]], 1.0 if on else 0.0)
+            rate, tpot = state.prefill_rate, state.tpot
+            families["prefill_rate"].add_metric(name, nan if rate is None else rate)
+            families["tpot"].add_metric(name, nan if tpot is None else tpot)
+            families["slow"].add_metric(name, 1.0 if state.slow else 0.0)
+            prefix["index"].add_metric(name, state.prefix_index_blocks)
+            prefix["queries"].add_metric(name, state.prefix_query_tokens)
+            prefix["hits"].add_metric(name, state.prefix_hit_tokens)
+            last = state.report  # the instance's own counters, however old the scrape
+            if last is not None and last.prefix_queries is not None:
+                prefix["vllm_queries"].add_metric(name, last.prefix_queries)
+            if last is not None and last.prefix_hits is not None:
+                prefix["vllm_hits"].add_metric(name, last.prefix_hits)
+        yield from families.values()
+        yield from prefix.values()
+        yield ejections
+        yield current_lane
+        lanes = GaugeMetricFamily(
+            "gateway_queue_depth",
+            "Requests waiting in the gateway queue, by lane.",
+            labels=["lane"],
+        )
+        for lane in Lane:
+            lanes.add_metric([self.lane_names[lane]], snap.queues[lane])
+        yield lanes

@@ -1,0 +1,242 @@
+"""After the fact: one access-log line and the metrics of each finished request.
+
+Every request the app answers passes here once, whatever answered it (the proxy, another
+route, or the error middleware for 401, 404, 405 and 413): the middleware opens its
+`Exchange` with `begin()`, the handler fills it in, and the middleware calls `record()`.
+
+Also the SLO accounting: a finished stream is counted against its lane's objectives for
+time to first token and time per output token, and as goodput when it met both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from gateway.config.load import Config
+from gateway.observe import log, request_id
+from gateway.observe.exchange import Exchange
+from gateway.observe.metrics import NONE, Metrics
+
+_access = log.get("gateway.access")
+
+EXCHANGE = web.RequestKey("exchange", Exchange)
+OTHER_ROUTE = "other"
+# Probes and scrapes: they take no key, and their successes log at debug only (they are
+# answered often and uneventfully).
+PROBE_ROUTES = frozenset({"healthz", "readyz", "metrics"})
+_USER_AGENT_CHARS = 200
+_PATH_CHARS = 200
+
+
+def route_label(path: str, prefixes: Sequence[str]) -> str:
+    """A route's name from its path: the OpenAI prefix off, slashes as dots.
+
+    "/v1/chat/completions" -> "chat.completions", "/admin/instances" -> "admin.instances".
+    Only paths of registered routes are passed in, so the names are bounded.
+    """
+    for prefix in sorted(prefixes, key=len, reverse=True):
+        if prefix and path.startswith(prefix + "/"):
+            path = path[len(prefix) :]
+            break
+    return path.strip("/").replace("/", ".") or OTHER_ROUTE
+
+
+def route_of(request: web.Request, prefixes: Sequence[str]) -> str:
+    """The bounded route name of a request: its route's, else 'other' (no route has the path)."""
+    resource = request.match_info.route.resource
+    if resource is not None:
+        return route_label(resource.canonical, prefixes)
+    if request.match_info.http_exception is not None:  # 405: a route has this path
+        for known in request.app.router.resources():
+            if known.canonical == request.path:
+                return route_label(known.canonical, prefixes)
+    return OTHER_ROUTE
+
+
+def route_table(
+    routes: Iterable[web.AbstractRoute], prefixes: Sequence[str]
+) -> dict[str, set[str]]:
+    """Each route's name and the methods it takes."""
+    table: dict[str, set[str]] = {}
+    for route in routes:
+        if route.resource is not None:
+            name = route_label(route.resource.canonical, prefixes)
+            table.setdefault(name, set()).add(route.method)
+    return table
+
+
+def start_series(
+    metrics: Metrics,
+    config: Config,
+    routes: Iterable[web.AbstractRoute],
+    *,
+    keyed: bool,
+    models: Iterable[str],
+) -> None:
+    """Create the series known at start at zero: POST routes place requests in a lane, and
+    (with `keyed`) every route but the probes and /metrics can answer 401."""
+    table = route_table(routes, config.route_prefixes)
+    metrics.start_series(
+        [i.label for i in config.instances],
+        placed_routes=[r for r, methods in table.items() if "POST" in methods],
+        keyed_routes=[r for r in table if r not in PROBE_ROUTES] if keyed else [],
+        models=models,
+        tag=config.channel.headers.get("X-Request-Tag", ""),
+    )
+
+
+class Owner(Protocol):
+    """What recording needs from the app: the recorder and the request clock (the proxy)."""
+
+    @property
+    def recorder(self) -> Recorder: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str]) -> Middleware:
+    """The middleware that records every request, whatever answers it.
+
+    It sits outside the one that shapes errors, so it sees the 401, 404, 405 and 413
+    answers as the client gets them; the proxy fills in the Exchange opened here.
+    """
+
+    names: dict[str, str] = {}  # each route's name, worked out once per route
+
+    @web.middleware
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        own = owner(request.app)
+        resource = request.match_info.route.resource
+        name = names.get(resource.canonical) if resource is not None else None
+        if name is None:
+            name = route_of(request, prefixes)
+            if resource is not None:
+                names[resource.canonical] = name
+        ex = own.recorder.begin(request, name, own.clock())
+        response: web.StreamResponse | None = None
+        try:
+            response = await handler(request)
+            return response
+        except asyncio.CancelledError:
+            ex.status = ex.status or 499  # the client closed the connection (nginx's code)
+            raise
+        except web.HTTPException as exc:  # one aiohttp answers itself
+            ex.status = ex.status or exc.status
+            raise
+        except Exception:
+            ex.status = ex.status or 500
+            raise
+        finally:
+            if response is not None:
+                ex.status = ex.status or response.status
+                ex.bytes_sent = bytes_of(response)
+            own.recorder.record(ex, own.clock() - ex.started)
+
+    return record
+
+
+def bytes_of(response: web.StreamResponse) -> int:
+    """A stream has been written (the count includes its head); a whole answer not yet."""
+    return response.body_length if response.prepared else response.content_length or 0
+
+
+def record_refusal(
+    owner: Owner, request: web.Request, response: web.Response, prefixes: Sequence[str]
+) -> None:
+    """Count and log an `Expect` refusal: aiohttp sends it without running the middlewares."""
+    ex = owner.recorder.begin(request, route_of(request, prefixes), owner.clock())
+    ex.request_id = response.headers[request_id.HEADER]
+    ex.status = response.status
+    ex.bytes_sent = bytes_of(response)
+    owner.recorder.record(ex, 0.0)
+
+
+class Recorder:
+    def __init__(self, metrics: Metrics, slo: dict[str, tuple[float, float]]) -> None:
+        self.metrics = metrics
+        self.slo = slo  # lane name -> (ttft objective, tpot objective), seconds
+        # Each labelled series once: prometheus_client's labels() checks and locks per call.
+        self._series: dict[tuple[object, ...], Any] = {}
+
+    def _series_of(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(*labels)
+        return series
+
+    def begin(self, request: web.Request, route: str, started: float) -> Exchange:
+        """Open the request's Exchange and leave it on the request for the handler."""
+        ex = Exchange(
+            route,
+            request_id.current(),
+            started,
+            method=request.method,
+            path=request.path[:_PATH_CHARS],
+            client=request.remote or "",
+            user_agent=request.headers.get("User-Agent", "")[:_USER_AGENT_CHARS],
+        )
+        request[EXCHANGE] = ex
+        return ex
+
+    def _account_slo(self, ex: Exchange, lane: str) -> None:
+        """Count a finished stream against its lane's TTFT and TPOT objectives."""
+        assert ex.ttft is not None
+        assert ex.tpot is not None
+        ttft_goal, tpot_goal = self.slo[lane]
+        ttft_ok, tpot_ok = ex.ttft <= ttft_goal, ex.tpot <= tpot_goal
+        slo = self.metrics.slo
+        self._series_of(slo, lane, ex.instance, "ttft", "met" if ttft_ok else "missed").inc()
+        self._series_of(slo, lane, ex.instance, "tpot", "met" if tpot_ok else "missed").inc()
+        if ttft_ok and tpot_ok:
+            self._series_of(self.metrics.goodput, lane, ex.instance).inc()
+
+    def record(self, ex: Exchange, duration: float) -> None:
+        lane = ex.lane or NONE
+        metrics = self.metrics
+        self._series_of(
+            metrics.requests,
+            ex.route,
+            str(ex.status),
+            lane,
+            ex.model or NONE,
+            metrics.tag_label(ex.tag or NONE),
+        ).inc()
+        if ex.instance:  # TTFT and TPOT only of requests an instance answered
+            self._series_of(metrics.duration, lane).observe(duration)
+            if ex.ttft is not None:
+                self._series_of(metrics.ttft, lane, ex.instance).observe(ex.ttft)
+                if ex.tpot is not None:
+                    self._series_of(metrics.tpot, lane, ex.instance).observe(ex.tpot)
+                    self._account_slo(ex, lane)
+        quiet = ex.route in PROBE_ROUTES and 200 <= ex.status < 300
+        (_access.debug if quiet else _access.info)(
+            "request",
+            client=ex.client or None,
+            method=ex.method or None,
+            path=ex.path or None,
+            route=ex.route,
+            model=ex.model or None,
+            status=ex.status,
+            prompt_tokens=ex.prompt_tokens if ex.lane else None,
+            completion_tokens=ex.tokens,
+            bytes_sent=ex.bytes_sent,
+            server=ex.instance or None,
+            attempts=ex.attempts,
+            queue_wait_ms=round(ex.queue_wait * 1000, 2) if ex.lane else None,
+            ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 2),
+            duration_ms=round(duration * 1000, 2),
+            user_agent=ex.user_agent or None,
+            request_id=ex.request_id or None,
+            tag=ex.tag or None,
+            lane=ex.lane or None,
+        )

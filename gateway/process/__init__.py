@@ -1,0 +1,6 @@
+"""The process: serve until a signal, reload on SIGHUP, run N workers on one port.
+
+`serve` (bind, serve, drain), `reload` (a new config applied in place, or refused),
+`workers` (the supervisor and its worker processes).
+May import: every package below it, and `gateway.sim` for `--simulate`.
+"""

@@ -1,0 +1,142 @@
+"""SIGHUP: read `config.toml` and `settings.json` again and apply them without a restart.
+
+A reload never drops a request. The new files are read and validated first; if either
+is bad, the old configuration stays and `reload_failed` says why. Otherwise the new
+`Config` is handed to the shell (proxy, intake, upstream, health checker: what they read
+per request changes from the next request on) and the instance list, limits and health
+policy to the scheduler, which keeps the state of instances that stay.
+
+Some settings are fixed at start (the listening socket, the app's body limit, the
+upstream pool, the strategy and its clock, metric names): a change to one of those is
+logged as `reload_needs_restart` and the running value stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config.load import Config, ConfigError, load
+from gateway.config.schema import ConfigFile, Settings
+from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
+from gateway.observe import log
+from gateway.proxy.auth import KeyChecker
+from gateway.server.app import DISPATCHER, HEALTH, PROXY
+
+_log = log.get("gateway.reload")
+
+# Dotted paths (a prefix covers what is under it) that only a restart changes.
+RESTART_ONLY = (
+    "gateway.host",
+    "gateway.port",
+    "gateway.base_url",
+    "gateway.max_connections",
+    "gateway.max_body_bytes",
+    "gateway.header_timeout",
+    "gateway.idle_timeout",
+    "gateway.max_client_connections",
+    "dispatch.strategy",
+    "dispatch.least_time_decode",  # the strategy's, built at start
+    "dispatch.health_check_interval",
+    "dispatch.health.metrics_stale_after",
+    "dispatch.prefix_index_blocks",
+    "prefill.tag",
+    "prefill.tokenizer",
+    "slo",
+    "channel.base_url",
+    "vllm.tensor_parallel_size",
+    "shared",  # the Redis connection and its keys are made once, at start
+    "tracing",  # the span exporter likewise
+)
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and path != "channel.headers":
+            out.update(_flat(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _restart_only(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in RESTART_ONLY)
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        data = data[part]
+    data[last] = value
+
+
+def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
+    """The configuration to run: `new`, but with the running value of what needs a restart.
+
+    Returns it, the dotted paths that change live, and those that would need a restart.
+    A listen address given on the command line still overrides the file's.
+    """
+    new = new.with_listen(*old.listen_override)
+    old_file, new_file = old.file.model_dump(), new.file.model_dump()
+    old_settings, new_settings = old.settings.model_dump(), new.settings.model_dump()
+    old_flat = _flat(old_file) | _flat(old_settings)
+    new_flat = _flat(new_file) | _flat(new_settings)
+    changed = sorted(
+        p for p in old_flat.keys() | new_flat.keys() if old_flat.get(p) != new_flat.get(p)
+    )
+    restart = [p for p in changed if _restart_only(p)]
+    for path in restart:
+        _set(new_file if path.split(".")[0] in new_file else new_settings, path, old_flat[path])
+    config = new.model_copy(
+        update={
+            "file": ConfigFile.model_validate(new_file),
+            "settings": Settings.model_validate(new_settings),
+        }
+    )
+    return config, [p for p in changed if p not in restart], restart
+
+
+def reload(app: web.Application) -> bool:
+    """Read both files again and apply them; False (old configuration kept) if either is bad."""
+    proxy = app[PROXY]
+    old = proxy.config
+    try:
+        # Started without a key means started with --open: a reload keeps that.
+        new = load(old.config_path, old.settings_path, allow_no_key=not old.api_keys)
+        config, changed, restart = merge(old, new)
+    except (ConfigError, ValueError) as exc:
+        _log.error("reload_failed", error=str(exc), kept="the running configuration")
+        proxy.metrics.config_reloads.labels("failed").inc()
+        proxy.metrics.config_last_reload_successful.set(0)
+        return False
+    if restart:
+        _log.warning("reload_needs_restart", settings=restart, kept="the running values")
+    before = {i.label for i in old.instances}
+    endpoints = endpoints_of(config)
+    specs, limits, policy = scheduler_inputs(config)
+    app[DISPATCHER].reconfigure(specs, limits, policy)
+    proxy.reconfigure(config, KeyChecker(k.get_secret_value() for k in config.api_keys), endpoints)
+    app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
+    proxy.metrics.config_reloads.labels("applied").inc()
+    proxy.metrics.config_last_reload_successful.set(1)
+    _log.info(
+        "reloaded",
+        changed=changed,
+        instances_added=sorted(set(endpoints) - before),
+        instances_removed=sorted(before - set(endpoints)),
+        instances=len(endpoints),
+    )
+    return True
+
+
+def reload_on_signal(app: web.Application) -> Callable[[], None]:
+    """The SIGHUP handler: a reload runs on the event loop, between two requests' steps."""
+
+    def handler() -> None:
+        reload(app)
+
+    return handler

@@ -1,0 +1,131 @@
+"""Runs the gateway: bind, serve, reload on SIGHUP, and drain on SIGINT/SIGTERM.
+
+Shutdown order: readiness turns 503 for `drain_delay` seconds while everything is still
+served and new connections are still accepted; then the listening socket closes,
+requests still queued in the gateway get 503 with Retry-After, and requests in progress
+get up to `drain_timeout` seconds to finish; then resources close. A second SIGTERM or
+SIGINT during the drain ends it at once (what is still running is ended as at the
+deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from gateway.config.load import Config
+from gateway.lifecycle import Lifecycle
+from gateway.observe import log
+from gateway.process.reload import reload_on_signal
+from gateway.server.app import DISPATCHER, PROXY, build_app
+from gateway.server.runner import GatewayRunner, make_runner
+
+_log = log.get("gateway.server")
+
+
+async def start_simulated(config: Config) -> list[object]:
+    """One simulated vLLM instance per configured URL, on that URL's loopback port."""
+    from gateway.sim.fleet import start_fleet  # only --simulate needs the simulator
+    from gateway.sim.sim_vllm import SimConfig
+
+    configs, ports = [], []
+    for spec in config.instances:
+        parts = urlsplit(spec.url)
+        host = parts.hostname or ""
+        if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
+            raise SystemExit(f"--simulate binds only loopback addresses; {spec.url} is not one")
+        ports.append(parts.port or 80)
+        tp = config.settings.vllm.tensor_parallel_size
+        configs.append(
+            SimConfig(
+                model=config.channel.default_model or "sim-model",
+                max_num_seqs=spec.max_num_seqs or config.dispatch.max_num_seqs,
+                # A tensor-parallel group of N cards prefills about N times faster.
+                prefill_tokens_per_s=SimConfig.prefill_tokens_per_s * tp,
+            )
+        )
+    return list(await start_fleet(configs, ports=ports))
+
+
+def _too_early() -> None:
+    _log.warning("reload_skipped", reason="SIGHUP before the gateway finished starting")
+
+
+async def serve(
+    config: Config,
+    *,
+    simulate: bool = False,
+    on_ready: Callable[[str], None] | None = None,
+    lifecycle: Lifecycle | None = None,
+) -> None:
+    lifecycle = lifecycle or Lifecycle()
+    # SIGHUP's default action kills the process: handle it from the start, and reload
+    # once there is something to reload.
+    on_hup: list[Callable[[], None]] = [_too_early]
+    with lifecycle.signals(on_hup=lambda: on_hup[0]()):
+        sims = await start_simulated(config) if simulate else []
+        for sim in sims:
+            _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
+        app = build_app(config, lifecycle)
+        runner = make_runner(app, config.gateway.drain_timeout)
+        await runner.setup()
+        on_hup[0] = reload_on_signal(app)
+        try:
+            host, port = await runner.listen(
+                config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
+            )
+            url = f"http://{host}:{port}"
+            _log.info("listening", url=url, instances=len(config.instances))
+            if on_ready:
+                on_ready(url)
+            await lifecycle.stopping.wait()
+            await _drain(app, runner, lifecycle)
+        finally:
+            on_hup[0] = _too_early
+            await runner.cleanup()
+            if sims:
+                from gateway.sim.fleet import stop_fleet
+
+                await stop_fleet(sims)  # type: ignore[arg-type]
+            _log.info("stopped")
+
+
+async def _drain(app: web.Application, runner: GatewayRunner, lifecycle: Lifecycle) -> None:
+    """The drain after the first stop signal; a second one ends it at once.
+
+    For `drain_delay` s only readiness changes (503), so a load balancer stops sending
+    before anything is refused; then the listener closes, queued requests get 503, and
+    requests in progress get `drain_timeout` s.
+    """
+    gateway = app[PROXY].config.gateway  # as reloaded: the drain times may have changed
+    _log.info("draining", drain_delay_s=gateway.drain_delay, drain_timeout_s=gateway.drain_timeout)
+    lifecycle.draining = True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(gateway.drain_delay):
+            await lifecycle.forced.wait()
+    runner.stop_listening()  # no new connections; open ones finish their requests
+    _log.info("listener_closed")
+    app[DISPATCHER].close()
+    ended = await lifecycle.drain(gateway.drain_timeout)
+    if lifecycle.forced.is_set():
+        _log.warning("drain_forced", reason="a second stop signal")
+    _log.info("drained", ended_at_deadline=ended)
+
+
+def serve_here(config: Config, *, simulate: bool = False) -> int:
+    """Serve in this process until a stop signal; the process's exit status."""
+    try:
+        import uvloop
+
+        uvloop.run(serve(config, simulate=simulate))
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(serve(config, simulate=simulate))
+    except OSError as exc:
+        print(f"gateway: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0

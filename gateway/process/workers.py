@@ -1,0 +1,358 @@
+"""`gateway --workers N`: N processes serving one port, and the parent that supervises them.
+
+One Python event loop relays about one core's worth of streams; N workers use N cores.
+Like uvicorn's and gunicorn's workers:
+
+- The parent validates the configuration once (cli.py), reserves the port (a socket
+  bound with SO_REUSEPORT but not listening: port 0 becomes a real port every worker
+  binds, and nobody else takes the port while a worker restarts), then starts N workers.
+  Each runs the single-process server (process/serve.py) on that host and port with
+  SO_REUSEPORT: the kernel spreads new connections among the listening workers.
+  Without SO_REUSEPORT (Windows) `--workers` above 1 is refused at start with a message
+  (`WorkersUnsupported`): handing one listening socket to every worker would work there,
+  but untested code on a platform we do not run is worse than a clear refusal.
+- Workers are started with multiprocessing's "spawn" context, the validated `Config`
+  passed to each as an argument (pickled through a pipe: secrets never reach argv or the
+  environment). Spawn rather than fork: a fresh interpreter shares no event loop, thread
+  or open connection with the parent; rather than re-running `python -m gateway` with an
+  internal flag: the workers serve exactly the configuration the parent checked, with no
+  second command line to keep in step.
+- A worker that dies (any exit while the parent is not stopping) is logged
+  (`worker_died`, with its exit code: negative is the signal that killed it) and
+  restarted (`worker_started`), after `restart_delay` when it died young, so a worker
+  that crashes at start does not spin.
+- SIGTERM or SIGINT: forwarded to every worker as SIGTERM; each drains as a single
+  process does (readiness 503, listener closed, `drain_timeout` for streams). The parent
+  waits for them and exits 0 if every worker exited 0, else 1. A second SIGTERM/SIGINT,
+  or `drain_timeout` + `KILL_GRACE` seconds without all of them gone, sends SIGKILL.
+- SIGHUP: forwarded to every worker, each of which handles it as a single process does.
+  A worker restarted later starts from the configuration the parent validated at start.
+
+Workers share dispatch state only through `[shared] redis_url` (shared.py). Without it
+each worker dispatches on its own view (its own in-flight counts, its own queue and
+limits), and the parent logs `workers_without_shared_state` at start.
+
+`/metrics` answers for all workers whichever one the scrape reaches (peer_metrics.py),
+through the private folder the parent makes here and passes down as `GATEWAY_WORKERS_DIR`.
+With `--simulate` the simulated fleet runs once, in a thread of the parent, not per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gateway.config.load import Config
+from gateway.observe import log
+from gateway.observe.peer_metrics import WORKERS_DIR_ENV
+
+MIN_UPTIME = 10.0  # seconds: a worker that died sooner died young and its restart backs off
+MAX_RESTART_DELAY = 30.0
+KILL_GRACE = 10.0  # seconds past drain_timeout before workers still running get SIGKILL
+
+_log = log.get("gateway.workers")
+
+
+class WorkersUnsupported(Exception):
+    """This platform cannot run several workers on one port."""
+
+
+def restart_delay(young_deaths: int) -> float:
+    """Seconds before restarting a worker whose predecessors died young this many times in a row.
+
+    0, 0, 0.5, 1, 2, 4, 8, 16, 30, 30, ... for 0, 1, 2, ... young deaths: a worker that
+    ran a while, or crashed once, comes back at once; a crash loop slows to one try in 30 s.
+    """
+    if young_deaths <= 1:
+        return 0.0
+    return min(MAX_RESTART_DELAY, 0.5 * 2.0 ** (young_deaths - 2))
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port with SO_REUSEPORT, not listening: it takes no connection.
+
+    It fixes port 0 to one real port for every worker, and it fails here, before any
+    worker starts, if the port is taken (OSError).
+    """
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    if reuse_port is None:
+        raise WorkersUnsupported(
+            "--workers above 1 needs SO_REUSEPORT (Linux, the BSDs, macOS), which this "
+            "platform lacks; run one gateway per port behind a load balancer instead"
+        )
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _worker_main(config: Config, log_level: str, folder: str) -> None:
+    """A worker process: the single-process server, on the reserved port with SO_REUSEPORT."""
+    # Until serve() installs its handlers there is nothing to drain: a stop signal ends
+    # the worker quietly, and SIGHUP (whose default kills) is ignored.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_quietly)
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None:
+        signal.signal(hup, signal.SIG_IGN)
+    os.environ[WORKERS_DIR_ENV] = folder
+    log.configure(log_level)
+    # Every line this worker logs says which worker it is (requests clear the contextvars,
+    # so this is a processor, first in the chain log.configure set up).
+    processors = structlog.get_config()["processors"]
+    structlog.configure(processors=[_add_worker_pid, *processors])
+    from gateway.process.serve import serve_here
+
+    sys.exit(serve_here(config))
+
+
+def _add_worker_pid(logger: object, method: str, event: MutableMapping[str, Any]) -> Any:
+    event.setdefault("worker_pid", os.getpid())
+    return event
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+@dataclass
+class Slot:
+    """One of the N places a worker runs in, across its restarts."""
+
+    index: int
+    process: BaseProcess | None = None
+    started_at: float = 0.0
+    young_deaths: int = 0
+    restart_at: float | None = None
+
+    def died(self, now: float) -> float:
+        """Note that its worker died at `now`; returns the seconds to wait before a restart."""
+        young = now - self.started_at < MIN_UPTIME
+        self.young_deaths = self.young_deaths + 1 if young else 0
+        delay = restart_delay(self.young_deaths)
+        self.process, self.restart_at = None, now + delay
+        return delay
+
+    def __repr__(self) -> str:
+        pid = self.process.pid if self.process is not None else None
+        return f"<Slot {self.index} pid={pid} young_deaths={self.young_deaths}>"
+
+
+@dataclass
+class Supervisor:
+    """Starts the workers, restarts those that die, forwards signals, waits for the drain."""
+
+    config: Config
+    log_level: str
+    simulate: bool = False
+    slots: list[Slot] = field(default_factory=list)
+    stopping: bool = False
+    kill_at: float | None = None
+    exit_codes: list[int] = field(default_factory=list)  # of workers that exited on a stop
+    _signals: list[int] = field(default_factory=list)
+
+    def run(self) -> int:
+        gateway = self.config.gateway
+        try:
+            reservation = reserve_port(gateway.host, gateway.port)
+        except WorkersUnsupported as exc:
+            print(f"gateway: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"gateway: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        port = int(reservation.getsockname()[1])
+        self.config = self.config.with_listen(None, port)
+        if self.config.file.shared.redis_url is None:
+            _log.warning(
+                "workers_without_shared_state",
+                workers=gateway.workers,
+                hint="each worker dispatches on its own view; set [shared] redis_url",
+            )
+        folder = tempfile.mkdtemp(prefix="gateway-workers-")
+        simulation = _Simulation(self.config) if self.simulate else None
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        handled = [signal.SIGTERM, signal.SIGINT]
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is not None:
+            handled.append(hup)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
+        previous_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        try:
+            if simulation is not None:
+                simulation.start()
+            context = multiprocessing.get_context("spawn")
+            self.slots = [Slot(i) for i in range(gateway.workers)]
+            _log.info("supervising", workers=gateway.workers, url=f"http://{gateway.host}:{port}")
+            for slot in self.slots:
+                self._start(slot, context, folder)
+            while True:
+                self._wait(wake_r)
+                self._handle_signals()
+                self._reap(folder)
+                if self.stopping:
+                    if not self._alive():
+                        break
+                    if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                        _log.warning("workers_killed", reason="drain took too long")
+                        self._send_all(signal.SIGKILL)
+                        self.kill_at = None
+                    continue
+                now = time.monotonic()
+                for slot in self.slots:
+                    due = slot.restart_at is not None and now >= slot.restart_at
+                    if slot.process is None and due:
+                        self._start(slot, context, folder)
+        finally:
+            signal.set_wakeup_fd(previous_wakeup)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._send_all(signal.SIGKILL)  # only workers still running: none after a drain
+            for slot in self.slots:
+                if slot.process is not None:
+                    slot.process.join()
+            wake_r.close()
+            wake_w.close()
+            reservation.close()
+            shutil.rmtree(folder, ignore_errors=True)
+            if simulation is not None:
+                simulation.stop()
+        clean = all(code == 0 for code in self.exit_codes)
+        _log.info("stopped", clean=clean, exit_codes=self.exit_codes)
+        return 0 if clean else 1
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        # Only note it: the loop, woken by the wakeup fd, acts (and logs) outside the handler.
+        self._signals.append(signum)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == getattr(signal, "SIGHUP", None):
+                _log.info("sighup_forwarded", workers=len(self._alive()))
+                self._send_all(signum)
+            elif not self.stopping:
+                self.stopping = True
+                self.kill_at = time.monotonic() + self.config.gateway.drain_timeout + KILL_GRACE
+                _log.info("workers_stopping", signal=signal.Signals(signum).name)
+                self._send_all(signal.SIGTERM)
+            else:
+                _log.warning("workers_killed", reason="second stop signal")
+                self._send_all(signal.SIGKILL)
+
+    def _start(
+        self, slot: Slot, context: multiprocessing.context.SpawnContext, folder: str
+    ) -> None:
+        process = context.Process(
+            target=_worker_main,
+            args=(self.config, self.log_level, folder),
+            name=f"gateway-worker-{slot.index}",
+        )
+        process.start()
+        slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
+        _log.info("worker_started", worker=slot.index, pid=process.pid)
+
+    def _alive(self) -> list[BaseProcess]:
+        return [s.process for s in self.slots if s.process is not None]
+
+    def _wait(self, wake: socket.socket) -> None:
+        sentinels: list[object] = [p.sentinel for p in self._alive()]
+        wait([wake, *sentinels], timeout=0.25)  # type: ignore[list-item]
+        with contextlib.suppress(BlockingIOError):
+            while wake.recv(64):
+                pass
+
+    def _send_all(self, signum: int) -> None:
+        for process in self._alive():
+            if process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    def _reap(self, folder: str) -> None:
+        now = time.monotonic()
+        for slot in self.slots:
+            process = slot.process
+            if process is None or process.is_alive():
+                continue
+            process.join()
+            code = process.exitcode if process.exitcode is not None else -1
+            slot.process = None
+            with contextlib.suppress(OSError):  # its metrics port, if it could not remove it
+                Path(folder, f"{process.pid}.port").unlink()
+            if self.stopping:
+                self.exit_codes.append(code)
+                _log.info("worker_exited", worker=slot.index, pid=process.pid, exit_code=code)
+                continue
+            delay = slot.died(now)
+            _log.warning(
+                "worker_died",
+                worker=slot.index,
+                pid=process.pid,
+                exit_code=code,
+                restart_in_s=delay,
+            )
+
+    def __repr__(self) -> str:
+        state = "stopping" if self.stopping else "running"
+        return f"<Supervisor {state} slots={self.slots}>"
+
+
+class _Simulation:
+    """`--simulate` with workers: the simulated fleet runs once, in a thread of the parent."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="simulation")
+        self.sims: list[object] = []
+
+    def start(self) -> None:
+        from gateway.process.serve import start_simulated
+
+        self.thread.start()
+        future = asyncio.run_coroutine_threadsafe(start_simulated(self.config), self.loop)
+        self.sims = future.result(timeout=30)
+        for sim in self.sims:
+            _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
+
+    def stop(self) -> None:
+        from gateway.sim.fleet import stop_fleet
+
+        if self.sims:
+            done = asyncio.run_coroutine_threadsafe(stop_fleet(self.sims), self.loop)  # type: ignore[arg-type]
+            done.result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+def supervise(config: Config, log_level: str, *, simulate: bool = False) -> int:
+    """Run `config.gateway.workers` workers until a stop signal; the process's exit status."""
+    return Supervisor(config, log_level, simulate=simulate).run()

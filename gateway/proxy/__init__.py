@@ -1,0 +1,8 @@
+"""One request, from its key to its answer: the handler every proxied route runs.
+
+`handler` (`Proxy`: place, attempt, retry, answer), `attempt` (one attempt as values),
+`intake` (key, body, model, lane), `auth` (the unified key), `body`, `form` and `jsoncodec`
+(reading the request), `tokens`, `imagesize` and `tokenizer` (the prompt estimate).
+May import: every package below it: the vocabulary, `dispatch`, `config`, `upstream`,
+`observe`, `fleet`, `relay`.
+"""

@@ -1,0 +1,101 @@
+"""One attempt at one instance, as values: what it sends and how it ended.
+
+`Call` is the request as every attempt
+sends it, fixed once its body is read; `send_headers` is what one attempt sends. An
+attempt ends `Committed` (the client has, or is about to get, its answer) or `Failed`
+(nothing reached the client: the proxy may try elsewhere, and answers `answer` if it
+does not). The proxy decides what to do with each; nothing here waits or raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.dispatch import Lane, Outcome
+from gateway.observe.exchange import Exchange
+from gateway.relay.records import Whole
+from gateway.routes import Route
+from gateway.upstream.endpoint import Endpoint
+from gateway.upstream.response import AttemptFailed
+
+
+@dataclass(frozen=True)
+class Call:
+    """A request as each of its attempts sends it."""
+
+    request: web.Request
+    route: Route
+    body: bytes
+    stream: bool  # the client asked for server-sent events
+    lane: Lane
+    deadline: float  # the clock's time by which its answer must have started
+    headers: dict[str, str]  # what every answer to the client carries (request id, tag)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The attempt produced the client's answer: a stream already sent, or a whole one."""
+
+    response: web.StreamResponse
+    outcome: Outcome  # what it says about the instance
+    error: str | None = None  # why it ended badly, for the instance's record
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Nothing reached the client: why (a retry reason), for the instance, and our answer.
+
+    `answer` is what the client gets if no retry follows: our own error, or the instance's
+    whole answer (a 503 "engine busy" passes on as vLLM wrote it).
+    """
+
+    reason: str  # "connect", "timeout", "bad_response" or "status_<code>"
+    outcome: Outcome
+    answer: errors.GatewayError | Whole
+
+    @property
+    def note(self) -> str:
+        """How the instance's recent errors name it: "connect", or "status 503"."""
+        return self.reason.replace("_", " ") if self.reason.startswith("status_") else self.reason
+
+
+def failed_to_send(failed: AttemptFailed, retry_after: float) -> Failed:
+    """An attempt that got no response head: the error the client gets if none follows."""
+    error: errors.GatewayError
+    if failed.kind == "timeout":
+        error = errors.UpstreamTimeout(
+            f"the vLLM instance did not answer in time ({failed.detail})"
+        )
+    elif failed.kind == "bad_response":
+        error = errors.UpstreamError(
+            f"the vLLM instance's response header was too large or malformed ({failed.detail})"
+        )
+    else:  # nothing reached a GPU: the client may retry as soon as an instance is back
+        error = errors.NoInstanceAvailable(
+            f"could not reach a vLLM instance ({failed.detail})", retry_after=retry_after
+        )
+    return Failed(failed.kind, Outcome.FAILURE, error)
+
+
+def send_headers(
+    call: Call, ex: Exchange, endpoint: Endpoint, span_id: str | None
+) -> dict[str, str]:
+    """The instance's own headers, the client's passed on, and the request's identity.
+
+    `span_id` is the attempt's span when tracing is on: the instance's spans hang under it.
+    """
+    headers = dict(endpoint.headers)
+    headers.update(ex.forward)
+    if call.route.form:  # its boundary is in it
+        headers["Content-Type"] = call.request.headers["Content-Type"]
+    headers["X-Request-Id"] = ex.request_id
+    if ex.trace is not None:
+        headers["traceparent"] = ex.trace.traceparent(span_id)
+        if ex.trace.state:
+            headers["tracestate"] = ex.trace.state
+    if ex.tag:
+        headers["X-Request-Tag"] = ex.tag
+    return headers

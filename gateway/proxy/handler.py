@@ -1,0 +1,342 @@
+"""The request handler for the OpenAI routes: check, place, forward, stream back.
+
+Per request: validate the headers and the key, read the body once (bounded), parse it
+once, pick the lane from the estimated prompt size, then loop over attempts: get an
+instance from the dispatcher, send, and either relay the answer or retry elsewhere.
+Nothing reaches the client until an attempt is committed (a non-retryable status, or
+the first streamed chunk), so a retry is always invisible to the client. After that a
+failure ends the stream with an in-band SSE error and `data: [DONE]`.
+
+Each attempt ends as a value (`attempt.py`: `Committed` or `Failed`), and whether a
+failed one is tried again elsewhere is the dispatch core's `plan_retry`. Relaying an
+answer once an attempt has one is `relay.py`'s job; the proxy alone writes the request's
+`Exchange`, from the records those return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from gateway import errors
+from gateway.config.load import Config
+from gateway.dispatch import GiveUp, Lane, Outcome, RetryBudget, Ticket, judge_status, plan_retry
+from gateway.dispatch.affinity import prompt_blocks, prompt_text
+from gateway.fleet.dispatcher import Dispatcher, Lease
+from gateway.lifecycle import Lifecycle
+from gateway.observe import log, request_id
+from gateway.observe.exchange import Exchange
+from gateway.observe.metrics import ERROR_KINDS, Metrics
+from gateway.observe.recorder import EXCHANGE, Recorder
+from gateway.proxy import jsoncodec
+from gateway.proxy.attempt import Call, Committed, Failed, failed_to_send, send_headers
+from gateway.proxy.auth import KeyChecker
+from gateway.proxy.body import InvalidField, wants_stream
+from gateway.proxy.intake import Intake, max_tokens_of
+from gateway.proxy.tokenizer import TokenCounter
+from gateway.relay.records import Unusable, Whole
+from gateway.relay.relay import Relay
+from gateway.routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
+from gateway.upstream.client import Upstream
+from gateway.upstream.endpoint import Endpoint
+from gateway.upstream.response import AttemptFailed, UpstreamResponse
+
+if TYPE_CHECKING:
+    from gateway.observe.tracing import Span, Spans
+
+_log = log.get("gateway.proxy")
+
+
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Endpoint", "Proxy", "Route"]
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: Config,
+        dispatcher: Dispatcher,
+        upstream: Upstream,
+        metrics: Metrics,
+        keys: KeyChecker,
+        endpoints: dict[str, Endpoint],
+        counter: TokenCounter,
+        lifecycle: Lifecycle | None = None,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.upstream = upstream
+        self.metrics = metrics
+        self.endpoints = endpoints
+        self.counter = counter
+        self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
+        # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
+        self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
+        self.budget = RetryBudget(ratio=config.channel.retry.budget_ratio)
+        self.affinity = config.dispatch.prefix_index_blocks != 0
+        self.clock = dispatcher.clock
+        self.spans: Spans | None = None
+        if config.otlp_traces_url:
+            from gateway.observe import (
+                tracing,  # the otel extra is imported only by a gateway that traces
+            )
+
+            self.spans = tracing.start(config.otlp_traces_url, config.file.tracing.service_name)
+        # Shutdown is the lifecycle's: it holds the requests in progress and says when
+        # their drain time is up.
+        self.lifecycle = lifecycle or Lifecycle()
+        self.relay = Relay(
+            metrics, config.channel.timeout.write, dispatcher.clock, lambda: self.aborting
+        )
+        self.reconfigure(config, keys, endpoints)
+        slo = config.file.slo
+        self.recorder = Recorder(
+            metrics,
+            {
+                self.lane_names[Lane.SHORT]: (slo.ttft, slo.tpot),
+                self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
+            },
+        )
+
+    def reconfigure(self, config: Config, keys: KeyChecker, endpoints: dict[str, Endpoint]) -> None:
+        """Take a (reloaded) configuration: what is read per request changes from here on.
+
+        Requests in progress keep what they read at their start. Endpoints of removed
+        instances stay known, so a request still on one finishes normally.
+        """
+        self.config = config
+        self.keys = keys
+        self.endpoints.update(endpoints)
+        channel = config.channel
+        self.default_model = channel.default_model
+        self.threshold = config.prefill.long_input_threshold
+        self.counter.threshold = self.threshold  # where an exact count is worth asking for
+        self.request_timeout = config.gateway.request_timeout
+        self.retry = channel.retry
+        self.ttft_allowance = {
+            Lane.SHORT: channel.timeout.read,
+            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
+        }
+        self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
+        self.relay.write_timeout = channel.timeout.write
+        self.upstream.timeouts = channel.timeout
+        self.upstream.splice = config.gateway.splice_streams
+        self.intake.reconfigure(config, keys)
+
+    @property
+    def aborting(self) -> bool:
+        return self.lifecycle.aborting
+
+    # ------------------------------------------------------------ handler
+
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+        ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
+        ex.route = route.name  # the middleware records it (recorder.py)
+        headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
+        task = asyncio.current_task()
+        if task is not None:
+            self.lifecycle.track(task)
+        try:
+            # The key was checked first (auth.py's middleware): an unauthenticated request
+            # names no metric label (its tag would use up the bounded tag slots).
+            ex.tag = self.intake.tag(request)
+            if ex.tag:
+                headers["X-Request-Tag"] = ex.tag
+                structlog.contextvars.bind_contextvars(tag=ex.tag)
+            ex.forward = self.intake.passthrough(request)
+            if route.form:  # an upload goes on byte for byte: its model is not filled in
+                body, payload = await self.intake.form_body(request)
+            else:
+                body, payload = await self.intake.json_body(request)
+            if payload.get("model") is None and self.default_model and not route.form:
+                body = jsoncodec.with_field(body, payload, "model", self.default_model)
+                payload["model"] = self.default_model
+            try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
+                stream = route.streams and wants_stream(payload)
+            except InvalidField as bad:
+                raise errors.BadRequest(str(bad), param=bad.field) from None
+            model = self.intake.served_model(payload)
+            if model is not None:
+                ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
+            ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
+            ex.max_tokens = max_tokens_of(payload)
+            lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
+            ex.lane = self.lane_names[lane]
+            structlog.contextvars.bind_contextvars(lane=ex.lane)
+            ticket = self.dispatcher.new_ticket(
+                lane,
+                ex.started + self.request_timeout,
+                tokens=ex.prompt_tokens,
+                max_tokens=ex.max_tokens,
+                model=model,
+                prefix=prompt_blocks(prompt_text(payload)) if self.affinity else (),
+            )
+            call = Call(request, route, body, stream, lane, ticket.deadline, headers)
+            return await self._forward(call, ex, ticket)
+        except errors.GatewayError as exc:
+            ex.status = exc.status
+            return exc.response(headers)
+        except asyncio.CancelledError:
+            if self.aborting and ex.status == 0 and task is not None:
+                task.uncancel()  # our own drain deadline, not the client: answer it
+                error = errors.ShuttingDown(
+                    "the gateway is shutting down",
+                    retry_after=self.dispatcher.scheduler.limits.queue_retry_after,
+                )
+                ex.status = error.status
+                return error.response(headers)
+            if ex.status == 200:
+                self.metrics.stream_aborts.labels("client").inc()
+            ex.status = 499  # the client closed the connection (nginx's code for it)
+            raise
+        finally:
+            if task is not None:
+                self.lifecycle.done(task)
+
+    async def _forward(self, call: Call, ex: Exchange, ticket: Ticket) -> web.StreamResponse:
+        """Attempt, and attempt again elsewhere while the retry plan allows."""
+        self.budget.record_request(self.clock())
+        tried: frozenset[str] = frozenset()
+        last: Failed | None = None
+        while True:
+            ex.attempts += 1
+            if tried:
+                ticket = self.dispatcher.retry_ticket(ticket, tried)
+            queued = self.clock()
+            try:
+                lease = await self.dispatcher.lease(ticket)
+            except errors.GatewayError:
+                if last is None:
+                    raise
+                return self._answer(last, ex)  # nowhere left to retry
+            finally:
+                ex.queue_wait += self.clock() - queued
+            ex.instance = lease.instance
+            structlog.contextvars.bind_contextvars(server=lease.instance)
+            result = await self._attempt(call, ex, lease)
+            if isinstance(result, Committed):
+                return result.response
+            tried = tried | {lease.instance}
+            now = self.clock()
+            scheduler = self.dispatcher.scheduler
+            plan = plan_retry(
+                untried=scheduler.untried_available(call.lane, tried, now, ticket.model),
+                attempt=ex.attempts,
+                max_attempts=self.retry.max_attempts,
+                deadline=call.deadline,
+                now=now,
+                budget=self.budget,
+                base=self.retry.backoff_base,
+                cap=self.retry.backoff_max,
+                rng=self.dispatcher.rng,
+            )
+            if isinstance(plan, GiveUp):
+                self.metrics.retries_refused.labels(plan.why).inc()
+                return self._answer(result, ex)
+            last = result
+            self.metrics.retries.labels(result.reason).inc()
+            _log.info("retrying", reason=result.reason, delay_s=round(plan.delay, 3))
+            await asyncio.sleep(plan.delay)
+
+    async def _attempt(self, call: Call, ex: Exchange, lease: Lease) -> Committed | Failed:
+        """Send the request to the leased instance and judge its answer.
+
+        Whatever way it ends, cancellation included, the lease goes back once with what
+        the attempt says about the instance.
+        """
+        span: Span | None = None
+        if self.spans is not None and ex.span is not None:
+            span = self.spans.attempt(ex.span, ex.attempts, lease.instance)
+        endpoint = self.endpoints[lease.instance]
+        remaining = call.deadline - self.clock()
+        # A stream must show its first token within the lane's allowance; a plain answer
+        # arrives whole, so only the deadline bounds it.
+        allowance = min(remaining, self.ttft_allowance[call.lane]) if call.stream else remaining
+        result: Committed | Failed | None = None  # None: cancelled
+        response: UpstreamResponse | None = None
+        opened = self.clock()
+        try:
+            try:
+                response = await self.upstream.open(
+                    "POST",
+                    endpoint.url + call.route.upstream_path,
+                    body=call.body,
+                    headers=send_headers(call, ex, endpoint, span.span_id if span else None),
+                    timeout=max(0.001, allowance),
+                    stream=call.stream,
+                )
+            except AttemptFailed as failed:
+                retry_after = self.dispatcher.scheduler.limits.queue_retry_after
+                result = failed_to_send(failed, retry_after)
+            else:
+                result = await self._judge(call, ex, lease, response, opened)
+            return result
+        finally:
+            if response is not None:
+                response.close()  # idempotent; closing (not pooling) aborts unfinished work
+            if isinstance(result, Failed):
+                if result.reason in ERROR_KINDS:  # no usable answer (not a retryable status)
+                    self.metrics.instance_errors.labels(lease.instance, result.reason).inc()
+                lease.release(result.outcome, result.note)
+            elif isinstance(result, Committed):
+                lease.release(result.outcome, result.error)
+            else:
+                lease.release(Outcome.NEUTRAL)
+            if call.route.timed and lease.first_token_at is not None:
+                ex.ttft = lease.first_token_at - ex.started
+            if span is not None:
+                got = response.status if response is not None else None
+                reason = result.reason if isinstance(result, Failed) else "cancelled"
+                span.end(got or reason, lane=ex.lane, model=ex.model)
+
+    async def _judge(
+        self,
+        call: Call,
+        ex: Exchange,
+        lease: Lease,
+        response: UpstreamResponse,
+        opened: float,
+    ) -> Committed | Failed:
+        """Pass the answer on, or fail the attempt: the status table decides which.
+
+        `opened` is when the request went out: the first token is due by the lane's
+        allowance after it (or the deadline, if sooner).
+        """
+        status = response.status
+        self.metrics.instance_requests.labels(lease.instance, str(status)).inc()
+        verdict = judge_status(status)
+        if verdict.retry is None and status == 200 and call.stream:
+            first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
+            started = await self.relay.first_chunk(response, first_by - self.clock())
+            if isinstance(started, Unusable):
+                return Failed(started.reason, Outcome.FAILURE, started.error)
+            ex.status = 200  # committed: a cancellation from here on is the client leaving
+            streamed = await self.relay.stream(
+                call,
+                response,
+                started,
+                lease,
+                sent_at=opened,
+                silence=self.ttft_allowance[call.lane],  # between two data events
+            )
+            ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
+            return Committed(streamed.response, streamed.outcome, streamed.error)
+        whole = await self.relay.whole(
+            response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())
+        )
+        if isinstance(whole, Unusable):
+            # A busy or failing instance's broken answer still says it was busy or failing.
+            outcome = verdict.outcome if verdict.retry is not None else Outcome.FAILURE
+            return Failed(whole.reason, outcome, whole.error)
+        if verdict.retry is not None:
+            return Failed(verdict.retry, verdict.outcome, whole)
+        ex.status, ex.tokens = status, whole.tokens
+        return Committed(whole.response, verdict.outcome)
+
+    def _answer(self, failed: Failed, ex: Exchange) -> web.StreamResponse:
+        """Answer with the last attempt's failure: the instance's own answer, or ours."""
+        if isinstance(failed.answer, Whole):
+            ex.status, ex.tokens = failed.answer.response.status, failed.answer.tokens
+            return failed.answer.response
+        raise failed.answer

@@ -1,0 +1,398 @@
+"""Relaying an instance's answer to the client, once an attempt has one.
+
+`whole()` passes on a complete answer (non-streamed, or an error) unchanged, its
+Content-Encoding included. `first_chunk()` reads a stream until its first data event (the
+first token); `stream()` then commits: it sends the headers and copies SSE events as they
+arrive. The per-chunk loop hands each read to `sse.Framer`, which passes on whole events
+only (so an in-band error never lands inside a half-sent one) and counts them the same
+however TCP split them; it parses no JSON. It times only the writes that may block, so a
+client that keeps up costs nothing extra.
+
+Every method returns a value (`relay/records.py`) and writes no one else's state; it
+tells the scheduler of the first token and the time per token through the attempt's
+`Lease`. After the commit, a stream the instance breaks, ends without `data: [DONE]`, or
+keeps silent longer than allowed ends with an in-band error event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Callable
+from typing import Protocol, cast
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.dispatch import Outcome
+from gateway.fleet.dispatcher import Lease
+from gateway.observe import log
+from gateway.observe.metrics import Metrics
+from gateway.relay import splice, sse
+from gateway.relay.records import Started, Streamed, Unusable, Whole, stream_decoder
+from gateway.routes import CHAT, Route
+from gateway.upstream.response import AttemptFailed, UpstreamResponse
+
+
+class Call(Protocol):
+    """What the relay reads of the request it answers (the proxy's `attempt.Call` is one)."""
+
+    @property
+    def request(self) -> web.Request: ...
+
+    @property
+    def route(self) -> Route: ...
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+
+_log = log.get("gateway.proxy")
+
+# Writes that may block (the client is behind, or the chunk is big) are timed; others are
+# free. 16 KiB is asyncio's low-water mark.
+_BACKLOG = 16 * 1024
+_MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not held
+
+
+class _Out(web.StreamResponse):
+    """A stream answer whose bytes written below aiohttp (splice.py) count as its own."""
+
+    spliced = 0
+
+    @property
+    def body_length(self) -> int:
+        return super().body_length + self.spliced
+
+
+class Relay:
+    def __init__(
+        self,
+        metrics: Metrics,
+        write_timeout: float,
+        clock: Callable[[], float],
+        aborting: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.metrics = metrics
+        self.write_timeout = write_timeout
+        self.clock = clock
+        self._aborting = aborting  # the lifecycle's: the drain deadline passed
+
+    @property
+    def aborting(self) -> bool:
+        """Whether a cancelled stream is ours to end in-band (the drain is over), not a
+        client that left; the lifecycle owns the flag, the relay only reads it."""
+        return self._aborting()
+
+    async def whole(
+        self,
+        response: UpstreamResponse,
+        instance: str,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> Whole | Unusable:
+        """Read a whole (non-streamed or error) answer within `timeout`, to pass on unchanged."""
+        try:
+            data = await response.read(timeout)
+        except AttemptFailed as failed:
+            if failed.kind == "timeout":
+                return Unusable(
+                    "timeout", errors.UpstreamTimeout("the vLLM instance did not finish in time")
+                )
+            return Unusable(
+                failed.kind,
+                errors.UpstreamError(f"the vLLM instance broke the connection: {failed.detail}"),
+            )
+        out_headers = dict(headers)
+        out_headers["X-Gateway-Instance"] = instance
+        # An encoding the gateway did not ask for goes on with the bytes it describes; the
+        # token count is then unknown (the usage object is inside the compressed bytes).
+        encoding = response.headers.get("Content-Encoding")
+        tokens = None
+        if encoding:
+            out_headers["Content-Encoding"] = encoding
+        else:
+            tokens = sse.completion_tokens(data, max(0, len(data) - 512))
+        answer = web.Response(
+            status=response.status,
+            body=data,
+            headers=out_headers,
+            content_type=response.content_type or "application/json",
+        )
+        return Whole(answer, tokens)
+
+    async def first_chunk(self, response: UpstreamResponse, timeout: float) -> Started | Unusable:
+        """Read until the stream's first data event, within `timeout` (nothing is sent yet).
+
+        Comment events before it (keep-alives) are dropped: passing one on would commit the
+        200 before the instance has shown a token, and a retry would no longer be possible.
+        """
+        try:
+            decode = stream_decoder(response)
+        except ValueError as unknown:
+            return Unusable("bad_response", errors.UpstreamError(str(unknown)))
+        framer = sse.Framer(_MAX_EVENT)
+        try:
+            async with asyncio.timeout(max(0.001, timeout)):
+                while True:
+                    data = await response.next_chunk()
+                    if not data:
+                        break
+                    first = framer.feed(decode(data) if decode is not None else data)
+                    if framer.events:
+                        return Started(framer, decode, first)
+        except TimeoutError:
+            return Unusable(
+                "timeout",
+                errors.UpstreamTimeout("the vLLM instance sent no token within the allowance"),
+            )
+        except AttemptFailed as failed:
+            return Unusable(
+                "connect",
+                errors.UpstreamError(f"the vLLM instance broke the stream: {failed.detail}"),
+            )
+        except zlib.error as exc:
+            return Unusable(
+                "bad_response",
+                errors.UpstreamError(
+                    f"the vLLM instance sent a stream that does not decode: {exc}"
+                ),
+            )
+        return Unusable(
+            "bad_response",
+            errors.UpstreamError(
+                "the vLLM instance ended its 200 answer without a server-sent data event"
+                + (f" ({framer.held} bytes that are not one)" if framer.held else "")
+            ),
+        )
+
+    async def stream(
+        self,
+        call: Call,
+        response: UpstreamResponse,
+        started: Started,
+        lease: Lease,
+        sent_at: float,
+        silence: float,
+    ) -> Streamed:
+        """Commit: send headers and the first event, then copy events as they arrive.
+
+        `sent_at` is when the request went out (its TTFT counts from there). `silence`
+        bounds the time between two data events. Only data events reset it: comment
+        events (keep-alives) are passed on as they come but cannot hold a stream open;
+        the bytes of an unfinished event held when the time is up are dropped, not sent
+        half.
+        """
+        route = call.route
+        out_headers = dict(call.headers)
+        out_headers["X-Gateway-Instance"] = lease.instance
+        out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
+        out_headers["Cache-Control"] = "no-cache"
+        out = _Out(status=200, headers=out_headers)
+        try:
+            await out.prepare(call.request)
+        except ConnectionResetError:
+            return self._client_left(out)
+        first_at = self.clock()
+        # Only a stream whose first event is its first token measures TTFT and teaches
+        # least_time a prefill speed; the Responses API's first event comes before any.
+        lease.prefill_done(first_at, first_at - sent_at if route.timed else None)
+        transport = call.request.transport
+        if transport is None:  # the client left before we could answer
+            return self._client_left(out)
+        framer, decode, chunk = started.framer, started.decode, started.first
+        watch = transport.get_protocol()
+        # Duck-typed: a runtime-checkable Protocol's isinstance cost 4% of the gateway's
+        # samples in the profile (loadtest/README.md, overhead).
+        if hasattr(response, "splice") and hasattr(watch, "watch_writing"):
+            spliced = await self._splice(
+                out,
+                cast(splice.Source, response),
+                transport,
+                cast(splice.Watch, watch),
+                started,
+                silence,
+                route.sse_done,
+            )
+            if isinstance(spliced, Streamed):
+                return spliced
+            return await self._conclude(call, out, lease, framer, spliced, first_at)
+        loop = asyncio.get_running_loop()
+        broken: str | None = None  # why the instance's stream is unusable, if it is
+        try:
+            # One timer for the whole stream, moved on by each data event: cheaper than a
+            # timer per read, and the client's own per-read timer (which any byte resets) is off.
+            async with asyncio.timeout_at(loop.time() + silence) as quiet:
+                while True:
+                    if chunk:
+                        try:
+                            if transport.get_write_buffer_size() + len(chunk) > _BACKLOG:
+                                # The client is behind. Give it `timeout.write` seconds, then
+                                # let it go rather than keep a GPU generating into a full
+                                # buffer. The instance's silence clock stops meanwhile.
+                                quiet.reschedule(None)
+                                async with asyncio.timeout(self.write_timeout):
+                                    await out.write(chunk)
+                                quiet.reschedule(loop.time() + silence)
+                            else:
+                                await out.write(chunk)
+                        except (ConnectionResetError, TimeoutError):
+                            return self._client_left(out)
+                    try:
+                        data = await response.next_chunk()
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if quiet.expired() or not self.aborting or task is None:
+                            raise
+                        task.uncancel()  # the drain deadline passed: end the stream in-band
+                        self.metrics.stream_aborts.labels("shutdown").inc()
+                        message = "the gateway is shutting down and its drain time is over"
+                        await self._end(out, f"{message}; the answer is incomplete", 503)
+                        return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
+                    except AttemptFailed as failed:
+                        broken = f"broke the stream after it started ({failed.detail})"
+                        break
+                    if not data:
+                        broken = "ended the stream without " + (
+                            "data: [DONE]" if route.sse_done else "its final event"
+                        )
+                        break
+                    events = framer.events
+                    try:
+                        chunk = framer.feed(decode(data) if decode is not None else data)
+                    except zlib.error:
+                        broken = "sent stream bytes that do not decode"
+                        break
+                    if framer.events != events:
+                        quiet.reschedule(loop.time() + silence)
+        except TimeoutError:
+            broken = f"sent no data event for {silence:g}s"
+        return await self._conclude(call, out, lease, framer, broken, first_at)
+
+    async def _conclude(
+        self,
+        call: Call,
+        out: web.StreamResponse,
+        lease: Lease,
+        framer: sse.Framer,
+        broken: str | None,
+        first_at: float,
+    ) -> Streamed:
+        """End a committed stream: in-band error if it broke, the last chunk, the counts."""
+        route = call.route
+        if framer.done or (not route.sse_done and sse.responses_finished(framer.last_head)):
+            broken = None  # the client has the whole answer: what follows is moot
+        tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
+        if broken is not None:
+            self.metrics.stream_aborts.labels("upstream").inc()
+            _log.warning("stream_aborted", side="upstream", why=broken, held=framer.held)
+            message = f"the vLLM instance {lease.instance} {broken}; the answer is incomplete"
+            if not await self._end(out, message, 502, mid_event=framer.mid_event):
+                return self._client_left(out, tokens)
+            return await self._finish(out, Outcome.FAILURE, "stream_broken", tokens)
+        result = await self._finish(out, Outcome.SUCCESS, None, tokens)
+        if result.outcome is Outcome.SUCCESS and route.timed and tokens and tokens > 1:
+            tpot = (self.clock() - first_at) / (tokens - 1)
+            lease.observe_tpot(tpot)
+            return Streamed(out, result.status, result.outcome, None, tokens, tpot)
+        return result
+
+    async def _splice(
+        self,
+        out: _Out,
+        response: splice.Source,
+        transport: asyncio.Transport,
+        watch: splice.Watch,
+        started: Started,
+        silence: float,
+        sse_done: bool,
+    ) -> Streamed | str | None:
+        """Relay the rest below the streams (splice.py): why it broke, None, or a record.
+
+        The first event goes through aiohttp, which sends the held response head with it;
+        the rest goes from the instance's socket to the client's with no await per chunk.
+        """
+        try:
+            if transport.get_write_buffer_size() + len(started.first) > _BACKLOG:
+                async with asyncio.timeout(self.write_timeout):
+                    await out.write(started.first)
+            else:
+                await out.write(started.first)
+        except (ConnectionResetError, TimeoutError):
+            return self._client_left(out)
+        run = splice.Splice(
+            response,
+            transport,
+            started.framer,
+            chunked=out.headers.get("Transfer-Encoding") == "chunked",
+            silence=silence,
+            write_timeout=self.write_timeout,
+            decode=started.decode,
+        )
+        try:
+            run.start(watch)
+            end = await run.done
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.aborting or task is None:
+                raise  # the client left (the proxy closes the instance's connection now)
+            task.uncancel()  # the drain deadline passed: end the stream in-band
+            self.metrics.stream_aborts.labels("shutdown").inc()
+            message = "the gateway is shutting down and its drain time is over"
+            await self._end(out, f"{message}; the answer is incomplete", 503)
+            return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
+        finally:
+            run.stop(watch)
+            out.spliced += run.sent
+        if end.why is splice.Why.CLIENT:
+            return self._client_left(out)
+        if end.why is splice.Why.QUIET:
+            return f"sent no data event for {silence:g}s"
+        if end.broken is not None:
+            return end.broken
+        if not started.framer.done:
+            return "ended the stream without " + ("data: [DONE]" if sse_done else "its final event")
+        return None
+
+    async def _end(
+        self, out: web.StreamResponse, message: str, code: int, *, mid_event: bool = False
+    ) -> bool:
+        """Write an in-band error event and [DONE]; False if the client has gone."""
+        # An oversized event cut off mid-way is closed first, so the error stands alone.
+        event = errors.sse_error_event(message, code)
+        try:
+            await out.write(b"\n\n" + event if mid_event else event)
+        except ConnectionResetError:
+            return False
+        return True
+
+    async def _finish(
+        self,
+        out: web.StreamResponse,
+        outcome: Outcome,
+        error: str | None,
+        tokens: int | None = None,
+    ) -> Streamed:
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            return self._client_left(out, tokens)
+        return Streamed(out, 200, outcome, error, tokens)
+
+    def _client_left(self, out: web.StreamResponse, tokens: int | None = None) -> Streamed:
+        self.metrics.stream_aborts.labels("client").inc()
+        return Streamed(out, 499, Outcome.NEUTRAL, None, tokens)
+
+    @staticmethod
+    def _stream_tokens(framer: sse.Framer, *, chat: bool) -> int:
+        """Output tokens: the usage chunk's count if sent, else one per content event.
+
+        Counted from whole events, so the figure does not depend on how TCP split them.
+        """
+        usage = framer.completion_tokens()
+        if usage is not None:
+            return usage
+        return max(0, framer.events - framer.done - chat)
+
+    def __repr__(self) -> str:
+        return f"<Relay write_timeout={self.write_timeout:g} aborting={self.aborting}>"

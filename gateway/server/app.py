@@ -1,0 +1,342 @@
+"""Builds the aiohttp application and owns every resource and background task.
+
+Resources (the upstream session, the scheduler, the health task) are created in one
+`cleanup_ctx` generator and torn down in reverse order; handlers reach them through
+typed `AppKey`s. Nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import errors
+from gateway.config.load import Config
+from gateway.dispatch import STRATEGIES, Lane, Scheduler
+from gateway.dispatch.least_time import LeastTime
+from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.health import HealthChecker
+from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
+from gateway.lifecycle import Lifecycle
+from gateway.observe import recorder, request_id
+from gateway.observe.metrics import Metrics, Registry
+from gateway.observe.peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
+from gateway.proxy import auth
+from gateway.proxy.auth import KeyChecker
+from gateway.proxy.handler import Proxy, Route
+from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
+from gateway.routes import mount
+from gateway.server import middleware
+from gateway.upstream.client import Upstream
+from gateway.upstream.endpoint import Endpoint
+
+if TYPE_CHECKING:
+    from gateway.fleet.shared import SharedState
+
+
+CONFIG = web.AppKey("config", Config)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+PROXY = web.AppKey("proxy", Proxy)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+HEALTH = web.AppKey("health", HealthChecker)
+METRICS = web.AppKey("metrics", Metrics)
+# redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
+# installed, which a gateway without tracing or sharing should not load.
+SHARED: web.AppKey[SharedState] = web.AppKey("shared")
+PEERS = web.AppKey("peers", PeerMetrics)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_UNKEYED = ("/healthz", "/readyz", "/metrics")  # probes and scrapes take no key
+
+
+def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Application:
+    app = web.Application(
+        client_max_size=config.gateway.max_body_bytes,
+        middlewares=[  # the order matters: middleware.py says why
+            request_id.middleware(),
+            recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
+            middleware.openai_errors,
+            middleware.traced(
+                lambda request: request.app[PROXY].spans,
+                (route.name for _, route in mount(config.route_prefixes)),
+            ),
+            auth.middleware(lambda request: request.app[PROXY].intake.keys, _UNKEYED),
+        ],
+    )
+    app[CONFIG] = config
+    app[LIFECYCLE] = lifecycle or Lifecycle()
+    app.cleanup_ctx.append(_resources)
+    if config.file.shared.redis_url is not None:
+        app.cleanup_ctx.append(_shared_state)
+    for path, route in mount(config.route_prefixes):
+        app.router.add_post(path, _openai_route(route), expect_handler=_expect)
+    if os.environ.get(WORKERS_DIR_ENV):  # set by workers.py in its workers only
+        app.cleanup_ctx.append(_peer_metrics)
+        app.on_response_prepare.append(_worker_header)
+    for prefix in config.route_prefixes:
+        app.router.add_get(prefix + "/models", _models)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/instances", _admin_instances)
+    return app
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    dispatch = config.dispatch
+    registry = Registry()
+    metrics = Metrics(registry, lane_names={Lane.SHORT: "short", Lane.LONG: config.prefill.tag})
+    specs, limits, policy = scheduler_inputs(config)
+    stale_after = limits.metrics_stale_after
+    slo = config.file.slo
+    strategy = STRATEGIES[dispatch.strategy](
+        stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
+    )
+    if isinstance(strategy, LeastTime):
+        strategy.decode = dispatch.least_time_decode
+        strategy.ttft_objectives = {Lane.SHORT: slo.ttft, Lane.LONG: slo.long_ttft}
+    scheduler = Scheduler(specs, strategy, limits, policy)
+    dispatcher = Dispatcher(scheduler, metrics)
+    metrics.watch(dispatcher.snapshot)
+    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
+    await upstream.start()
+    endpoints = endpoints_of(config)
+    checker = HealthChecker(
+        probe_targets(endpoints),
+        upstream,
+        dispatcher,
+        interval=dispatch.health_check_interval,
+        probe_timeout=dispatch.health.probe_timeout,
+    )
+    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    counter = _token_counter(config, upstream, dispatcher, endpoints)
+    app[METRICS] = metrics
+    app[DISPATCHER] = dispatcher
+    app[HEALTH] = checker
+    app[PROXY] = Proxy(
+        config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
+    )
+    # Verdicts before the first request, so start-up does not send traffic blind.
+    await checker.run_round()
+    recorder.start_series(
+        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+    )
+    task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    try:
+        yield
+    finally:
+        await _stop(task)
+        await upstream.close()
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel a background task the app owns and wait for it to end."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    from gateway.fleet.shared import SharedState, SharedStateCollector
+
+    settings = app[CONFIG].file.shared
+    assert settings.redis_url is not None
+    shared = SharedState(
+        settings.redis_url.get_secret_value(),
+        app[DISPATCHER],
+        app[PROXY].budget,
+        interval=settings.publish_interval,
+        ttl=settings.ttl,
+        namespace=settings.namespace,
+        push_interval=settings.push_interval,
+    )
+    app[SHARED] = shared
+    app[METRICS].registry.register(SharedStateCollector(shared))
+    await shared.run_round()  # join the view before the first request, if Redis answers
+    task = asyncio.create_task(shared.run_forever(), name="shared-state")
+    try:
+        yield
+    finally:
+        await _stop(task)
+        await shared.close()
+
+
+async def _peer_metrics(app: web.Application) -> AsyncIterator[None]:
+    """As a worker of `gateway --workers N`: `/metrics` answers for every worker."""
+    peers = PeerMetrics(app[METRICS].registry, Path(os.environ[WORKERS_DIR_ENV]))
+    await peers.start()
+    app[PEERS] = peers
+    try:
+        yield
+    finally:
+        await peers.close()
+
+
+async def _worker_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WORKER_HEADER] = str(os.getpid())
+
+
+def _token_counter(
+    config: Config, upstream: Upstream, dispatcher: Dispatcher, endpoints: dict[str, Endpoint]
+) -> TokenCounter:
+    source = config.prefill.tokenizer
+    threshold = config.prefill.long_input_threshold
+    if source is None:
+        return TokenCounter(threshold)
+    if source != "instance":
+        return TokenCounter(threshold, local=LocalTokenizer(source))
+
+    def least_loaded_instance() -> tuple[str, dict[str, str]] | None:
+        now = dispatcher.clock()
+        up = [s for s in dispatcher.scheduler.states if s.available(now)]
+        if not up:
+            return None
+        endpoint = endpoints[min(up, key=lambda s: s.inflight).name]
+        return endpoint.url, endpoint.headers
+
+    return TokenCounter(threshold, upstream=upstream, pick_instance=least_loaded_instance)
+
+
+def _openai_route(route: Route) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY].handle(request, route)
+
+    handler.__name__ = f"openai_{route.name.replace('.', '_')}"
+    return handler
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` is answered only once the key and the declared size pass.
+
+    aiohttp's default answers `100 Continue` to anyone, inviting the body of a request
+    the gateway will refuse. What this returns is sent as is (middlewares do not run),
+    with `Connection: close`: the client may send the body anyway.
+    """
+    expect = request.headers.get("Expect", "")
+    try:
+        if expect.lower() != "100-continue":
+            raise errors.ExpectationFailed(
+                f"Expect {expect[:80]!r} is not supported: only '100-continue' is", param="Expect"
+            )
+        proxy = request.app[PROXY]
+        proxy.intake.authorize(request)
+        length = request.content_length
+        if length is not None and length > proxy.intake.max_body:
+            raise errors.PayloadTooLarge(
+                f"the declared body of {length} bytes is larger than the gateway's limit "
+                f"of {proxy.intake.max_body} bytes"
+            )
+    except errors.GatewayError as exc:
+        response = exc.response({request_id.HEADER: request_id.of(request)})
+        response.force_close()
+        prefixes = request.app[CONFIG].route_prefixes
+        recorder.record_refusal(request.app[PROXY], request, response, prefixes)
+        return response
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not started
+    return None
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    dispatcher = request.app[DISPATCHER]
+    up = dispatcher.snapshot().up()
+    if not up:
+        raise errors.NoInstanceAvailable(
+            "no vLLM instance is up", retry_after=dispatcher.scheduler.limits.queue_retry_after
+        )
+    data = request.app[HEALTH].model_union({i.name for i in up})
+    listed = {m["id"] for m in data}
+    for instance in up:  # pinned models of instances that hide the route
+        if instance.pinned_models is not None:
+            for model in sorted(instance.pinned_models - listed):
+                data.append({"id": model, "object": "model", "owned_by": "vllm"})
+                listed.add(model)
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _healthz(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.StreamResponse:
+    up = len(request.app[DISPATCHER].snapshot().up())
+    draining = request.app[LIFECYCLE].draining
+    ready = up > 0 and not draining
+    body = {"ready": ready, "instances_up": up, "draining": draining}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    peers = request.app.get(PEERS)
+    if peers is not None:
+        data = await peers.exposition()
+    else:
+        data = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _admin_instances(request: web.Request) -> web.StreamResponse:
+    snap = request.app[DISPATCHER].snapshot()
+    # The long lane is named by [prefill].tag here too, as in metrics and logs.
+    lane_names = {lane.value: name for lane, name in request.app[METRICS].lane_names.items()}
+    instances: list[dict[str, Any]] = []
+    for i in snap.instances:
+        report = i.report
+        instances.append(
+            {
+                "name": i.name,
+                "state": i.verdict,
+                "available": i.available,
+                "ejected_for_s": None if i.ejected_for is None else round(i.ejected_for, 1),
+                "lane": lane_names.get(i.lane, i.lane),
+                # The lane it serves now: its static lane, or the one the split gave it.
+                "current_lane": lane_names.get(i.current_lane, i.current_lane),
+                "weight": i.weight,
+                "slots": i.slots,
+                "models": None if i.models is None else sorted(i.models),
+                "models_pinned": i.pinned_models is not None,
+                "prefix_index_blocks": i.prefix_index_blocks,
+                "prefix_estimated_hit_ratio": round(i.prefix_hit_tokens / i.prefix_query_tokens, 4)
+                if i.prefix_query_tokens
+                else None,
+                "inflight": i.inflight,
+                "peers_inflight": i.peers_inflight,
+                "peers_pending_prefill_tokens": i.peers_pending_prefill_tokens,
+                "long_prefilling": i.long_prefilling,
+                "queue_depth": i.queue_depth,
+                "score": round(i.score, 4),
+                "load_fresh": i.load_fresh,
+                "vllm": None
+                if report is None
+                else {
+                    "running": report.running,
+                    "waiting": report.waiting,
+                    "kv_cache_usage": report.kv_usage,
+                    "age_s": round(snap.at - report.at, 1),
+                },
+                "assigned_total": i.assigned_total,
+                "failures_total": i.failures_total,
+                "consecutive_failures": i.consecutive_failures,
+                "ejections_total": i.ejections_total,
+                "recent_errors": list(i.recent_errors),
+            }
+        )
+    queues = {lane_names[lane.value]: n for lane, n in snap.queues.items()}
+    body = {
+        "strategy": snap.strategy,
+        "inflight": snap.inflight,
+        "instances": instances,
+        "queues": queues,
+    }
+    return web.Response(text=json.dumps(body, indent=2), content_type="application/json")

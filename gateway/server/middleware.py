@@ -1,0 +1,97 @@
+"""The application's middlewares, outermost first, and the order they must keep:
+
+    request id (request_id.py)   every answer carries X-Request-ID, errors included
+    recording (recorder.py)      one access line and the metrics of every answer
+    OpenAI errors (here)         aiohttp's 404/405/413 and our errors in OpenAI's shape
+    trace (here)                 a proxied request's trace starts, so a 401 is a span too
+    key (auth.py)                checked before any handler reads the request (its tag)
+
+Each is made by a factory from what it needs, so none reaches into the app for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from gateway import errors
+from gateway.observe import trace_context
+from gateway.observe.recorder import EXCHANGE
+from gateway.routes import summary
+
+if TYPE_CHECKING:
+    from gateway.observe.exchange import Exchange
+    from gateway.observe.tracing import Spans
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape."""
+    try:
+        return await handler(request)
+    except errors.GatewayError as exc:
+        return exc.response()
+    except web.HTTPNotFound:
+        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return errors.MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path}; use {allowed}"
+        ).response()
+    except web.HTTPRequestEntityTooLarge:
+        return errors.PayloadTooLarge(
+            "the request body is larger than the gateway's limit"
+        ).response()
+
+
+def traced(spans: Callable[[web.Request], Spans | None], routes: Iterable[str]) -> Middleware:
+    """The trace of each request to one of `routes` (the proxied ones, by route name): the
+    client's, continued, or a new one; its id is logged, and with OpenTelemetry on the
+    request's span ends with the status the client got."""
+    proxied = frozenset(routes)
+
+    @web.middleware
+    async def trace(request: web.Request, handler: Handler) -> web.StreamResponse:
+        ex = request.get(EXCHANGE)
+        if ex is None or ex.route not in proxied:
+            return await handler(request)
+        start_trace(spans(request), request, ex)
+        try:
+            return await handler(request)
+        except errors.GatewayError as exc:  # the key's (the proxy answers its own)
+            ex.status = exc.status
+            raise
+        finally:
+            if ex.span is not None:
+                ex.span.end(
+                    ex.status,
+                    lane=ex.lane,
+                    model=ex.model,
+                    instance=ex.instance,
+                    attempts=ex.attempts,
+                    request_id=ex.request_id,
+                )
+
+    return trace
+
+
+def start_trace(spans: Spans | None, request: web.Request, ex: Exchange) -> None:
+    client = trace_context.from_headers(request.headers)
+    if spans is None:
+        ex.trace = client or trace_context.fresh()
+    else:
+        ex.span = spans.request(request.path, request.method, client)
+        ex.trace = trace_context.TraceContext(
+            ex.span.trace_id,
+            ex.span.span_id,
+            ex.span.flags,
+            client.state if client is not None else None,
+            from_client=client is not None,
+        )
+    structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)

@@ -1,0 +1,191 @@
+"""The pool of connection.py's connections: keep-alive per instance, `limit` open in all.
+
+Idle connections for another instance are closed to make room; beyond that a request
+waits for a connection to close or come back. The request goes out in one write. A
+connection comes back only when its answer ended cleanly (connection.py decides), so an answer
+closed early drops its connection and the instance sees its client leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from gateway.upstream.connection import H1Connection, Response
+from gateway.upstream.response import AttemptFailed
+
+
+class Pool:
+    """Keep-alive connections per instance, at most `limit` open in all."""
+
+    def __init__(self, limit: int, connect_timeout: float, keepalive: float = 4.0) -> None:
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        # vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids
+        # sending a request down a socket the instance is closing.
+        self.keepalive = keepalive
+        self.opened = 0  # connections made, for tests and metrics
+        self._idle: dict[tuple[str, int], list[H1Connection]] = {}
+        self._all: set[H1Connection] = set()
+        self._connecting = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._targets: dict[str, tuple[tuple[str, int], str, bytes]] = {}
+
+    def __repr__(self) -> str:
+        idle = sum(len(v) for v in self._idle.values())
+        paused = sum(c.paused for c in self._all)  # answers not read while their client is behind
+        return (
+            f"<h1_pool.Pool open={len(self._all)}/{self.limit} idle={idle} paused={paused} "
+            f"opened={self.opened}>"
+        )
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout: float,
+    ) -> Response:
+        """Send one request and return once the answer's head arrived (or raise AttemptFailed).
+
+        `timeout` bounds it all; the connect alone is also bounded by `connect_timeout`.
+        Cancelled or timed out, the connection is dropped: the instance sees us leave.
+        """
+        key, path, host = self._target(url)
+        head = _request_head(method, path, host, headers, len(body) if body else 0)
+        loop = asyncio.get_running_loop()
+        conn: H1Connection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await self._acquire(key, loop)
+                waiter: asyncio.Future[Response] = loop.create_future()
+                conn.send(head + body if body else head, waiter)
+                return await waiter
+        except TimeoutError:
+            if conn is not None:
+                conn.abort()
+            raise AttemptFailed("timeout", f"no response headers within {timeout:.1f}s") from None
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
+
+    def _target(self, url: str) -> tuple[tuple[str, int], str, bytes]:
+        known = self._targets.get(url)
+        if known is None:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise AttemptFailed("connect", f"only http:// URLs are spliced, got {url[:80]!r}")
+            port = parts.port or 80
+            path = parts.path or "/"
+            if parts.query:
+                path += "?" + parts.query
+            known = ((parts.hostname, port), path, parts.netloc.encode("ascii"))
+            if len(self._targets) < 4096:  # instances times routes; a bound, not a cache policy
+                self._targets[url] = known
+        return known
+
+    async def _acquire(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> H1Connection:
+        while True:
+            idle = self._idle.get(key)
+            now = loop.time()
+            while idle:
+                conn = idle.pop()
+                if conn.transport is not None and now - conn.idle_since < self.keepalive:
+                    return conn
+                self._drop(conn)
+            if len(self._all) + self._connecting < self.limit or self._evict_idle():
+                return await self._connect(key, loop)
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    async def _connect(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> H1Connection:
+        self._connecting += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: H1Connection(self, key), key[0], key[1]
+                )
+        except TimeoutError:
+            self._connecting -= 1
+            self._wake()
+            raise AttemptFailed(
+                "connect", f"no connection within {self.connect_timeout:g}s"
+            ) from None
+        except BaseException as exc:
+            self._connecting -= 1
+            self._wake()
+            if isinstance(exc, OSError):
+                raise AttemptFailed("connect", f"cannot connect: {exc}") from None
+            raise
+        # Counted as open before it stops counting as connecting: no gap another
+        # request could take to go over the limit.
+        self._all.add(protocol)
+        self._connecting -= 1
+        self.opened += 1
+        if protocol.transport is None:  # lost while we were being scheduled
+            self._drop(protocol)
+            raise AttemptFailed("connect", "the connection closed as it opened")
+        return protocol
+
+    def _evict_idle(self) -> bool:
+        """Close the longest idle connection to any instance, to make room for one."""
+        oldest: H1Connection | None = None
+        for conns in self._idle.values():
+            if conns and (oldest is None or conns[0].idle_since < oldest.idle_since):
+                oldest = conns[0]
+        if oldest is None:
+            return False
+        self._drop(oldest)
+        return True
+
+    def _drop(self, conn: H1Connection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+        if conn in self._all:
+            self._all.discard(conn)
+            self._wake()
+        conn.abort()
+
+    def give_back(self, conn: H1Connection) -> None:
+        conn.idle_since = asyncio.get_running_loop().time()
+        self._idle.setdefault(conn.key, []).append(conn)
+        self._wake()
+
+    def lost(self, conn: H1Connection) -> None:
+        self._drop(conn)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        """Drop every connection, idle or busy."""
+        for conn in list(self._all):
+            self._drop(conn)
+        self._idle.clear()
+
+
+def _request_head(
+    method: str, path: str, host: bytes, headers: Mapping[str, str], length: int
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1".encode("ascii"), b"Host: " + host]
+    for name, value in headers.items():
+        if "\n" in value or "\r" in value or "\n" in name or "\r" in name or ":" in name:
+            raise ValueError(f"header {name[:40]!r} cannot be sent: it holds a line break")
+        lines.append(f"{name}: {value}".encode("latin-1"))
+    lines.append(b"Content-Length: %d" % length)
+    return b"\r\n".join(lines) + b"\r\n\r\n"

@@ -1,0 +1,54 @@
+"""What the rest of the gateway knows of an instance's answer: `UpstreamResponse`, and
+`AttemptFailed` for an attempt that got no HTTP answer. Both clients (`client.py` on
+aiohttp, `connection.py` on httptools) return the one and raise the other, so the relay,
+the proxy and the health checker never see a transport's own types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+
+class AttemptFailed(Exception):
+    """An attempt got no HTTP answer: kind is "connect", "timeout" or "bad_response"."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class UpstreamResponse(Protocol):
+    """An instance's answer once its head arrived: what the rest of the gateway reads.
+
+    `read` and `next_chunk` raise `AttemptFailed` ("connect" when the instance breaks the
+    connection, "timeout" when `timeout` runs out); a cancelled caller gets
+    `CancelledError` as usual. `next_chunk` without a timeout leaves the bound to the
+    caller (the relay keeps one timer for a whole stream rather than one per read).
+    """
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    async def read(self, timeout: float) -> bytes:
+        """The whole body, within `timeout` seconds."""
+        ...
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes:
+        """The next bytes of the body as they arrived; b"" once it has ended."""
+        ...
+
+    def close(self) -> None:
+        """Drop the connection (idempotent): the instance sees its client leave and aborts."""
+        ...
+
+    def release(self) -> None:
+        """Hand a fully read connection back to the pool (idempotent)."""
+        ...
