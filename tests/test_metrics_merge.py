@@ -155,3 +155,26 @@ def test_a_family_of_another_type_is_skipped() -> None:
     up = next(f for f in merged if f.name == "gateway_instance_up")
     assert up.type == "gauge"
     assert up.samples == [Sample("gateway_instance_up", {"instance": "a"}, 1.0)]
+
+
+def _gateway_facts(start: float, max_fds: float, reload_ok: float, reloads: float) -> str:
+    """The facts each worker states about the one gateway, as its registry writes them."""
+    registry = CollectorRegistry()
+    Gauge("process_start_time_seconds", "Start.", registry=registry).set(start)
+    Gauge("process_max_fds", "Limit.", registry=registry).set(max_fds)
+    Gauge("gateway_config_last_reload_successful", "Ok.", registry=registry).set(reload_ok)
+    Counter("gateway_config_reloads", "Reloads.", ["result"], registry=registry).labels(
+        "applied"
+    ).inc(reloads)
+    Gauge("gateway_config_info", "Digest.", ["hash"], registry=registry).labels("ab12").set(1)
+    return generate_latest(registry).decode()
+
+
+def test_the_gateways_own_facts_are_not_added_up() -> None:
+    """Start time, fd limit, reload state and count, config digest: one gateway's, not N."""
+    merged = render(merge([_gateway_facts(100, 1024, 1, 3), _gateway_facts(90, 2048, 0, 3)]))
+    assert _value(merged, "process_start_time_seconds") == 90
+    assert _value(merged, "process_max_fds") == 1024
+    assert _value(merged, "gateway_config_last_reload_successful") == 0  # one worker failed
+    assert _value(merged, "gateway_config_reloads_total", result="applied") == 3
+    assert _value(merged, "gateway_config_info", hash="ab12") == 1

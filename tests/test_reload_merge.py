@@ -75,3 +75,29 @@ def test_the_shared_store_and_tracing_change_only_with_a_restart(tmp_path: Path)
     assert live == []
     assert config.file.shared == old.file.shared
     assert config.file.tracing == old.file.tracing
+
+
+def test_workers_from_the_command_line_are_not_a_change(tmp_path: Path) -> None:
+    """`--workers 2` over a file without it: a reload neither reports nor undoes it."""
+    old = _load(tmp_path, "", BASE).with_workers(2)
+    config, live, restart = merge(old, _load(tmp_path, "", BASE))
+    assert (live, restart) == ([], [])
+    assert config.gateway.workers == 2
+    assert config.digest() == old.digest()
+
+
+def test_workers_changed_in_the_file_wait_for_a_restart(tmp_path: Path) -> None:
+    """The supervisor's process count is fixed at start: a new value is reported, not applied."""
+    old = _load(tmp_path, "[gateway]\nworkers = 2\n", BASE)
+    config, _, restart = merge(old, _load(tmp_path, "[gateway]\nworkers = 3\n", BASE))
+    assert restart == ["gateway.workers"]
+    assert config.gateway.workers == 2
+
+
+def test_the_digest_tells_configurations_apart_and_hides_the_keys(tmp_path: Path) -> None:
+    """A revoked key changes the digest; the digest holds no part of a key."""
+    one = _load(tmp_path, "", {**BASE, "channel": {"api_key": ["k1", "k2"]}})
+    two = _load(tmp_path, "", BASE)
+    assert one.digest() != two.digest()
+    assert len(one.digest()) == 12
+    assert "k1" not in one.model_dump_json(exclude={"api_keys"})

@@ -8,6 +8,7 @@ the field path and the bad value, so the CLI can exit before any port is bound.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -52,6 +53,7 @@ class Config(Frozen):
     settings_path: str
     # --host/--port, kept so that a reload of the files applies them again.
     listen_override: tuple[str | None, int | None] = (None, None)
+    workers_override: int | None = None  # --workers, kept for the same reason
     otlp_traces_url: str | None = None  # where spans go; None: no OpenTelemetry at all
 
     @property
@@ -113,7 +115,20 @@ class Config(Frozen):
         except ValidationError as exc:
             problems = "; ".join(f"{_dotted(e['loc'])}: {e['msg']}" for e in exc.errors())
             raise ConfigError(f"command line: --workers {workers}: {problems}") from None
-        return self.model_copy(update={"file": self.file.model_copy(update={"gateway": gateway})})
+        file = self.file.model_copy(update={"gateway": gateway})
+        return self.model_copy(update={"file": file, "workers_override": workers})
+
+    def digest(self) -> str:
+        """A short hash of the configuration served: processes that agree on it serve alike.
+
+        The keys enter only as their SHA-256 each, so the digest says nothing of them, yet
+        a key added or revoked changes it.
+        """
+        body = self.model_dump_json(exclude={"api_keys"})  # other secrets dump masked
+        keys = sorted(
+            hashlib.sha256(k.get_secret_value().encode()).hexdigest() for k in self.api_keys
+        )
+        return hashlib.sha256(f"{body}\n{','.join(keys)}".encode()).hexdigest()[:12]
 
 
 def load(

@@ -203,6 +203,18 @@ class Metrics:
             registry=registry,
         )
         self.config_last_reload_successful.set(1)
+        self.config_info = Gauge(
+            "gateway_config_info",
+            "1, labelled with the digest of the configuration this process serves: workers or "
+            "replicas that show different digests serve different configurations.",
+            ["hash"],
+            registry=registry,
+        )
+
+    def serving(self, digest: str) -> None:
+        """The configuration served now is the one whose digest this is."""
+        self.config_info.clear()
+        self.config_info.labels(digest).set(1)
 
     def start_series(
         self,

@@ -85,12 +85,22 @@ GAUGES: dict[str, str] = {
     "gateway_instance_prefill_rate_tokens_per_second": "mean",
     "gateway_instance_tpot_estimate_seconds": "mean",
     "gateway_prefix_index_blocks": "mean",
+    # One gateway's facts, which every worker states alike: its earliest start, the
+    # tightest fd limit, the last reload applied only if it applied everywhere, and each
+    # configuration digest served (labelled: a split shows as two series).
+    "process_start_time_seconds": "min",
+    "process_max_fds": "min",
+    "gateway_config_last_reload_successful": "min",
+    "gateway_config_info": "max",
+    "python_info": "max",
 }
 
 # Counters that copy an instance's own counter: every worker reports the same number.
 COUNTERS: dict[str, str] = {
     "gateway_instance_vllm_prefix_cache_query_tokens": "max",
     "gateway_instance_vllm_prefix_cache_hit_tokens": "max",
+    # One SIGHUP reloads every worker: the gateway reloaded once, not once per worker.
+    "gateway_config_reloads": "max",
 }
 
 

@@ -1,11 +1,13 @@
 """A worker's side of `/metrics` under `gateway --workers N`: one scrape answers for all.
 
 The kernel hands a scrape to any one worker. So each worker also serves its own registry
-on a private loopback port (127.0.0.1, port 0) and writes that port to `<pid>.port` in the
-folder the supervisor made for this gateway (`GATEWAY_WORKERS_DIR`, set only in its
-workers). The worker that answers the public `/metrics` reads the folder, fetches every
-other worker's private exposition in parallel (its own it reads directly), and merges them
-(metrics_merge.py). A worker that does not answer within `SCRAPE_TIMEOUT` (dead, being
+on a private loopback port: the supervisor reserves one port per worker slot (bound with
+SO_REUSEPORT, never listening, so nobody else takes it while a worker restarts) and tells
+each worker every slot's port and its own (`GATEWAY_WORKER_PORTS`, `GATEWAY_WORKER_SLOT`,
+set only in its workers). Nothing is written to disk, so a read-only root file system is
+fine. The worker that answers the public `/metrics` fetches every other slot's private
+exposition in parallel (its own it reads directly) and merges them (metrics_merge.py).
+A worker that does not answer within `SCRAPE_TIMEOUT` (dead, being
 restarted, stuck) is left out, and the answer says so:
 `gateway_workers_scraped{result="answered"}` and `{result="skipped"}`.
 
@@ -17,9 +19,8 @@ counter reset, as they do when a single process restarts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -31,7 +32,8 @@ from gateway.observe.metrics_merge import merge, render
 from gateway.upstream.client import Upstream
 from gateway.upstream.response import AttemptFailed
 
-WORKERS_DIR_ENV = "GATEWAY_WORKERS_DIR"
+PORTS_ENV = "GATEWAY_WORKER_PORTS"  # every slot's private metrics port, comma-separated
+SLOT_ENV = "GATEWAY_WORKER_SLOT"  # this worker's slot: its port is PORTS_ENV's at that index
 WORKER_HEADER = "X-Gateway-Worker"
 SCRAPE_TIMEOUT = 1.0  # seconds; Prometheus's own scrape timeout is 10 s by default
 
@@ -41,37 +43,37 @@ _log = log.get("gateway.peer_metrics")
 class PeerMetrics:
     """This worker's private metrics listener, and the merged scrape of every worker's."""
 
-    def __init__(self, registry: CollectorRegistry, folder: Path, pid: int | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, ports: Sequence[int], slot: int) -> None:
         self.registry = registry
-        self.folder = folder
-        self.pid = os.getpid() if pid is None else pid  # tests run several in one process
-        self.port: int | None = None
+        self.ports = list(ports)
+        self.slot = slot
+        self.port = self.ports[slot]
         self._runner: web.AppRunner | None = None
         self._upstream: Upstream | None = None
 
-    @property
-    def _own_file(self) -> Path:
-        return self.folder / f"{self.pid}.port"
+    @classmethod
+    def from_environment(
+        cls, registry: CollectorRegistry, environ: Mapping[str, str] = os.environ
+    ) -> PeerMetrics | None:
+        """This worker's, from what the supervisor set; None outside a worker."""
+        ports = environ.get(PORTS_ENV)
+        if not ports:
+            return None
+        return cls(registry, [int(p) for p in ports.split(",")], int(environ[SLOT_ENV]))
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._private)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        # reuse_port: the supervisor holds the port reserved with SO_REUSEPORT.
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_port=True)
         await site.start()
-        self.port = int(self._runner.addresses[0][1])
         # Not pooled: a worker that died leaves no kept-alive connection behind.
         self._upstream = Upstream(100, Timeouts(connect=SCRAPE_TIMEOUT), pooled=False)
         await self._upstream.start()
-        # Written whole, then renamed: a reader never sees half a port number.
-        temporary = self.folder / f".{self.pid}.port"
-        temporary.write_text(str(self.port))
-        temporary.replace(self._own_file)
 
     async def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._own_file.unlink()
         if self._upstream is not None:
             await self._upstream.close()
         if self._runner is not None:
@@ -81,14 +83,8 @@ class PeerMetrics:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
     def peer_ports(self) -> list[int]:
-        """The private ports the other workers published (a dead one's may linger)."""
-        ports = []
-        for path in sorted(self.folder.glob("*.port")):
-            if path.name == self._own_file.name:
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                ports.append(int(path.read_text()))
-        return ports
+        """The other slots' private ports (a slot whose worker is restarting is skipped)."""
+        return [port for slot, port in enumerate(self.ports) if slot != self.slot]
 
     async def _fetch(self, port: int) -> str | None:
         assert self._upstream is not None
@@ -126,4 +122,4 @@ class PeerMetrics:
         return render([*families, scraped])
 
     def __repr__(self) -> str:
-        return f"<PeerMetrics pid={self.pid} port={self.port} folder={self.folder}>"
+        return f"<PeerMetrics slot={self.slot} port={self.port} peers={self.peer_ports()}>"

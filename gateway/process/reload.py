@@ -6,6 +6,10 @@ is bad, the old configuration stays and `reload_failed` says why. Otherwise the 
 per request changes from the next request on) and the instance list, limits and health
 policy to the scheduler, which keeps the state of instances that stay.
 
+Under `--workers` the supervisor reads and validates the files, once, and hands each
+worker what it read through a pipe before it forwards SIGHUP (`source`): every worker,
+and every worker it restarts later, serves the one configuration the supervisor holds.
+
 Some settings are fixed at start (the listening socket, the app's body limit, the
 upstream pool, the strategy and its clock, metric names): a change to one of those is
 logged as `reload_needs_restart` and the running value stays.
@@ -27,10 +31,15 @@ from gateway.server.app import DISPATCHER, HEALTH, PROXY
 
 _log = log.get("gateway.reload")
 
+# What the supervisor hands a worker on SIGHUP: the configuration to serve, or why the
+# files were refused (the worker then counts a failed reload, as a single process would).
+Pushed = Config | str
+
 # Dotted paths (a prefix covers what is under it) that only a restart changes.
 RESTART_ONLY = (
     "gateway.host",
     "gateway.port",
+    "gateway.workers",  # the supervisor's
     "gateway.base_url",
     "gateway.max_connections",
     "gateway.max_body_bytes",
@@ -80,7 +89,7 @@ def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
     Returns it, the dotted paths that change live, and those that would need a restart.
     A listen address given on the command line still overrides the file's.
     """
-    new = new.with_listen(*old.listen_override)
+    new = new.with_listen(*old.listen_override).with_workers(old.workers_override)
     old_file, new_file = old.file.model_dump(), new.file.model_dump()
     old_settings, new_settings = old.settings.model_dump(), new.settings.model_dump()
     old_flat = _flat(old_file) | _flat(old_settings)
@@ -100,13 +109,23 @@ def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
     return config, [p for p in changed if p not in restart], restart
 
 
-def reload(app: web.Application) -> bool:
-    """Read both files again and apply them; False (old configuration kept) if either is bad."""
+def read_again(old: Config) -> Config:
+    """Both files read and validated again (ConfigError if either is bad)."""
+    # Started without a key means started with --open: a reload keeps that.
+    return load(old.config_path, old.settings_path, allow_no_key=not old.api_keys)
+
+
+def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
+    """Apply the files read again (or what the supervisor `pushed`); False if they are bad.
+
+    On False the running configuration stays.
+    """
     proxy = app[PROXY]
     old = proxy.config
     try:
-        # Started without a key means started with --open: a reload keeps that.
-        new = load(old.config_path, old.settings_path, allow_no_key=not old.api_keys)
+        if isinstance(pushed, str):
+            raise ConfigError(pushed)
+        new = read_again(old) if pushed is None else pushed
         config, changed, restart = merge(old, new)
     except (ConfigError, ValueError) as exc:
         _log.error("reload_failed", error=str(exc), kept="the running configuration")
@@ -123,6 +142,7 @@ def reload(app: web.Application) -> bool:
     app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
     proxy.metrics.config_reloads.labels("applied").inc()
     proxy.metrics.config_last_reload_successful.set(1)
+    proxy.metrics.serving(config.digest())
     _log.info(
         "reloaded",
         changed=changed,
@@ -133,10 +153,25 @@ def reload(app: web.Application) -> bool:
     return True
 
 
-def reload_on_signal(app: web.Application) -> Callable[[], None]:
-    """The SIGHUP handler: a reload runs on the event loop, between two requests' steps."""
+def reload_on_signal(
+    app: web.Application, source: Callable[[], Pushed | None] | None = None
+) -> Callable[[], None]:
+    """The SIGHUP handler: a reload runs on the event loop, between two requests' steps.
+
+    `source` (a worker's): what the supervisor pushed; None when nothing came, and then
+    the signal is not the supervisor's and the files are not read behind its back.
+    """
 
     def handler() -> None:
-        reload(app)
+        if source is None:
+            reload(app)
+            return
+        pushed = source()
+        if pushed is None:
+            _log.warning(
+                "reload_skipped", reason="SIGHUP with no configuration from the supervisor"
+            )
+            return
+        reload(app, pushed)
 
     return handler

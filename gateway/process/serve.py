@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.config.load import Config
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log
-from gateway.process.reload import reload_on_signal
+from gateway.process.reload import Pushed, reload_on_signal
 from gateway.server.app import DISPATCHER, PROXY, build_app
 from gateway.server.runner import GatewayRunner, make_runner
 
@@ -62,7 +62,9 @@ async def serve(
     simulate: bool = False,
     on_ready: Callable[[str], None] | None = None,
     lifecycle: Lifecycle | None = None,
+    pushed: Callable[[], Pushed | None] | None = None,
 ) -> None:
+    """Serve until a stop signal; `pushed` (a worker's): the supervisor's reloads."""
     lifecycle = lifecycle or Lifecycle()
     # SIGHUP's default action kills the process: handle it from the start, and reload
     # once there is something to reload.
@@ -74,7 +76,7 @@ async def serve(
         app = build_app(config, lifecycle)
         runner = make_runner(app, config.gateway.drain_timeout)
         await runner.setup()
-        on_hup[0] = reload_on_signal(app)
+        on_hup[0] = reload_on_signal(app, pushed)
         try:
             host, port = await runner.listen(
                 config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
@@ -117,14 +119,20 @@ async def _drain(app: web.Application, runner: GatewayRunner, lifecycle: Lifecyc
     _log.info("drained", ended_at_deadline=ended)
 
 
-def serve_here(config: Config, *, simulate: bool = False) -> int:
+def serve_here(
+    config: Config,
+    *,
+    simulate: bool = False,
+    pushed: Callable[[], Pushed | None] | None = None,
+) -> int:
     """Serve in this process until a stop signal; the process's exit status."""
+    main = serve(config, simulate=simulate, pushed=pushed)
     try:
         import uvloop
 
-        uvloop.run(serve(config, simulate=simulate))
+        uvloop.run(main)
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(serve(config, simulate=simulate))
+        asyncio.run(main)
     except OSError as exc:
         print(f"gateway: cannot listen: {exc}", file=sys.stderr)
         return 1

@@ -23,17 +23,24 @@ Like uvicorn's and gunicorn's workers:
   that crashes at start does not spin.
 - SIGTERM or SIGINT: forwarded to every worker as SIGTERM; each drains as a single
   process does (readiness 503, listener closed, `drain_timeout` for streams). The parent
-  waits for them and exits 0 if every worker exited 0, else 1. A second SIGTERM/SIGINT,
-  or `drain_timeout` + `KILL_GRACE` seconds without all of them gone, sends SIGKILL.
-- SIGHUP: forwarded to every worker, each of which handles it as a single process does.
-  A worker restarted later starts from the configuration the parent validated at start.
+  waits for them and exits 0 if every worker exited 0, else 1. A second SIGTERM/SIGINT is
+  forwarded too, and each worker ends its drain as a single process does (in-band errors,
+  access lines, exit 0); only `drain_timeout` + `KILL_GRACE` seconds without all of them
+  gone sends SIGKILL.
+- SIGHUP: the parent reads and validates both files once, keeps the result as the
+  configuration it owns, hands it to every worker through that worker's pipe, then
+  forwards SIGHUP; each worker applies what it was handed as a single process applies a
+  reload (reload.py). A worker restarted later starts from the configuration the parent
+  owns now, never from an older one. Each worker exports `gateway_config_info{hash}`, so
+  workers that serve different configurations show it.
 
 Workers share dispatch state only through `[shared] redis_url` (shared.py). Without it
 each worker dispatches on its own view (its own in-flight counts, its own queue and
 limits), and the parent logs `workers_without_shared_state` at start.
 
 `/metrics` answers for all workers whichever one the scrape reaches (peer_metrics.py),
-through the private folder the parent makes here and passes down as `GATEWAY_WORKERS_DIR`.
+through one private loopback port per slot that the parent reserves here. Nothing is
+written to disk: the gateway runs under a read-only root file system.
 With `--simulate` the simulated fleet runs once, in a thread of the parent, not per worker.
 """
 
@@ -43,25 +50,23 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from gateway.config.load import Config
+from gateway.config.load import Config, ConfigError
 from gateway.observe import log
-from gateway.observe.peer_metrics import WORKERS_DIR_ENV
+from gateway.observe.peer_metrics import PORTS_ENV, SLOT_ENV
+from gateway.process.reload import Pushed, merge, read_again
 
 MIN_UPTIME = 10.0  # seconds: a worker that died sooner died young and its restart backs off
 MAX_RESTART_DELAY = 30.0
@@ -111,7 +116,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker_main(config: Config, log_level: str, folder: str) -> None:
+def _worker_main(
+    config: Config, log_level: str, ports: list[int], slot: int, inbox: Connection
+) -> None:
     """A worker process: the single-process server, on the reserved port with SO_REUSEPORT."""
     # Until serve() installs its handlers there is nothing to drain: a stop signal ends
     # the worker quietly, and SIGHUP (whose default kills) is ignored.
@@ -120,7 +127,8 @@ def _worker_main(config: Config, log_level: str, folder: str) -> None:
     hup = getattr(signal, "SIGHUP", None)
     if hup is not None:
         signal.signal(hup, signal.SIG_IGN)
-    os.environ[WORKERS_DIR_ENV] = folder
+    os.environ[PORTS_ENV] = ",".join(map(str, ports))
+    os.environ[SLOT_ENV] = str(slot)
     log.configure(log_level)
     # Every line this worker logs says which worker it is (requests clear the contextvars,
     # so this is a processor, first in the chain log.configure set up).
@@ -128,7 +136,15 @@ def _worker_main(config: Config, log_level: str, folder: str) -> None:
     structlog.configure(processors=[_add_worker_pid, *processors])
     from gateway.process.serve import serve_here
 
-    sys.exit(serve_here(config))
+    sys.exit(serve_here(config, pushed=lambda: _newest(inbox)))
+
+
+def _newest(inbox: Connection) -> Pushed | None:
+    """The last of what the supervisor pushed since the last look; None if nothing came."""
+    newest: Pushed | None = None
+    while inbox.poll():
+        newest = inbox.recv()
+    return newest
 
 
 def _add_worker_pid(logger: object, method: str, event: MutableMapping[str, Any]) -> Any:
@@ -146,6 +162,7 @@ class Slot:
 
     index: int
     process: BaseProcess | None = None
+    inbox: Connection | None = None  # our end of its worker's pipe: reloads go down it
     started_at: float = 0.0
     young_deaths: int = 0
     restart_at: float | None = None
@@ -194,7 +211,9 @@ class Supervisor:
                 workers=gateway.workers,
                 hint="each worker dispatches on its own view; set [shared] redis_url",
             )
-        folder = tempfile.mkdtemp(prefix="gateway-workers-")
+        # One private metrics port per slot, held as the public one is (peer_metrics.py).
+        metric_ports = [reserve_port("127.0.0.1", 0) for _ in range(gateway.workers)]
+        ports = [int(sock.getsockname()[1]) for sock in metric_ports]
         simulation = _Simulation(self.config) if self.simulate else None
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
@@ -212,11 +231,11 @@ class Supervisor:
             self.slots = [Slot(i) for i in range(gateway.workers)]
             _log.info("supervising", workers=gateway.workers, url=f"http://{gateway.host}:{port}")
             for slot in self.slots:
-                self._start(slot, context, folder)
+                self._start(slot, context, ports)
             while True:
                 self._wait(wake_r)
                 self._handle_signals()
-                self._reap(folder)
+                self._reap()
                 if self.stopping:
                     if not self._alive():
                         break
@@ -229,7 +248,7 @@ class Supervisor:
                 for slot in self.slots:
                     due = slot.restart_at is not None and now >= slot.restart_at
                     if slot.process is None and due:
-                        self._start(slot, context, folder)
+                        self._start(slot, context, ports)
         finally:
             signal.set_wakeup_fd(previous_wakeup)
             for sig, handler in previous.items():
@@ -241,7 +260,11 @@ class Supervisor:
             wake_r.close()
             wake_w.close()
             reservation.close()
-            shutil.rmtree(folder, ignore_errors=True)
+            for sock in metric_ports:
+                sock.close()
+            for slot in self.slots:
+                if slot.inbox is not None:
+                    slot.inbox.close()
             if simulation is not None:
                 simulation.stop()
         clean = all(code == 0 for code in self.exit_codes)
@@ -256,26 +279,47 @@ class Supervisor:
         while self._signals:
             signum = self._signals.pop(0)
             if signum == getattr(signal, "SIGHUP", None):
-                _log.info("sighup_forwarded", workers=len(self._alive()))
-                self._send_all(signum)
+                self._reload(signum)
             elif not self.stopping:
                 self.stopping = True
                 self.kill_at = time.monotonic() + self.config.gateway.drain_timeout + KILL_GRACE
                 _log.info("workers_stopping", signal=signal.Signals(signum).name)
                 self._send_all(signal.SIGTERM)
             else:
-                _log.warning("workers_killed", reason="second stop signal")
-                self._send_all(signal.SIGKILL)
+                # As a single process: the drain ends at once, what still runs ends in-band.
+                _log.warning("workers_forced", reason="second stop signal")
+                self._send_all(signal.SIGTERM)
+
+    def _reload(self, signum: int) -> None:
+        """SIGHUP: the files read and validated once, here; every worker gets the result."""
+        pushed: Pushed
+        try:
+            config, _, _ = merge(self.config, read_again(self.config))
+        except (ConfigError, ValueError) as exc:
+            pushed = str(exc)  # each worker logs and counts the failure; all keep theirs
+        else:
+            self.config = pushed = config  # what a worker restarted from now on starts with
+        for slot in self.slots:
+            if slot.inbox is not None and slot.process is not None:
+                with contextlib.suppress(OSError):  # a worker that just died
+                    slot.inbox.send(pushed)
+        _log.info("sighup_forwarded", workers=len(self._alive()), digest=self.config.digest())
+        self._send_all(signum)
 
     def _start(
-        self, slot: Slot, context: multiprocessing.context.SpawnContext, folder: str
+        self, slot: Slot, context: multiprocessing.context.SpawnContext, ports: list[int]
     ) -> None:
+        inbox, outbox = context.Pipe(duplex=False)
         process = context.Process(
             target=_worker_main,
-            args=(self.config, self.log_level, folder),
+            args=(self.config, self.log_level, ports, slot.index, inbox),
             name=f"gateway-worker-{slot.index}",
         )
         process.start()
+        inbox.close()  # the worker's end, now in the worker
+        if slot.inbox is not None:
+            slot.inbox.close()
+        slot.inbox = outbox
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
         _log.info("worker_started", worker=slot.index, pid=process.pid)
 
@@ -295,7 +339,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signum)
 
-    def _reap(self, folder: str) -> None:
+    def _reap(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
             process = slot.process
@@ -304,8 +348,6 @@ class Supervisor:
             process.join()
             code = process.exitcode if process.exitcode is not None else -1
             slot.process = None
-            with contextlib.suppress(OSError):  # its metrics port, if it could not remove it
-                Path(folder, f"{process.pid}.port").unlink()
             if self.stopping:
                 self.exit_codes.append(code)
                 _log.info("worker_exited", worker=slot.index, pid=process.pid, exit_code=code)

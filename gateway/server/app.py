@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -28,7 +27,7 @@ from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
 from gateway.lifecycle import Lifecycle
 from gateway.observe import recorder, request_id
 from gateway.observe.metrics import Metrics, Registry
-from gateway.observe.peer_metrics import WORKER_HEADER, WORKERS_DIR_ENV, PeerMetrics
+from gateway.observe.peer_metrics import PORTS_ENV, WORKER_HEADER, PeerMetrics
 from gateway.proxy import auth
 from gateway.proxy.auth import KeyChecker
 from gateway.proxy.handler import Proxy, Route
@@ -78,7 +77,7 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
         app.cleanup_ctx.append(_shared_state)
     for path, route in mount(config.route_prefixes):
         app.router.add_post(path, _openai_route(route), expect_handler=_expect)
-    if os.environ.get(WORKERS_DIR_ENV):  # set by workers.py in its workers only
+    if os.environ.get(PORTS_ENV):  # set by workers.py in its workers only
         app.cleanup_ctx.append(_peer_metrics)
         app.on_response_prepare.append(_worker_header)
     for prefix in config.route_prefixes:
@@ -120,6 +119,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
     counter = _token_counter(config, upstream, dispatcher, endpoints)
     app[METRICS] = metrics
+    metrics.serving(config.digest())
     app[DISPATCHER] = dispatcher
     app[HEALTH] = checker
     app[PROXY] = Proxy(
@@ -173,7 +173,8 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
 
 async def _peer_metrics(app: web.Application) -> AsyncIterator[None]:
     """As a worker of `gateway --workers N`: `/metrics` answers for every worker."""
-    peers = PeerMetrics(app[METRICS].registry, Path(os.environ[WORKERS_DIR_ENV]))
+    peers = PeerMetrics.from_environment(app[METRICS].registry)
+    assert peers is not None
     await peers.start()
     app[PEERS] = peers
     try:

@@ -9,7 +9,12 @@ used; failures are its `AttemptFailed`, raised here where they enter.
 
 `h1_pool.Pool` keeps the connections: keep-alive per instance, `limit` open in all. A
 connection goes back to it only when its answer ended cleanly (the parser saw the whole
-message and the instance did not say close).
+message and the instance did not say close) and nothing followed it: as in h11, a message
+is a boundary, and any byte after the end of the answer (a second, unrequested answer, or
+the start of one) makes the connection unusable, so it can never reach the next request.
+Each answer owns its header map. Every way the parser can refuse the bytes (a malformed
+head, an upgrade, a head over `_MAX_HEAD` however it is split across reads) fails that
+attempt cleanly.
 """
 
 from __future__ import annotations
@@ -29,10 +34,6 @@ from gateway.upstream.response import AttemptFailed
 _MAX_HEAD = 64 * 1024  # an answer head longer than this is no vLLM's
 _MAX_LINE = 8190  # per header line: aiohttp's limit, so both clients refuse the same heads
 _HIGH_WATER = 64 * 1024  # bytes queued unread before the socket read pauses (uvicorn's)
-
-
-# Failures are the seam's own AttemptFailed, raised where they enter: `upstream/client.py`
-# imports this module only when it starts, so the import goes one way at load time.
 
 
 class _Owner(Protocol):
@@ -194,6 +195,10 @@ class _HeadTooLarge(Exception):
     pass
 
 
+class _AfterTheEnd(Exception):
+    """Bytes arrived after the answer ended: the connection is out of step for good."""
+
+
 class H1Connection(asyncio.Protocol):
     """One keep-alive connection to an instance: parses answers as their bytes arrive."""
 
@@ -209,8 +214,11 @@ class H1Connection(asyncio.Protocol):
         self.used = 0  # answers read on it
         self.paused = False  # its socket is not being read (flow control)
         self._headers: CIMultiDict[str] = CIMultiDict()
-        self._head_bytes = 0
+        self._head_bytes = 0  # of the answer's head, line by line as parsed
+        self._head_read = 0  # bytes read while its head is awaited (a line may be unfinished)
         self._framed = False  # the answer has a length or is chunked: its end is in band
+        self._ended = False  # the answer to the request in flight was parsed whole
+        self._heard = False  # a byte of the answer arrived (else a reused socket was stale)
 
     def __repr__(self) -> str:
         host, port = self.key
@@ -229,38 +237,63 @@ class H1Connection(asyncio.Protocol):
     def send(self, data: bytes, head: asyncio.Future[Response]) -> None:
         assert self.transport is not None
         self.head, self.response, self.reusable = head, None, False
-        self._headers, self._head_bytes, self._framed = CIMultiDict(), 0, False
+        self._headers, self._head_bytes, self._head_read = CIMultiDict(), 0, 0
+        self._framed = self._ended = self._heard = False
         self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
         if self.head is None and self.response is None:
             self.abort()  # bytes nobody asked for: the connection is not in step
             return
+        self._heard = True
         if self.head is not None:
-            self._head_bytes += len(data)
+            self._head_read += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            cause = exc.__context__ if isinstance(exc.__context__, _HeadTooLarge) else exc
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            cause = exc.__context__
+            if isinstance(cause, _AfterTheEnd):
+                self.reusable = False  # the answer is whole; only the connection goes
+                self.abort()
+                return
+            if isinstance(exc, httptools.HttpParserUpgrade):
+                self._broken("bad_response", "the instance switched protocols")
+                return
+            cause = cause if isinstance(cause, _HeadTooLarge) else exc
             # The parser's message may quote header bytes; only its gist goes on.
             self._broken("bad_response", str(cause).split(":", 1)[0].strip()[:120])
         else:
-            if self.head is not None and self._head_bytes > _MAX_HEAD:
+            if self.head is not None and self._head_read > _MAX_HEAD:
                 self._broken("bad_response", f"answer head over {_MAX_HEAD} bytes")
 
     # httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self._ended:
+            raise _AfterTheEnd  # a second answer to one request (llhttp parses on past the end)
+        self._headers = CIMultiDict()  # each answer, an interim one too, has its own headers
+        self._head_bytes = 0
+
+    def on_status(self, status: bytes) -> None:
+        self._count_head(len(status) + 15)  # "HTTP/1.1 NNN " and the line's end
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) + 2 > _MAX_LINE:
             raise _HeadTooLarge(f"Got more than {_MAX_LINE} bytes when reading a header line")
+        self._count_head(len(name) + len(value) + 4)
         self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def _count_head(self, size: int) -> None:
+        # Counted per parsed line, so a head that arrives in one read is bounded too.
+        self._head_bytes += size
+        if self._head_bytes > _MAX_HEAD:
+            raise _HeadTooLarge(f"answer head over {_MAX_HEAD} bytes")
 
     def on_headers_complete(self) -> None:
         head, self.head = self.head, None
         status = self.parser.get_status_code()
         if status < 200:  # 1xx: an interim answer; the real head follows
             self.head = head
-            self._headers = CIMultiDict()
             return
         headers = self._headers
         self._framed = (
@@ -279,6 +312,7 @@ class H1Connection(asyncio.Protocol):
         if response is None:
             return
         self.used += 1
+        self._ended = True
         self.reusable = self.parser.should_keep_alive()
         response._end(None)
 
@@ -304,7 +338,9 @@ class H1Connection(asyncio.Protocol):
         if self.response is not None and not self._framed and not self.response.broken:
             self.response._end(None)  # an answer without a length ends when its connection does
         why = f"{type(exc).__name__}: {exc}" if exc else "the instance closed the connection"
-        self._broken("connect", why)
+        # A kept-alive socket the instance closed before a byte of the answer: the instance
+        # dropped an idle connection as we reused it, which says nothing of its health.
+        self._broken("stale" if self.used and not self._heard else "connect", why)
         self.pool.lost(self)
 
     def _broken(self, kind: str, detail: str) -> None:

@@ -3,7 +3,12 @@
 Idle connections for another instance are closed to make room; beyond that a request
 waits for a connection to close or come back. The request goes out in one write. A
 connection comes back only when its answer ended cleanly (connection.py decides), so an answer
-closed early drops its connection and the instance sees its client leave.
+closed early drops its connection and the instance sees its client leave. Idle connections
+are closed once they have been idle `keepalive` seconds, by a timer, not only when next
+taken. A kept-alive connection that the instance had closed as we reused it ("stale": not
+a byte of the answer came) is no fault of the instance: the request goes again, once, on a
+new connection. A waiter woken for a place and cancelled before it ran hands the wake-up
+on, as httpcore's pool does, so no place sits idle while others wait.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Pool:
         self._connecting = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._targets: dict[str, tuple[tuple[str, int], str, bytes]] = {}
+        self._reaper: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
         idle = sum(len(v) for v in self._idle.values())
@@ -57,14 +63,19 @@ class Pool:
         """
         key, path, host = self._target(url)
         head = _request_head(method, path, host, headers, len(body) if body else 0)
+        message = head + body if body else head
         loop = asyncio.get_running_loop()
         conn: H1Connection | None = None
         try:
             async with asyncio.timeout(timeout):
                 conn = await self._acquire(key, loop)
-                waiter: asyncio.Future[Response] = loop.create_future()
-                conn.send(head + body if body else head, waiter)
-                return await waiter
+                try:
+                    return await self._send(conn, message, loop)
+                except AttemptFailed as exc:
+                    if exc.kind != "stale":
+                        raise
+                conn = await self._acquire(key, loop, fresh=True)
+                return await self._send(conn, message, loop)
         except TimeoutError:
             if conn is not None:
                 conn.abort()
@@ -73,6 +84,14 @@ class Pool:
             if conn is not None:
                 conn.abort()
             raise
+
+    @staticmethod
+    async def _send(
+        conn: H1Connection, message: bytes, loop: asyncio.AbstractEventLoop
+    ) -> Response:
+        waiter: asyncio.Future[Response] = loop.create_future()
+        conn.send(message, waiter)
+        return await waiter
 
     def _target(self, url: str) -> tuple[tuple[str, int], str, bytes]:
         known = self._targets.get(url)
@@ -89,9 +108,11 @@ class Pool:
                 self._targets[url] = known
         return known
 
-    async def _acquire(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> H1Connection:
+    async def _acquire(
+        self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, *, fresh: bool = False
+    ) -> H1Connection:
         while True:
-            idle = self._idle.get(key)
+            idle = None if fresh else self._idle.get(key)
             now = loop.time()
             while idle:
                 conn = idle.pop()
@@ -104,6 +125,10 @@ class Pool:
             self._waiters.append(waiter)
             try:
                 await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the place goes to the next waiter
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
@@ -158,9 +183,27 @@ class Pool:
         conn.abort()
 
     def give_back(self, conn: H1Connection) -> None:
-        conn.idle_since = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        conn.idle_since = loop.time()
         self._idle.setdefault(conn.key, []).append(conn)
+        if self._reaper is None:
+            self._reaper = loop.call_later(self.keepalive, self._reap)
         self._wake()
+
+    def _reap(self) -> None:
+        """Close the connections idle for `keepalive` seconds; come back for the others."""
+        self._reaper = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        oldest: float | None = None
+        for conns in list(self._idle.values()):
+            for conn in list(conns):
+                if now - conn.idle_since >= self.keepalive:
+                    self._drop(conn)
+                elif oldest is None or conn.idle_since < oldest:
+                    oldest = conn.idle_since
+        if oldest is not None:
+            self._reaper = loop.call_later(oldest + self.keepalive - now, self._reap)
 
     def lost(self, conn: H1Connection) -> None:
         self._drop(conn)
@@ -174,6 +217,9 @@ class Pool:
 
     def close(self) -> None:
         """Drop every connection, idle or busy."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for conn in list(self._all):
             self._drop(conn)
         self._idle.clear()

@@ -120,7 +120,11 @@ async def wait_for_events(
 
 @contextlib.asynccontextmanager
 async def two_workers(
-    folder: Path, sections: dict[str, dict[str, Any]] | None = None
+    folder: Path,
+    sections: dict[str, dict[str, Any]] | None = None,
+    *,
+    channel: dict[str, Any] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, Path]]:
     """`python -m gateway --workers 2` before two simulated instances; its log file."""
     sims = [SimInstance(SIM), SimInstance(SIM)]
@@ -136,8 +140,10 @@ async def two_workers(
                 "dispatch": {"health_check_interval": 60},
                 **(sections or {}),
             },
+            channel=channel,
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        env.update(extra_env or {})
         with log.open("wb") as sink:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gateway", "--config", str(config), "--workers", "2",

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observe.peer_metrics import SCRAPE_TIMEOUT, PeerMetrics
+from gateway.observe.peer_metrics import PORTS_ENV, SCRAPE_TIMEOUT, SLOT_ENV, PeerMetrics
+from gateway.process.workers import reserve_port
 
 
 def _registry(requests: int) -> CollectorRegistry:
@@ -39,9 +39,20 @@ async def _server(handler: Callable[[web.Request], Awaitable[web.StreamResponse]
 
 
 @pytest.fixture
-async def workers(tmp_path: Path) -> AsyncIterator[tuple[PeerMetrics, PeerMetrics]]:
-    one = PeerMetrics(_registry(3), tmp_path, pid=101)
-    two = PeerMetrics(_registry(4), tmp_path, pid=102)
+def slots() -> Iterator[list[int]]:
+    """Four slots' private ports, reserved as the supervisor reserves them."""
+    reserved = [reserve_port("127.0.0.1", 0) for _ in range(4)]
+    try:
+        yield [int(sock.getsockname()[1]) for sock in reserved]
+    finally:
+        for sock in reserved:
+            sock.close()
+
+
+@pytest.fixture
+async def workers(slots: list[int]) -> AsyncIterator[tuple[PeerMetrics, PeerMetrics]]:
+    one = PeerMetrics(_registry(3), slots[:2], 0)
+    two = PeerMetrics(_registry(4), slots[:2], 1)
     await one.start()
     await two.start()
     try:
@@ -61,9 +72,10 @@ async def test_one_worker_answers_for_all(workers: tuple[PeerMetrics, PeerMetric
 
 
 async def test_dead_and_stuck_workers_are_skipped_and_counted(
-    workers: tuple[PeerMetrics, PeerMetrics], tmp_path: Path
+    workers: tuple[PeerMetrics, PeerMetrics],
 ) -> None:
-    """A published port nobody listens on, and one that never answers, are left out in time."""
+    """A slot nobody listens on (its worker restarting), and one that never answers, are
+    left out in time."""
 
     release = asyncio.Event()
 
@@ -73,13 +85,12 @@ async def test_dead_and_stuck_workers_are_skipped_and_counted(
 
     hanging = await _server(stuck)
     try:
-        (tmp_path / "103.port").write_text(str(hanging.addresses[0][1]))
         with socket.socket() as closed:
             closed.bind(("127.0.0.1", 0))
-            (tmp_path / "104.port").write_text(str(closed.getsockname()[1]))
-        started = asyncio.get_running_loop().time()
-        values = _values(await workers[0].exposition())
-        took = asyncio.get_running_loop().time() - started
+            workers[0].ports += [hanging.addresses[0][1], closed.getsockname()[1]]
+            started = asyncio.get_running_loop().time()
+            values = _values(await workers[0].exposition())
+            took = asyncio.get_running_loop().time() - started
     finally:
         release.set()
         await hanging.cleanup()
@@ -90,7 +101,7 @@ async def test_dead_and_stuck_workers_are_skipped_and_counted(
 
 
 async def test_an_unreadable_peer_leaves_the_answer_to_this_worker(
-    workers: tuple[PeerMetrics, PeerMetrics], tmp_path: Path
+    workers: tuple[PeerMetrics, PeerMetrics],
 ) -> None:
     """A peer answering something that is not Prometheus text does not make /metrics fail."""
 
@@ -99,7 +110,7 @@ async def test_an_unreadable_peer_leaves_the_answer_to_this_worker(
 
     bad = await _server(garbage)
     try:
-        (tmp_path / "105.port").write_text(str(bad.addresses[0][1]))
+        workers[0].ports.append(bad.addresses[0][1])
         values = _values(await workers[0].exposition())
     finally:
         await bad.cleanup()
@@ -108,10 +119,20 @@ async def test_an_unreadable_peer_leaves_the_answer_to_this_worker(
     assert values["gateway_workers_scraped[('result', 'skipped')]"] == 2
 
 
-async def test_a_closed_worker_withdraws_its_port(tmp_path: Path) -> None:
-    """A worker that closes removes its published port, so no one waits for it."""
-    worker = PeerMetrics(_registry(1), tmp_path, pid=106)
-    await worker.start()
-    assert (tmp_path / "106.port").read_text() == str(worker.port)
-    await worker.close()
-    assert not await asyncio.to_thread(lambda: list(tmp_path.glob("*.port")))
+async def test_a_restarted_worker_listens_on_its_slots_port_again(slots: list[int]) -> None:
+    """The slot's reserved port is free for the next worker of that slot, and only for it."""
+    for _ in range(2):
+        worker = PeerMetrics(_registry(1), slots, 2)
+        await worker.start()
+        assert worker.port == slots[2]
+        assert worker.peer_ports() == [slots[0], slots[1], slots[3]]
+        await worker.close()
+
+
+def test_a_worker_finds_its_slot_in_its_environment() -> None:
+    """What the supervisor sets names every slot's port and this worker's; nothing else: None."""
+    environ = {PORTS_ENV: "8101,8102,8103", SLOT_ENV: "1"}
+    worker = PeerMetrics.from_environment(CollectorRegistry(), environ)
+    assert worker is not None
+    assert (worker.port, worker.peer_ports()) == (8102, [8101, 8103])
+    assert PeerMetrics.from_environment(CollectorRegistry(), {}) is None
