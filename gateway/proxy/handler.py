@@ -121,7 +121,6 @@ class Proxy:
         self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
         self.relay.write_timeout = channel.timeout.write
         self.upstream.timeouts = channel.timeout
-        self.upstream.splice = config.gateway.splice_streams
         self.intake.reconfigure(config, keys)
 
     @property

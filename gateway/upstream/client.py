@@ -77,7 +77,6 @@ class Upstream:
         self.pooled = pooled  # False: one connection per request, closed after it
         self._session: aiohttp.ClientSession | None = None
         self._streams: Pool | None = None  # connection.py's pool: the streams that are spliced
-        self.splice = True  # streamed answers come from connection.py's pool, for splice.py
 
     async def start(self) -> None:
         keepalive = 4.0 if self.pooled else 0.0  # the same expiry as the session's, below
@@ -129,10 +128,10 @@ class Upstream:
 
         `timeout` bounds the wait for the headers; reading the body is the caller's to
         bound. On timeout or cancellation the half-open connection is closed, so the
-        instance sees its client leave and aborts. A `stream` goes through connection.py (unless
-        `splice` is off), whose answer the relay can splice.
+        instance sees its client leave and aborts. A `stream` goes through connection.py, whose
+        answer the relay can splice.
         """
-        if stream and self.splice and self._streams is not None and body is not None:
+        if stream and self._streams is not None and body is not None:
             return await self.open_stream(url, body=body, headers=headers, timeout=timeout)
         try:
             async with asyncio.timeout(timeout):
