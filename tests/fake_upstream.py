@@ -153,7 +153,6 @@ class FakeUpstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-        stream: bool = False,
     ) -> FakeResponse:
         self.sent.append(Sent(method, url, body, dict(headers), timeout))
         if not self.answers:
