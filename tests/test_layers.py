@@ -136,4 +136,5 @@ def test_every_package_says_what_it_owns_and_may_import() -> None:
     """Each shell package opens with a docstring naming what it may import."""
     for package in LAYERS[2:-1]:
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
-        assert doc and "May import" in doc, package
+        assert doc, package
+        assert "May import" in doc, package
