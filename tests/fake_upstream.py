@@ -3,8 +3,11 @@
 httpcore's mock backend is the model: a response is the list of what the instance sends,
 handed back one `next_chunk()` at a time. An item is bytes (one read, however it splits
 the events), a `Pause` (the instance goes quiet that long), or an `AttemptFailed` (the
-connection breaks there). `FakeUpstream` answers each `open()` with the next scripted
-response, or raises the next scripted `AttemptFailed`, and keeps what was sent.
+connection breaks there). Like connection.py's answer, a `FakeResponse` can also be
+spliced: from `splice(sink)` on, a task of its own pushes the items left to the sink, and
+`pause_reading()` holds that task until `resume_reading()`. `FakeUpstream` answers each
+`open()` or `open_stream()` with the next scripted response, or raises the next scripted
+`AttemptFailed`, and keeps what was sent.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.upstream.client import Upstream
+from gateway.upstream.connection import Sink
 from gateway.upstream.response import AttemptFailed
 
 
@@ -45,6 +49,10 @@ class FakeResponse:
         self.reads = 0  # non-empty chunks handed out
         self.closed = False
         self.released = False
+        self.pauses = 0  # pause_reading() calls while spliced
+        self._reading = asyncio.Event()
+        self._reading.set()
+        self._pusher: asyncio.Task[None] | None = None
 
     @property
     def content_type(self) -> str:
@@ -82,14 +90,41 @@ class FakeResponse:
                 return item
         return b""
 
+    def splice(self, sink: Sink) -> None:
+        """Push the items left to `sink` from a task, as connection.py's data_received would."""
+        self._pusher = asyncio.get_running_loop().create_task(self._push(sink))
+
+    async def _push(self, sink: Sink) -> None:
+        while True:
+            await self._reading.wait()
+            try:
+                data = await self._next()
+            except AttemptFailed as failed:  # worded as connection.py words a broken body
+                sink.ended(f"broke the stream after it started ({failed.detail})")
+                return
+            if not data:
+                sink.ended(None)
+                return
+            sink.body(data)
+
+    def pause_reading(self) -> None:
+        self.pauses += 1
+        self._reading.clear()
+
+    def resume_reading(self) -> None:
+        self._reading.set()
+
     def close(self) -> None:
         self.closed = True
+        if self._pusher is not None:
+            self._pusher.cancel()  # the instance sees its client leave
 
     def release(self) -> None:
         self.released = True
 
     def __repr__(self) -> str:
-        return f"<FakeResponse status={self.status} left={len(self._items)}>"
+        spliced = " spliced" if self._pusher is not None else ""
+        return f"<FakeResponse status={self.status} left={len(self._items)}{spliced}>"
 
 
 @dataclass(frozen=True)
@@ -118,7 +153,6 @@ class FakeUpstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-        stream: bool = False,  # the real one reads streams on upstream/connection.py
     ) -> FakeResponse:
         self.sent.append(Sent(method, url, body, dict(headers), timeout))
         if not self.answers:
@@ -127,6 +161,11 @@ class FakeUpstream:
         if isinstance(answer, AttemptFailed):
             raise answer
         return answer
+
+    async def open_stream(
+        self, url: str, *, body: bytes, headers: dict[str, str], timeout: float
+    ) -> FakeResponse:
+        return await self.open("POST", url, body=body, headers=headers, timeout=timeout)
 
     # The real one, on the scripted `open`: a small exchange is open, read whole, release.
     fetch = Upstream.fetch

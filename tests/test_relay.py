@@ -1,15 +1,18 @@
-"""The relay against scripted upstream answers and a mocked client: no sockets.
+"""The relay against scripted upstream answers and a fake client transport: no sockets.
 
-Each test replays what an instance sends (`fake_upstream.FakeResponse`), runs one relay
-step, and checks the value it returns and, for a committed stream, the bytes the client
-got. The same behaviours are also checked end to end, through real loopback servers, in
-`functional/test_upstream_misbehaves.py` and `functional/test_faults_upstream.py`.
+Each test replays what an instance sends (`fake_upstream.FakeResponse`, which splices as
+connection.py's answer does), runs one relay step, and checks the value it returns and,
+for a committed stream, the bytes the client got. The same behaviours are also checked
+end to end, through real loopback servers, in `functional/test_upstream_misbehaves.py`
+and `functional/test_faults_upstream.py`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -67,26 +70,70 @@ def relay(clock: Clock | None = None) -> Relay:
     return Relay(Metrics(CollectorRegistry()), write_timeout=5.0, clock=clock or Clock())
 
 
-def client(*, leaves_after: int | None = None) -> tuple[web.Request, list[bytes]]:
-    """A mocked client request and the list its answer's body bytes land in.
+class Client(asyncio.Transport):
+    """The client's transport: keeps the body bytes, whether aiohttp wrote them (the head's
+    first event, the in-band error, the last chunk) or splice.py did, unframed.
 
-    With `leaves_after`, the client's connection resets on that write (0: the first).
+    With `leaves_after`, the client is gone once it holds that many writes (0: at once):
+    aiohttp's next write resets, and the transport says it is closing. Each write moves
+    `clock` (if given) on by `tick` seconds.
     """
-    sent: list[bytes] = []
 
-    async def write(data: bytes) -> None:
-        if leaves_after is not None and len(sent) >= leaves_after:
+    def __init__(self, leaves_after: int | None, clock: Clock | None, tick: float) -> None:
+        super().__init__()
+        self.sent: list[bytes] = []
+        self.leaves_after = leaves_after
+        self.clock, self.tick = clock, tick
+        self.listener: Callable[[bool], None] | None = None
+        self.behind = False  # the write buffer is over its high-water mark
+
+    @property
+    def gone(self) -> bool:
+        return self.leaves_after is not None and len(self.sent) >= self.leaves_after
+
+    def keep(self, data: bytes) -> None:
+        self.sent.append(data)
+        if self.clock is not None:
+            self.clock.now += self.tick
+
+    async def write_body(self, data: bytes) -> None:  # aiohttp's payload writer
+        if self.gone:
             raise ConnectionResetError("the client left")
-        sent.append(bytes(data))
+        self.keep(bytes(data))
 
+    def write(self, data: bytes | bytearray | memoryview) -> None:  # splice.py, chunked
+        size, rest = bytes(data).split(b"\r\n", 1)
+        assert rest[int(size, 16) :] == b"\r\n", data  # one whole HTTP/1.1 chunk
+        self.keep(rest[: int(size, 16)])
+
+    def is_closing(self) -> bool:
+        return self.gone
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_protocol(self) -> Client:  # type: ignore[override]
+        return self  # the client connection's protocol reports its buffer (splice.Watch)
+
+    def watch_writing(self, listener: Callable[[bool], None] | None) -> bool:
+        self.listener = listener
+        return self.behind
+
+
+def client(
+    *, leaves_after: int | None = None, clock: Clock | None = None, tick: float = 0.0
+) -> tuple[web.Request, Client]:
+    """A mocked client request on a fake client transport, whose `sent` gets the body."""
+    transport = Client(leaves_after, clock, tick)
     writer = mock.Mock()
     writer.write_headers = mock.AsyncMock()
-    writer.write = write
+    writer.write = transport.write_body
     writer.write_eof = mock.AsyncMock()
     writer.drain = mock.AsyncMock()
-    request = make_mocked_request("POST", "/v1/chat/completions", writer=writer)
-    request.transport.get_write_buffer_size.return_value = 0  # type: ignore[union-attr]
-    return request, sent
+    request = make_mocked_request(
+        "POST", "/v1/chat/completions", writer=writer, transport=transport
+    )
+    return request, transport
 
 
 def call_of(request: web.Request, route: Any = CHAT) -> Call:
@@ -99,17 +146,27 @@ def aborts(r: Relay, side: str) -> float:
 
 
 async def relay_stream(
-    items: list[Any], *, leaves_after: int | None = None, route: Any = CHAT, **headers: str
+    items: list[Any],
+    *,
+    leaves_after: int | None = None,
+    route: Any = CHAT,
+    silence: float = 5.0,
+    **headers: str,
 ) -> tuple[Streamed, bytes, FakeLease, Relay]:
     """Read the first event, then commit and relay the rest; what the client got."""
     r = relay()
     response = FakeResponse(200, items, {**SSE, **headers})
     started = await r.first_chunk(response, timeout=5.0)
     assert isinstance(started, Started), started
-    request, sent = client(leaves_after=leaves_after)
+    request, got = client(leaves_after=leaves_after)
     lease = FakeLease()
-    record = await r.stream(call_of(request, route), response, started, lease, 99.0, silence=5.0)
-    return record, b"".join(sent), lease, r
+    try:
+        record = await r.stream(
+            call_of(request, route), response, started, lease, 99.0, silence=silence
+        )
+    finally:
+        response.close()  # as the proxy does
+    return record, b"".join(got.sent), lease, r
 
 
 def events(body: bytes) -> list[bytes]:
@@ -273,6 +330,34 @@ async def test_a_client_that_leaves_mid_stream_is_a_499_that_says_nothing_of_the
     assert aborts(r, "upstream") == 0
 
 
+async def test_a_client_that_stays_behind_pauses_the_instance_and_is_let_go() -> None:
+    """A client over its buffer mark stops the instance's reads; behind for longer than
+    `write_timeout`, it is let go as a 499."""
+    r = relay()
+    r.write_timeout = 0.05
+    response = FakeResponse(200, [token(0), token(1), DONE], SSE)
+    started = await r.first_chunk(response, timeout=1.0)
+    assert isinstance(started, Started)
+    request, got = client()
+    got.behind = True
+    record = await r.stream(call_of(request), response, started, FakeLease(), 99.0, silence=5.0)
+    response.close()
+    assert b"".join(got.sent) == token(0)  # the first event, sent with the head
+    assert response.pauses == 1
+    assert (record.status, record.outcome) == (499, Outcome.NEUTRAL)
+    assert aborts(r, "client") == 1
+
+
+async def test_a_stream_silent_for_longer_than_allowed_ends_in_band() -> None:
+    """No data event for `silence` seconds ends the stream with an error event and [DONE]."""
+    record, body, _, r = await relay_stream([token(0), Pause(1.0), DONE], silence=0.05)
+    assert body.startswith(token(0) + b'data: {"error"')
+    assert b"sent no data event for 0.05s" in body
+    assert body.endswith(DONE)
+    assert (record.status, record.outcome, record.error) == (200, Outcome.FAILURE, "stream_broken")
+    assert aborts(r, "upstream") == 1
+
+
 async def test_a_timed_stream_reports_its_time_per_token_through_the_lease() -> None:
     """A chat stream that ends well tells the lease its time per output token."""
     clock = Clock()
@@ -280,13 +365,8 @@ async def test_a_timed_stream_reports_its_time_per_token_through_the_lease() -> 
     response = FakeResponse(200, [token(0), token(1), token(2), DONE], SSE)
     started = await r.first_chunk(response, timeout=1.0)
     assert isinstance(started, Started)
-    request, _ = client()
+    request, _ = client(clock=clock, tick=0.5)  # each write takes half a second
     lease = FakeLease()
-
-    async def later(data: bytes) -> None:
-        clock.now += 0.5  # each write takes half a second of the test's clock
-
-    request._payload_writer.write = later  # type: ignore[attr-defined]
     record = await r.stream(call_of(request), response, started, lease, 99.0, silence=5.0)
     assert record.tokens == 2  # three content events, less the role-only first one
     assert record.tpot == lease.tpots[0] > 0

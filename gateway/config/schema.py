@@ -58,9 +58,6 @@ class GatewaySection(Frozen):
     # Processes serving the port (workers.py); 1 is the single process. 256 is far past
     # any machine's cores: a larger number is a typo, not a plan.
     workers: int = Field(1, ge=1, le=256)
-    # Streamed answers read by upstream/connection.py, relayed socket to socket (splice.py); false:
-    # through aiohttp's client and one await per chunk, as before.
-    splice_streams: bool = True
 
     @field_validator("base_url")
     @classmethod

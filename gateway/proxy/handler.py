@@ -38,7 +38,7 @@ from gateway.proxy.body import InvalidField, wants_stream
 from gateway.proxy.intake import Intake, max_tokens_of
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay.records import Unusable, Whole
-from gateway.relay.relay import Relay
+from gateway.relay.relay import Relay, StreamAnswer
 from gateway.routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
@@ -121,7 +121,6 @@ class Proxy:
         self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
         self.relay.write_timeout = channel.timeout.write
         self.upstream.timeouts = channel.timeout
-        self.upstream.splice = config.gateway.splice_streams
         self.intake.reconfigure(config, keys)
 
     @property
@@ -255,22 +254,25 @@ class Proxy:
         allowance = min(remaining, self.ttft_allowance[call.lane]) if call.stream else remaining
         result: Committed | Failed | None = None  # None: cancelled
         response: UpstreamResponse | None = None
+        stream: StreamAnswer | None = None  # the same answer, when it is a stream's
         opened = self.clock()
         try:
             try:
-                response = await self.upstream.open(
-                    "POST",
-                    endpoint.url + call.route.upstream_path,
-                    body=call.body,
-                    headers=send_headers(call, ex, endpoint, span.span_id if span else None),
-                    timeout=max(0.001, allowance),
-                    stream=call.stream,
-                )
+                url = endpoint.url + call.route.upstream_path
+                headers = send_headers(call, ex, endpoint, span.span_id if span else None)
+                if call.stream:  # on our HTTP/1.1 client, whose answer the relay splices
+                    response = stream = await self.upstream.open_stream(
+                        url, body=call.body, headers=headers, timeout=max(0.001, allowance)
+                    )
+                else:
+                    response = await self.upstream.open(
+                        "POST", url, body=call.body, headers=headers, timeout=max(0.001, allowance)
+                    )
             except AttemptFailed as failed:
                 retry_after = self.dispatcher.scheduler.limits.queue_retry_after
                 result = failed_to_send(failed, retry_after)
             else:
-                result = await self._judge(call, ex, lease, response, opened)
+                result = await self._judge(call, ex, lease, response, stream, opened)
             return result
         finally:
             if response is not None:
@@ -296,25 +298,27 @@ class Proxy:
         ex: Exchange,
         lease: Lease,
         response: UpstreamResponse,
+        stream: StreamAnswer | None,
         opened: float,
     ) -> Committed | Failed:
         """Pass the answer on, or fail the attempt: the status table decides which.
 
-        `opened` is when the request went out: the first token is due by the lane's
-        allowance after it (or the deadline, if sooner).
+        `stream` is the answer again when the request was a stream's (its 200 is relayed
+        event by event); `opened` is when the request went out: the first token is due by
+        the lane's allowance after it (or the deadline, if sooner).
         """
         status = response.status
         self.metrics.instance_requests.labels(lease.instance, str(status)).inc()
         verdict = judge_status(status)
-        if verdict.retry is None and status == 200 and call.stream:
+        if verdict.retry is None and status == 200 and stream is not None:
             first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
-            started = await self.relay.first_chunk(response, first_by - self.clock())
+            started = await self.relay.first_chunk(stream, first_by - self.clock())
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
             ex.status = 200  # committed: a cancellation from here on is the client leaving
             streamed = await self.relay.stream(
                 call,
-                response,
+                stream,
                 started,
                 lease,
                 sent_at=opened,

@@ -1,8 +1,8 @@
 """An instance's answer passed on to the client, once an attempt has one.
 
-`relay` (whole answers, the first event, the committed stream), `splice` (socket to socket
-once committed, with flow control both ways), `sse` (the pure event framer), `records`
-(the values a relay returns).
+`relay` (whole answers; a stream's first event, then its commit), `splice` (the one way a
+committed stream is relayed: socket to socket, with flow control both ways), `sse` (the
+pure event framer), `records` (the values a relay returns).
 May import: the vocabulary, `gateway.dispatch`, `gateway.config`, `gateway.upstream`,
 `gateway.observe`, `gateway.fleet`.
 """

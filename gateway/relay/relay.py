@@ -2,16 +2,18 @@
 
 `whole()` passes on a complete answer (non-streamed, or an error) unchanged, its
 Content-Encoding included. `first_chunk()` reads a stream until its first data event (the
-first token); `stream()` then commits: it sends the headers and copies SSE events as they
-arrive. The per-chunk loop hands each read to `sse.Framer`, which passes on whole events
-only (so an in-band error never lands inside a half-sent one) and counts them the same
-however TCP split them; it parses no JSON. It times only the writes that may block, so a
-client that keeps up costs nothing extra.
+first token), pulling its chunks one by one, with nothing sent yet (a retry is still
+possible). `stream()` then commits: the first event goes out through aiohttp with the
+response head, and `splice.Splice` moves the rest from the instance's socket to the
+client's, with flow control both ways and no await per chunk. Both hand each read to
+`sse.Framer`, which passes on whole events only (so an in-band error never lands inside a
+half-sent one) and counts them the same however TCP split them; it parses no JSON.
 
 Every method returns a value (`relay/records.py`) and writes no one else's state; it
 tells the scheduler of the first token and the time per token through the attempt's
 `Lease`. After the commit, a stream the instance breaks, ends without `data: [DONE]`, or
-keeps silent longer than allowed ends with an in-band error event and `data: [DONE]`.
+keeps silent longer than allowed ends with an in-band error event and `data: [DONE]`; one
+cancelled once the drain time is over ends with an in-band 503 error the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from gateway.routes import CHAT, Route
 from gateway.upstream.response import AttemptFailed, UpstreamResponse
 
 
+class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
+    """A streamed answer as the relay reads it: `Upstream.open_stream`'s (connection.py's
+    `Response`), pulled chunk by chunk until the first event, then spliced."""
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes:
+        """The next body bytes as they arrived; b"" at the end (AttemptFailed if it broke)."""
+        ...
+
+
 class Call(Protocol):
     """What the relay reads of the request it answers (the proxy's `attempt.Call` is one)."""
 
@@ -49,8 +60,8 @@ class Call(Protocol):
 
 _log = log.get("gateway.proxy")
 
-# Writes that may block (the client is behind, or the chunk is big) are timed; others are
-# free. 16 KiB is asyncio's low-water mark.
+# The first event's write is timed if it may block (the client is behind, or the event is
+# big); otherwise it is free. 16 KiB is asyncio's low-water mark.
 _BACKLOG = 16 * 1024
 _MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not held
 
@@ -121,7 +132,7 @@ class Relay:
         )
         return Whole(answer, tokens)
 
-    async def first_chunk(self, response: UpstreamResponse, timeout: float) -> Started | Unusable:
+    async def first_chunk(self, response: StreamAnswer, timeout: float) -> Started | Unusable:
         """Read until the stream's first data event, within `timeout` (nothing is sent yet).
 
         Comment events before it (keep-alives) are dropped: passing one on would commit the
@@ -169,13 +180,13 @@ class Relay:
     async def stream(
         self,
         call: Call,
-        response: UpstreamResponse,
+        response: StreamAnswer,
         started: Started,
         lease: Lease,
         sent_at: float,
         silence: float,
     ) -> Streamed:
-        """Commit: send headers and the first event, then copy events as they arrive.
+        """Commit: send headers and the first event, then splice the rest as it arrives.
 
         `sent_at` is when the request went out (its TTFT counts from there). `silence`
         bounds the time between two data events. Only data events reset it: comment
@@ -200,74 +211,10 @@ class Relay:
         transport = call.request.transport
         if transport is None:  # the client left before we could answer
             return self._client_left(out)
-        framer, decode, chunk = started.framer, started.decode, started.first
-        watch = transport.get_protocol()
-        # Duck-typed: a runtime-checkable Protocol's isinstance cost 4% of the gateway's
-        # samples in the profile (loadtest/README.md, overhead).
-        if hasattr(response, "splice") and hasattr(watch, "watch_writing"):
-            spliced = await self._splice(
-                out,
-                cast(splice.Source, response),
-                transport,
-                cast(splice.Watch, watch),
-                started,
-                silence,
-                route.sse_done,
-            )
-            if isinstance(spliced, Streamed):
-                return spliced
-            return await self._conclude(call, out, lease, framer, spliced, first_at)
-        loop = asyncio.get_running_loop()
-        broken: str | None = None  # why the instance's stream is unusable, if it is
-        try:
-            # One timer for the whole stream, moved on by each data event: cheaper than a
-            # timer per read, and the client's own per-read timer (which any byte resets) is off.
-            async with asyncio.timeout_at(loop.time() + silence) as quiet:
-                while True:
-                    if chunk:
-                        try:
-                            if transport.get_write_buffer_size() + len(chunk) > _BACKLOG:
-                                # The client is behind. Give it `timeout.write` seconds, then
-                                # let it go rather than keep a GPU generating into a full
-                                # buffer. The instance's silence clock stops meanwhile.
-                                quiet.reschedule(None)
-                                async with asyncio.timeout(self.write_timeout):
-                                    await out.write(chunk)
-                                quiet.reschedule(loop.time() + silence)
-                            else:
-                                await out.write(chunk)
-                        except (ConnectionResetError, TimeoutError):
-                            return self._client_left(out)
-                    try:
-                        data = await response.next_chunk()
-                    except asyncio.CancelledError:
-                        task = asyncio.current_task()
-                        if quiet.expired() or not self.aborting or task is None:
-                            raise
-                        task.uncancel()  # the drain deadline passed: end the stream in-band
-                        self.metrics.stream_aborts.labels("shutdown").inc()
-                        message = "the gateway is shutting down and its drain time is over"
-                        await self._end(out, f"{message}; the answer is incomplete", 503)
-                        return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
-                    except AttemptFailed as failed:
-                        broken = f"broke the stream after it started ({failed.detail})"
-                        break
-                    if not data:
-                        broken = "ended the stream without " + (
-                            "data: [DONE]" if route.sse_done else "its final event"
-                        )
-                        break
-                    events = framer.events
-                    try:
-                        chunk = framer.feed(decode(data) if decode is not None else data)
-                    except zlib.error:
-                        broken = "sent stream bytes that do not decode"
-                        break
-                    if framer.events != events:
-                        quiet.reschedule(loop.time() + silence)
-        except TimeoutError:
-            broken = f"sent no data event for {silence:g}s"
-        return await self._conclude(call, out, lease, framer, broken, first_at)
+        broken = await self._splice(out, response, transport, started, silence, route.sse_done)
+        if isinstance(broken, Streamed):
+            return broken
+        return await self._conclude(call, out, lease, started.framer, broken, first_at)
 
     async def _conclude(
         self,
@@ -300,9 +247,8 @@ class Relay:
     async def _splice(
         self,
         out: _Out,
-        response: splice.Source,
+        response: StreamAnswer,
         transport: asyncio.Transport,
-        watch: splice.Watch,
         started: Started,
         silence: float,
         sse_done: bool,
@@ -312,6 +258,9 @@ class Relay:
         The first event goes through aiohttp, which sends the held response head with it;
         the rest goes from the instance's socket to the client's with no await per chunk.
         """
+        # Every client connection is served by server/connections.py's protocol, which
+        # reports its write buffer (the runner wraps each one).
+        watch = cast(splice.Watch, transport.get_protocol())
         try:
             if transport.get_write_buffer_size() + len(started.first) > _BACKLOG:
                 async with asyncio.timeout(self.write_timeout):

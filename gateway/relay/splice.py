@@ -1,10 +1,11 @@
-"""A committed stream relayed below asyncio's streams: instance socket to client socket.
+"""How every committed stream is relayed: below asyncio's streams, socket to socket.
 
-Once the first event has gone out, `Splice` is the `h1.Sink` of the instance's answer:
-each body chunk arrives in the upstream connection's `data_received`, goes through the
-SSE framer (`sse.Framer`: whole events only, counted), and is written to the client's
-transport with HTTP/1.1 chunked framing, as aiohttp's `StreamResponse` would frame it,
-with no await per chunk. The relay's coroutine awaits `done` once, for the whole stream.
+Once the first event has gone out, `Splice` is the `Sink` (upstream/connection.py) of the
+instance's answer: each body chunk arrives in the upstream connection's `data_received`,
+goes through the SSE framer (`sse.Framer`: whole events only, counted), and is written to
+the client's transport with HTTP/1.1 chunked framing, as aiohttp's `StreamResponse` would
+frame it, with no await per chunk. The relay's coroutine awaits `done` once, for the whole
+stream.
 
 Flow control both ways (uvicorn's `flow_control.py` is the model): when the client's
 write buffer passes its high-water mark, the client connection (connections.py) says so
@@ -43,7 +44,8 @@ class End:
 
 
 class Source(Protocol):
-    """The instance's answer (h1.Response): its body pushed to a sink, its reads paused."""
+    """The instance's answer (connection.py's `Response`): its body pushed to a sink, its
+    reads paused."""
 
     def splice(self, sink: Splice) -> None: ...
 
@@ -120,7 +122,7 @@ class Splice:
         watch.watch_writing(None)
         self._cancel_timers()
 
-    # ------------------------------------------------------------ h1.Sink
+    # ------------------------------------------------------------ connection.Sink
 
     def body(self, data: bytes) -> None:
         if self.done.done():

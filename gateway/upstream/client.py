@@ -1,12 +1,16 @@
-"""The one seam to the network: the only module that uses aiohttp's client.
+"""The one seam to the network, `Upstream`: the only module that uses aiohttp's client.
 
-One pooled `ClientSession` sized by `max_connections` serves every instance. `open()`
-returns our own `UpstreamResponse` (status, headers, the whole body or the next chunk,
-close), never aiohttp's, and every failure is mapped here, where it enters, to
-`AttemptFailed` with a short kind that the retry policy understands ("connect",
-"timeout", or "bad_response" for a response head aiohttp cannot parse). HTTP answers of
-any status come back as responses for the proxy to judge. `tests/dispatch/test_purity.py`
-checks that no other module of the gateway imports aiohttp's client, and
+Two ways out, by what the caller will do with the answer. `open_stream()` sends a streamed
+request on connection.py's pool (our HTTP/1.1 client on httptools) and returns its
+`Response`, whose body the relay pulls until the first event and then splices to the
+client (splice.py). `open()` sends everything else (whole answers, health probes, metric
+scrapes, model lists) through one pooled aiohttp `ClientSession` sized by
+`max_connections`, and returns our own `UpstreamResponse` (status, headers, the whole
+body, close), never aiohttp's. Every failure is mapped where it enters to `AttemptFailed`
+with a short kind that the retry policy understands ("connect", "timeout", or
+"bad_response" for a response head that cannot be parsed). HTTP answers of any status
+come back as responses for the proxy to judge. `tests/dispatch/test_purity.py` checks
+that no other module of the gateway imports aiohttp's client, and
 `tests/fake_upstream.py` replays scripted responses through the same interface.
 """
 
@@ -26,11 +30,10 @@ from gateway.upstream.response import AttemptFailed, UpstreamResponse
 class _ClientResponse:
     """`UpstreamResponse` over aiohttp's `ClientResponse`: its errors mapped as they enter."""
 
-    __slots__ = ("_content", "_response", "headers", "status")
+    __slots__ = ("_response", "headers", "status")
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
-        self._content = response.content
         self.status = response.status
         self.headers: Mapping[str, str] = response.headers
 
@@ -44,19 +47,6 @@ class _ClientResponse:
                 return await self._response.read()
         except TimeoutError:
             raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
-
-    async def next_chunk(self, timeout: float | None = None) -> bytes:
-        try:
-            if timeout is None:
-                return await self._content.readany()
-            async with asyncio.timeout(timeout):
-                return await self._content.readany()
-        except TimeoutError:
-            if timeout is None:  # aiohttp's own read timer (off in our session)
-                raise AttemptFailed("timeout", "the connection's read timed out") from None
-            raise AttemptFailed("timeout", f"no bytes within {timeout:.1f}s") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise AttemptFailed("connect", f"{type(exc).__name__}: {exc}") from None
 
@@ -76,8 +66,7 @@ class Upstream:
         self.timeouts = timeouts
         self.pooled = pooled  # False: one connection per request, closed after it
         self._session: aiohttp.ClientSession | None = None
-        self._streams: Pool | None = None  # connection.py's pool: the streams that are spliced
-        self.splice = True  # streamed answers come from connection.py's pool, for splice.py
+        self._streams: Pool | None = None  # connection.py's pool, for open_stream()
 
     async def start(self) -> None:
         keepalive = 4.0 if self.pooled else 0.0  # the same expiry as the session's, below
@@ -123,17 +112,13 @@ class Upstream:
         body: bytes | None,
         headers: dict[str, str],
         timeout: float,
-        stream: bool = False,
     ) -> UpstreamResponse:
-        """Send a request and return once the response headers arrived (or fail).
+        """Send a request whose answer is read whole; return once its headers arrived.
 
         `timeout` bounds the wait for the headers; reading the body is the caller's to
         bound. On timeout or cancellation the half-open connection is closed, so the
-        instance sees its client leave and aborts. A `stream` goes through connection.py (unless
-        `splice` is off), whose answer the relay can splice.
+        instance sees its client leave and aborts.
         """
-        if stream and self.splice and self._streams is not None and body is not None:
-            return await self.open_stream(url, body=body, headers=headers, timeout=timeout)
         try:
             async with asyncio.timeout(timeout):
                 # Per request: a reload may change the connect timeout.
@@ -171,7 +156,8 @@ class Upstream:
         """POST a streamed request on connection.py's pool: its answer's body can be spliced.
 
         Same contract as `open` (AttemptFailed on no answer); the answer also offers
-        `splice(sink)`, which hands each body chunk on as it arrives (splice.py).
+        `next_chunk()`, and `splice(sink)`, which hands each body chunk on as it arrives
+        (splice.py).
         """
         if self._streams is None:
             raise RuntimeError("Upstream.start() was not awaited")

@@ -22,10 +22,10 @@ class AttemptFailed(Exception):
 class UpstreamResponse(Protocol):
     """An instance's answer once its head arrived: what the rest of the gateway reads.
 
-    `read` and `next_chunk` raise `AttemptFailed` ("connect" when the instance breaks the
-    connection, "timeout" when `timeout` runs out); a cancelled caller gets
-    `CancelledError` as usual. `next_chunk` without a timeout leaves the bound to the
-    caller (the relay keeps one timer for a whole stream rather than one per read).
+    `read` raises `AttemptFailed` ("connect" when the instance breaks the connection,
+    "timeout" when `timeout` runs out); a cancelled caller gets `CancelledError` as usual.
+    A streamed answer (connection.py's `Response`) also offers `next_chunk()` and
+    `splice(sink)`, for the relay.
     """
 
     @property
@@ -39,10 +39,6 @@ class UpstreamResponse(Protocol):
 
     async def read(self, timeout: float) -> bytes:
         """The whole body, within `timeout` seconds."""
-        ...
-
-    async def next_chunk(self, timeout: float | None = None) -> bytes:
-        """The next bytes of the body as they arrived; b"" once it has ended."""
         ...
 
     def close(self) -> None:

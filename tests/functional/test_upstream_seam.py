@@ -90,50 +90,24 @@ async def test_a_whole_answer_comes_back_as_our_response() -> None:
             response.release()  # idempotent
 
 
-async def test_next_chunk_hands_out_reads_and_an_empty_bytes_at_the_end() -> None:
-    """A chunked body arrives read by read, then b"" once it has ended."""
-    async with server_and_upstream() as (url, upstream):
-        response = await upstream.open("GET", url + "/chunks", body=None, headers={}, timeout=1)
-        received = b""
-        while chunk := await response.next_chunk(1.0):
-            received += chunk
-        assert received == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
-        assert await response.next_chunk() == b""
-        response.close()
-
-
 async def test_a_body_cut_off_mid_way_is_a_connect_failure() -> None:
     """A connection dropped inside a chunked body raises AttemptFailed("connect")."""
     async with server_and_upstream() as (url, upstream):
         response = await upstream.open(
             "GET", url + "/chunks?cut=1", body=None, headers={}, timeout=1
         )
-        received = b""
-
-        async def read_to_the_end() -> None:
-            nonlocal received
-            while chunk := await response.next_chunk(1.0):
-                received += chunk
-
         with pytest.raises(AttemptFailed) as failed:
-            await read_to_the_end()
+            await response.read(1.0)
         assert failed.value.kind == "connect"
-        assert received == b"data: 0\n\ndata: 1\n\n"
         response.close()
 
 
 async def test_a_body_slower_than_its_time_is_a_timeout() -> None:
-    """read() and next_chunk() with a timeout raise AttemptFailed("timeout") when it runs out."""
+    """read() raises AttemptFailed("timeout") when its time runs out."""
     async with server_and_upstream() as (url, upstream):
         response = await upstream.open("GET", url + "/slow", body=None, headers={}, timeout=1)
         with pytest.raises(AttemptFailed) as failed:
             await response.read(0.05)
-        assert failed.value.kind == "timeout"
-        response.close()
-        response = await upstream.open("GET", url + "/slow", body=None, headers={}, timeout=1)
-        assert await response.next_chunk(1.0) == b"ab"
-        with pytest.raises(AttemptFailed) as failed:
-            await response.next_chunk(0.05)
         assert failed.value.kind == "timeout"
         response.close()
 
