@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-KEY = "sk-cli-test-key"
+KEY = "sk-cli-test-key-0001"
 SETTINGS = {"vllm": {"instances": ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]}}
 
 

@@ -192,7 +192,7 @@ def test_log_flags_choose_the_level_and_format(
     calls: list[tuple[str, bool | None]] = []
     monkeypatch.setattr(log, "configure", lambda lvl, *, json=None: calls.append((lvl, json)))
 
-    async def serve(config: Config, *, simulate: bool) -> None:
+    async def serve(config: Config, *, simulate: bool, **_: object) -> None:
         return None
 
     monkeypatch.setattr(server, "serve", serve)

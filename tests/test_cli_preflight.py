@@ -151,7 +151,7 @@ def test_start_logs_each_warning_as_config_warning(
     monkeypatch.setattr(log, "configure", lambda *a, **k: None)  # keep structlog as the test has it
     served: list[Config] = []
 
-    async def serve(config: Config, *, simulate: bool) -> None:
+    async def serve(config: Config, *, simulate: bool, **_: object) -> None:
         served.append(config)
 
     monkeypatch.setattr(server, "serve", serve)
@@ -162,3 +162,21 @@ def test_start_logs_each_warning_as_config_warning(
     (warning,) = [e for e in events if e["event"] == "config_warning"]
     assert warning["log_level"] == "warning"
     assert "both reach 10.9.8.7" in warning["problem"]
+
+
+@pytest.mark.parametrize(
+    ("key", "why"), [("change-me", "a placeholder"), ("a", "1 characters, under 16")]
+)
+def test_check_warns_about_a_weak_key_without_quoting_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    key: str,
+    why: str,
+) -> None:
+    """The Secret's shipped `change-me` or a one-letter key passes `--check` with a warning."""
+    monkeypatch.setenv("GATEWAY_API_KEY", key)
+    assert main(["--config", str(write(tmp_path)), "--check"]) == 0
+    err = capsys.readouterr().err
+    assert f"the unified key #1 is weak ({why}" in err
+    assert f"'{key}'" not in err

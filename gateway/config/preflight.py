@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from pydantic import SecretStr
+
 from gateway.config.load import Config, ConfigError
 from gateway.config.schema import InstanceConfig
 from gateway.config.urls import LOOPBACK, host_key, is_address
@@ -53,6 +55,33 @@ def check(
             )
     where = f"{config.settings_path}: vllm.instances"
     warnings += shared_addresses(config.instances, where, resolve_all(config.instances, resolve))
+    warnings += weak_keys(config.api_keys)
+    return warnings
+
+
+# Shorter keys can be guessed; these are what sample files ship and people forget.
+MIN_KEY_LENGTH = 16
+PLACEHOLDER_KEYS = frozenset(
+    {"change-me", "changeme", "change_me", "secret", "password", "your-key", "your-api-key",
+     "sk-local", "sk-xxx", "test", "example", "key"}
+)  # fmt: skip
+
+
+def weak_keys(keys: Iterable[SecretStr]) -> list[str]:
+    """A warning for each key that is a known placeholder or shorter than MIN_KEY_LENGTH.
+
+    The warning says which key by its position, never by its value.
+    """
+    warnings = []
+    for position, secret in enumerate(keys, start=1):
+        key = secret.get_secret_value()
+        if key.strip().lower() in PLACEHOLDER_KEYS:
+            why = "a placeholder from a sample file"
+        elif len(key) < MIN_KEY_LENGTH:
+            why = f"{len(key)} characters, under {MIN_KEY_LENGTH}"
+        else:
+            continue
+        warnings.append(f"the unified key #{position} is weak ({why}): anyone may guess it")
     return warnings
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import get_args, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 from aiohttp import __version__ as aiohttp_version
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -32,6 +32,9 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 
 OTHER_TAG = "other"
+# A tag label unused this long gives its slot (and its series) up to a new tag: a tag that
+# was a one-off leaves room for the tags in use, and series stay bounded.
+TAG_IDLE_S = 600.0
 NONE = "none"  # the label value of what a request never had (a lane, a model, a tag)
 CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle_timeout", "over_limit")
 # Label values known in advance, each series created at zero by `start_series`.
@@ -73,7 +76,9 @@ class Metrics:
         # How lanes are named in labels and logs (the app names the long one [prefill].tag).
         self.lane_names = lane_names or {lane: lane.value for lane in Lane}
         self.max_tags = max_tags
-        self._tags: set[str] = set()
+        self._tags: dict[str, float] = {}  # tag -> when last counted, least recent first
+        self._pinned: set[str] = set()  # tags of start_series, never given up
+        self._request_series: dict[tuple[str, ...], Any] = {}
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, by route (unknown paths: 'other'), status, lane, model (those "
@@ -249,6 +254,7 @@ class Metrics:
         for route in keyed_routes:
             self.requests.labels(route, "401", NONE, NONE, NONE)
         tag_label = self.tag_label(tag or NONE)
+        self._pinned.add(tag_label)
         known_models = list(models) or [NONE]
         for route in placed_routes:
             for lane in lanes:
@@ -256,14 +262,46 @@ class Metrics:
                     for status in PLACED_STATUSES:
                         self.requests.labels(route, status, lane, model, tag_label)
 
-    def tag_label(self, tag: str) -> str:
-        """The tag itself while fewer than `max_tags` distinct tags were seen, else 'other'."""
+    def tag_label(self, tag: str, *, reached: bool = True, now: float = 0.0) -> str:
+        """The tag itself if it holds one of `max_tags` slots, else 'other'.
+
+        Only a request that `reached` an instance takes a free slot (a bogus model or path
+        must not use them up); a slot idle for TAG_IDLE_S is freed for a new tag.
+        """
         if tag in self._tags:
+            del self._tags[tag]
+            self._tags[tag] = now  # the most recent, last
             return tag
+        if not reached:
+            return OTHER_TAG
+        if len(self._tags) >= self.max_tags:
+            self._free_idle_tag(now)
         if len(self._tags) < self.max_tags:
-            self._tags.add(tag)
+            self._tags[tag] = now
             return tag
         return OTHER_TAG
+
+    def _free_idle_tag(self, now: float) -> None:
+        for tag, seen in self._tags.items():  # least recent first
+            if tag in self._pinned:
+                continue
+            if now - seen < TAG_IDLE_S:
+                return
+            del self._tags[tag]
+            for key in [k for k in self._request_series if k[-1] == tag]:
+                self.requests.remove(*key)
+                del self._request_series[key]
+            return
+
+    def request_series(
+        self, route: str, status: str, lane: str, model: str, tag: str, *, reached: bool, now: float
+    ) -> Any:
+        """The `gateway_requests` series of one request (its tag label decided here)."""
+        key = (route, status, lane, model, self.tag_label(tag, reached=reached, now=now))
+        series = self._request_series.get(key)
+        if series is None:
+            series = self._request_series[key] = self.requests.labels(*key)
+        return series
 
     def watch(self, snapshot: Callable[[], Snapshot]) -> None:
         """Export the scheduler's state, from a snapshot taken at each scrape."""

@@ -203,13 +203,14 @@ class Recorder:
     def record(self, ex: Exchange, duration: float) -> None:
         lane = ex.lane or NONE
         metrics = self.metrics
-        self._series_of(
-            metrics.requests,
+        metrics.request_series(
             ex.route,
             str(ex.status),
             lane,
             ex.model or NONE,
-            metrics.tag_label(ex.tag or NONE),
+            ex.tag or NONE,
+            reached=bool(ex.instance),
+            now=ex.started + duration,
         ).inc()
         if ex.instance:  # TTFT and TPOT only of requests an instance answered
             self._series_of(metrics.duration, lane).observe(duration)
