@@ -6,7 +6,7 @@ the events), a `Pause` (the instance goes quiet that long), or an `AttemptFailed
 connection breaks there). Like connection.py's answer, a `FakeResponse` can also be
 spliced: from `splice(sink)` on, a task of its own pushes the items left to the sink, and
 `pause_reading()` holds that task until `resume_reading()`. `FakeUpstream` answers each
-`open()` or `open_stream()` with the next scripted response, or raises the next scripted
+`open()` with the next scripted response, or raises the next scripted
 `AttemptFailed`, and keeps what was sent.
 """
 
@@ -161,11 +161,6 @@ class FakeUpstream:
         if isinstance(answer, AttemptFailed):
             raise answer
         return answer
-
-    async def open_stream(
-        self, url: str, *, body: bytes, headers: dict[str, str], timeout: float
-    ) -> FakeResponse:
-        return await self.open("POST", url, body=body, headers=headers, timeout=timeout)
 
     # The real one, on the scripted `open`: a small exchange is open, read whole, release.
     fetch = Upstream.fetch

@@ -260,14 +260,11 @@ class Proxy:
             try:
                 url = endpoint.url + call.route.upstream_path
                 headers = send_headers(call, ex, endpoint, span.span_id if span else None)
-                if call.stream:  # on our HTTP/1.1 client, whose answer the relay splices
-                    response = stream = await self.upstream.open_stream(
-                        url, body=call.body, headers=headers, timeout=max(0.001, allowance)
-                    )
-                else:
-                    response = await self.upstream.open(
-                        "POST", url, body=call.body, headers=headers, timeout=max(0.001, allowance)
-                    )
+                response = await self.upstream.open(
+                    "POST", url, body=call.body, headers=headers, timeout=max(0.001, allowance)
+                )
+                if call.stream:  # the relay splices its body once committed
+                    stream = response
             except AttemptFailed as failed:
                 retry_after = self.dispatcher.scheduler.limits.queue_retry_after
                 result = failed_to_send(failed, retry_after)

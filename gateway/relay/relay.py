@@ -37,7 +37,7 @@ from gateway.upstream.response import AttemptFailed, UpstreamResponse
 
 
 class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
-    """A streamed answer as the relay reads it: `Upstream.open_stream`'s (connection.py's
+    """A streamed answer as the relay reads it: `Upstream.open`'s (connection.py's
     `Response`), pulled chunk by chunk until the first event, then spliced."""
 
     async def next_chunk(self, timeout: float | None = None) -> bytes:

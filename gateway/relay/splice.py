@@ -60,6 +60,11 @@ class Watch(Protocol):
     def watch_writing(self, listener: Callable[[bool], None] | None) -> bool: ...
 
 
+# After `data: [DONE]` the answer is whole and only its framing (the last chunk) may still
+# come: this long, then the client's stream ends anyway and the connection is dropped.
+DONE_GRACE_S = 0.2
+
+
 class Splice:
     """Relays one stream's events from the instance to the client as they arrive."""
 
@@ -113,6 +118,8 @@ class Splice:
     def start(self, watch: Watch) -> None:
         """Start taking the source's chunks; `watch` reports the client's buffer."""
         self._quiet = self._loop.call_at(self.last_event + self.silence, self._check_quiet)
+        if self.framer.done:  # it came with the first event, before the splice
+            self._grace()
         if watch.watch_writing(self.writing):
             self.writing(False)
         self.source.splice(self)
@@ -147,6 +154,17 @@ class Splice:
                 out = b"%x\r\n%b\r\n" % (len(out), out)
             client.write(out)
             self.sent += len(out)
+        if framer.done and self.silence > DONE_GRACE_S:
+            self._grace()
+
+    def _grace(self) -> None:
+        """[DONE] came: what is left is framing, for DONE_GRACE_S at most. A body whose
+        framing outlasts it (a Content-Length too large, no framing on a kept-alive answer)
+        must not keep the client reading until the silence timeout."""
+        self.silence = DONE_GRACE_S
+        if self._quiet is not None:
+            self._quiet.cancel()
+            self._quiet = self._loop.call_later(DONE_GRACE_S, self._check_quiet)
 
     def ended(self, broken: str | None) -> None:
         self._end(End(Why.ENDED, broken))

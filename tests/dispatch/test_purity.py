@@ -1,6 +1,6 @@
 """The dispatch core stays pure (no I/O, clock, threads or hidden randomness in its modules),
-and the shell crosses the network only through `upstream/client.py`: no other gateway module
-imports aiohttp's client.
+and the shell reaches the instances only through `gateway/upstream/`: no gateway module
+imports aiohttp's client, and only the upstream pool opens a connection.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import gateway.dispatch
 
 DISPATCH_DIR = Path(gateway.dispatch.__file__).parent
 GATEWAY_DIR = Path(gateway.__file__).parent
-SEAM = GATEWAY_DIR / "upstream" / "client.py"
+SEAM = GATEWAY_DIR / "upstream"
 
 # Top-level module names the core may not import (I/O, clocks, loops, threads, logging, metrics).
 FORBIDDEN = frozenset(
@@ -140,8 +140,8 @@ def test_checker_ignores_relative_and_unrelated_imports() -> None:
 
 # ------------------------------------------------------------------ the network seam
 
-# What a module other than upstream/client.py may take from aiohttp: the server side and the
-# version string. A bare `import aiohttp` would reach `aiohttp.ClientSession` and friends.
+# What a gateway module may take from aiohttp: the server side and the version string.
+# A bare `import aiohttp` would reach `aiohttp.ClientSession` and friends.
 SERVER_MODULES = ("aiohttp.web", "aiohttp.typedefs", "aiohttp.abc")
 SERVER_NAMES = frozenset({"web", "typedefs", "abc", "__version__"})
 
@@ -167,21 +167,30 @@ def client_imports(source: str, filename: str = "<source>") -> list[str]:
 
 
 def shell_modules() -> list[Path]:
-    return sorted(p for p in GATEWAY_DIR.rglob("*.py") if p != SEAM)
+    return sorted(GATEWAY_DIR.rglob("*.py"))
 
 
 def test_seam_checker_sees_the_shell() -> None:
     """The checker walks the real shell modules that once read aiohttp's responses."""
     names = {p.name for p in shell_modules()}
-    assert {"handler.py", "relay.py", "health.py", "peer_metrics.py", "metrics.py"} <= names
-    assert "client.py" not in names
-    assert client_imports(SEAM.read_text(encoding="utf-8")) != []  # the seam itself does
+    assert {"handler.py", "relay.py", "health.py", "peer_metrics.py", "client.py"} <= names
 
 
 @pytest.mark.parametrize("path", shell_modules(), ids=lambda p: str(p.relative_to(GATEWAY_DIR)))
-def test_only_upstream_imports_aiohttp_client(path: Path) -> None:
-    """No gateway module but upstream/client.py imports aiohttp's client (or aiohttp whole)."""
+def test_no_module_imports_aiohttp_client(path: Path) -> None:
+    """Every call to an instance goes through our own client: none imports aiohttp's."""
     assert client_imports(path.read_text(encoding="utf-8"), str(path)) == []
+
+
+def test_only_the_upstream_package_opens_connections() -> None:
+    """Sockets to instances are opened in gateway/upstream/ alone (the simulator aside)."""
+    openers = {
+        p.relative_to(GATEWAY_DIR).as_posix()
+        for p in shell_modules()
+        if "create_connection(" in p.read_text(encoding="utf-8")
+        or "open_connection(" in p.read_text(encoding="utf-8")
+    }
+    assert openers == {"upstream/pool.py"}
 
 
 @pytest.mark.parametrize(

@@ -306,3 +306,31 @@ async def test_an_oversized_response_header_is_named_not_called_unreachable() ->
         assert info.value.status_code == 502
         assert "response header was too large or malformed" in info.value.message
         assert "aaaa" not in info.value.message
+
+
+async def test_a_stream_whose_framing_outlasts_it_ends_at_done() -> None:
+    """A Content-Length larger than the body: the client's stream still ends at [DONE], at
+    once, not at the silence timeout, and the connection is not kept."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Content-Length": "100000"}
+        )
+        await resp.prepare(request)
+        await resp.write(ROLE + token(0) + DONE)
+        await asyncio.sleep(30)  # the framing promises more; nothing comes
+        return resp
+
+    async with instance(handler) as gw, aiohttp.ClientSession() as http:
+        body = {"messages": MESSAGES, "stream": True}
+        started = asyncio.get_running_loop().time()
+        async with http.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as resp:
+            lines = [line async for line in resp.content if line.strip()]
+        took = asyncio.get_running_loop().time() - started
+        assert lines[-1] == DONE.strip() + b"\n"
+        assert not any(b'"error"' in line for line in lines)
+        assert took < 3  # the silence timeout here is 10 s
+        pool = repr(gw.app[PROXY].upstream.pool)
+        assert "paused=0" in pool

@@ -136,10 +136,8 @@ async def test_an_unpooled_upstream_closes_each_connection() -> None:
         await upstream.start()
         try:
             assert (await upstream.fetch(url + "/plain", timeout=1.0))[0] == 503
-            assert "closed" not in repr(upstream)
-            connector = upstream._client.connector
-            assert connector is not None
-            assert connector.force_close
+            await asyncio.sleep(0.05)  # the pool's reaper runs at once for keepalive 0
+            assert "open=0/4 idle=0" in repr(upstream)
         finally:
             await upstream.close()
-        assert "closed" in repr(upstream)
+        assert repr(upstream) == "<Upstream None>"
