@@ -11,12 +11,8 @@ Limits an instance holds:
   `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
   a request that would exceed it goes to another instance (overflow);
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
-  still in prefill, so short requests never wait behind a wall of long ones. With the
-  split on (`lanes.py`) each shared instance is held by one lane and a request prefers
-  its own lane's instances (a short one spills to the other's for a free running slot,
-  a long one only when no instance of its lane is up, or when it would be refused for
-  its wait: `_spill_candidates`); the cap binds on every shared instance, so long
-  prompts wait in one gateway queue for the first long place free.
+  still in prefill, so short requests never wait behind a wall of long ones; the other
+  long prompts wait in the gateway queue for the first long place free.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
 from .holding import Held, counts_toward_running_bound
-from .lanes import LaneSplit
 from .model import (
     HealthPolicy,
     InstanceSpec,
@@ -59,8 +54,6 @@ class Fleet:
         # Prompts of ours whose first token came where they were not known computed yet:
         # the other processes settle them too (a long prompt with them skips the long cap).
         self._settled: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
-        # Which lane holds each shared instance now (lanes.py); re-sized each health round.
-        self.lanes = LaneSplit((), limits.lane_split)
         self.set_fleet(specs, limits, health_policy)
 
     def set_fleet(
@@ -88,7 +81,6 @@ class Fleet:
         self.states = states
         self.limits = limits
         self.health_policy = health_policy
-        self.lanes.set_fleet(states, limits.lane_split)  # shared ones that stay keep their lane
         self._by_name = {s.name: s for s in states}
         # Where a lane has no dedicated or shared instance, it may use any.
         self._pool = {lane: [s for s in states if s.serves(lane)] or states for lane in Lane}
@@ -252,25 +244,9 @@ class Fleet:
 
     def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
         """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
-        up, untried = self._up_and_room(ticket, now, holding)
-        # Its own lane's instances first (see LaneSplit.prefer), and of those one that did
-        # not just say "busy"; a busy one only when no other may take it.
-        fresh = [s for s in untried if not s.busy(now)]
-        choice = self.lanes.prefer(fresh, ticket.lane, up) if fresh else []
-        return choice or self.lanes.prefer(untried, ticket.lane, up)
-
-    def _spill_candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where a request that would be refused for its wait may go instead, with the split
-        on: the other lane's instances with room (a long request there under
-        `max_long_per_instance`). Served late on a card of the other lane beats refused
-        while that card has room; it is only lent in overload, so the lanes stay apart
-        while the long lane keeps up (`loadtest lanes`: 70 of 563 requests refused at 100%
-        of capacity, every one long, while the short-held card had room)."""
-        if not self.lanes.enabled or ticket.exclude:
-            return []
         _, room = self._up_and_room(ticket, now, holding)
-        own = ticket.lane.value
-        return [s for s in room if self.lanes.lane(s) not in (own, "any") and not s.busy(now)]
+        # One that just said "busy" only when no other may take it.
+        return [s for s in room if not s.busy(now)] or room
 
     def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
@@ -313,11 +289,7 @@ class Fleet:
     def _has_room(self, state: InstanceState, ticket: Ticket, prefill_cap: bool = True) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if (
-            state.spec.lane == "any"
-            and self.lanes.capped(state)
-            and self._takes_long_place(state, ticket)
-        ):
+        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
             if prefill_cap and long_prefilling >= self.limits.max_long_per_instance:

@@ -122,9 +122,6 @@ class Limits:
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
     # Size each index from its instance's vllm:cache_config_info once it reports it.
     prefix_index_learned: bool = True
-    # Split the shared instances between the lanes by the mix (lanes.py); False: every
-    # shared instance serves both, long requests bounded by max_long_per_instance.
-    lane_split: bool = True
 
     def max_queue_wait(self, lane: Lane) -> float:
         return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long

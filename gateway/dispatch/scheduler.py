@@ -9,9 +9,9 @@ shell wakes those requests.
 Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
 no room, it waits in a bounded FIFO queue of its lane (and model) for at most the lane's
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
-at once (`admission.py`), unless the split lends it a place of the other lane's. Under
-least_time a long request may wait for a better place, and a slow card's place may go
-to the newest long request rather than the oldest (`long_waits.py`).
+at once (`admission.py`). Under least_time a long request may wait for a better place,
+and a slow card's place may go to the newest long request rather than the oldest
+(`long_waits.py`).
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each (`affinity.py`), estimated here, counts in the
@@ -138,9 +138,7 @@ class Scheduler(Fleet):
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
         refused = admission.refusal(ahead, rate, budget)
-        if refused is not None:  # but first a place of the other lane's, if it has one
-            if spill := self._spill_candidates(ticket, now, len(self._holding)):
-                return self._assign(ticket, spill, now, rng)
+        if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
@@ -162,9 +160,9 @@ class Scheduler(Fleet):
         return self._queues.remove(ticket_id) is not None
 
     def expire(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
-        """A queued request's wait ran out: a place of the other lane's if the split lends
-        one, else refused (503, it never reached an instance). Nothing if it is no longer
-        queued or its time has not come (the shell's timer may run early; it asks again)."""
+        """A queued request's wait ran out: refused (503, it never reached an instance).
+        Nothing if it is no longer queued or its time has not come (the shell's timer may
+        run early; it asks again)."""
         wait_until = self._queues.wait_until(ticket_id)
         if wait_until is None or wait_until > now:
             return []
@@ -175,8 +173,6 @@ class Scheduler(Fleet):
             candidates := self._candidates(ticket, now, len(self._holding))
         ):
             return [self._assign(ticket, candidates, now, rng)]
-        if spill := self._spill_candidates(ticket, now, len(self._holding)):
-            return [self._assign(ticket, spill, now, rng)]
         return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
 
     def wait_until(self, ticket_id: int) -> float | None:
@@ -198,17 +194,8 @@ class Scheduler(Fleet):
         self._settle_prefix(held.state, held.ticket)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
-            self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
             self._service_ttft[held.ticket.lane].update(ttft)
         return self._drain(now, rng) if held.long_place else []
-
-    def update_lanes(
-        self, now: float, rng: random.Random
-    ) -> tuple[dict[str, Lane], list[Decision]]:
-        """Re-size the split (a health round); return the moves and the queued requests
-        placed now: a new lane, or an ejection that ran out unannounced, lets them go."""
-        moves = self.lanes.evaluate(self.states, now)
-        return moves, self._drain(now, rng) if moves or self._queues else []
 
     def release(
         self,
@@ -318,7 +305,6 @@ class Scheduler(Fleet):
         held.counts_running = self._counts_running(held)
         self._holding[ticket.id] = held
         held.take()
-        self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
@@ -327,8 +313,6 @@ class Scheduler(Fleet):
     ) -> Ticket | None:
         """Who of `ticket`'s FIFO takes a place on `candidates` now (`long_waits.py`):
         `ticket`, the newest request queued `behind` it, or nobody."""
-        if self.lanes.enabled:
-            return ticket
         youngest = self._queues.youngest(ticket.lane, ticket.model) if behind else None
         if behind and (youngest is None or youngest.id == ticket.id):
             return ticket  # only retries behind it: every place is wanted

@@ -26,8 +26,7 @@ class InstanceSnapshot:
     verdict: str  # up | down | unknown
     available: bool  # up by its probes and not ejected
     ejected_for: float | None  # seconds of ejection left
-    lane: InstanceLane  # its configured lane
-    current_lane: InstanceLane  # the lane it serves now (the split may have moved it)
+    lane: InstanceLane
     weight: float
     slots: int
     models: frozenset[str] | None  # served, pinned or learned; None while unknown
@@ -84,7 +83,6 @@ def take(scheduler: Scheduler, now: float) -> Snapshot:
                 available=state.available(now),
                 ejected_for=until - now if until is not None and until > now else None,
                 lane=state.spec.lane,
-                current_lane=scheduler.lanes.lane(state),
                 weight=state.spec.weight,
                 slots=state.spec.slots,
                 models=state.models,

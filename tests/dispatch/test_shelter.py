@@ -89,7 +89,7 @@ def test_with_no_card_near_its_best_on_both_counts_the_cost_decides() -> None:
 
 
 def _waiting_fleet(
-    strategy: str = "least_time", running: int | None = None, busy: int = 6, split: bool = False
+    strategy: str = "least_time", running: int | None = None, busy: int = 6
 ) -> Scheduler:
     """Two like cards: `a` with `busy` answers decoding, `b` prefilling a long prompt (its
     one long place taken); each long prefill takes 1.2 s at the prior rate, and a long
@@ -98,7 +98,6 @@ def _waiting_fleet(
     limits = Limits(
         max_long_per_instance=1,
         max_long_running_per_instance=running,
-        lane_split=split,
         max_queue_wait_long=3.0,
     )
     sched = make(
@@ -157,21 +156,13 @@ def test_it_does_not_wait_for_a_card_whose_long_answers_fill_the_running_bound()
     assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
 
 
-def test_with_the_split_on_it_does_not_wait() -> None:
-    """The split keeps long prefills apart by itself: a long request placed by it never
-    waits for a better place while one is free."""
-    rng = random.Random(0)
-    sched = _waiting_fleet(split=True)
-    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
-
-
 def test_least_busy_never_waits_while_a_place_is_free() -> None:
     """Waiting for a better place is least_time's judgement; least_busy places at once."""
     rng = random.Random(0)
     sched = make(
         InstanceSpec("a", slots=16),
         InstanceSpec("b", slots=16),
-        limits=Limits(max_long_per_instance=1, lane_split=False),
+        limits=Limits(max_long_per_instance=1),
     )
     bring_up(sched, rng)
     sched.states[0].inflight = 5
@@ -201,7 +192,7 @@ def _slow_and_fast_fleet(slow_flag: bool = True, newest_deadline: float = FAR) -
     `slow_flag`: the gateway has flagged `slow` a slow card. Long prompt 2 waits for the
     fast place by choice, and 3 queues behind it."""
     rng = random.Random(0)
-    limits = Limits(max_long_per_instance=1, lane_split=False, max_queue_wait_long=30.0)
+    limits = Limits(max_long_per_instance=1, max_queue_wait_long=30.0)
     sched = make(
         InstanceSpec("fast", slots=16),
         InstanceSpec("slow", slots=16),
