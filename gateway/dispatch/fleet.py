@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
-from .holding import Held, counts_toward_running_bound
 from .model import (
     HealthPolicy,
     InstanceSpec,
@@ -289,26 +288,11 @@ class Fleet:
     def _has_room(self, state: InstanceState, ticket: Ticket, prefill_cap: bool = True) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
+        if prefill_cap and state.spec.lane == "any" and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
-            if prefill_cap and long_prefilling >= self.limits.max_long_per_instance:
-                return False
-            running = self.limits.max_long_running_per_instance
-            return running is None or state.long_running + state.peers.long_running < running
+            return long_prefilling < self.limits.max_long_per_instance
         return True
-
-    def _counts_running(self, held: Held) -> bool:
-        """Whether a request holding a long place counts toward the running bound
-        (`holding.counts_toward_running_bound`: only answers a stall can hurt)."""
-        bound = self.limits.max_long_running_per_instance
-        if bound is None or not held.long_place:
-            return True
-        rate = held.state.speed.prefill_rate
-        stall = held.uncached / rate if rate else None
-        return counts_toward_running_bound(
-            bound, stall, held.ticket.max_tokens, self.limits.long_tpot_objective
-        )
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
         """A long request counts as a long prefill there, unless it is cached there enough

@@ -22,9 +22,8 @@ class Prediction(NamedTuple):
 
 
 def longs_running(fleet: Sequence[InstanceState]) -> bool:
-    """Whether any long request is placed on a shared instance and not fully answered
-    (with a running bound, any that counts toward it: an answer long enough to absorb the
-    stalls does not turn sheltering on, `holding.counts_toward_running_bound`)."""
+    """Whether any long request holding a long place (ours or a peer's) is not fully
+    answered yet: its card's next long prefill may stall short answers."""
     return any(s.long_running + s.peers.long_running > 0 for s in fleet)
 
 

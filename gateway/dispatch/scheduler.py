@@ -302,7 +302,6 @@ class Scheduler(Fleet):
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
         )
-        held.counts_running = self._counts_running(held)
         self._holding[ticket.id] = held
         held.take()
         self._place_prefix(state, ticket, cached)

@@ -88,20 +88,17 @@ def test_with_no_card_near_its_best_on_both_counts_the_cost_decides() -> None:
     assert strategy.choose(fleet, fleet, ticket, 0.0, random.Random(0)).name == "slow"
 
 
-def _waiting_fleet(
-    strategy: str = "least_time", running: int | None = None, busy: int = 6
-) -> Scheduler:
+def _waiting_fleet(busy: int = 6) -> Scheduler:
     """Two like cards: `a` with `busy` answers decoding, `b` prefilling a long prompt (its
     one long place taken); each long prefill takes 1.2 s at the prior rate, and a long
     request waits in the gateway queue for at most 3 s."""
     rng = random.Random(0)
-    limits = Limits(
-        max_long_per_instance=1,
-        max_long_running_per_instance=running,
-        max_queue_wait_long=3.0,
-    )
+    limits = Limits(max_long_per_instance=1, max_queue_wait_long=3.0)
     sched = make(
-        InstanceSpec("a", slots=16), InstanceSpec("b", slots=16), strategy=strategy, limits=limits
+        InstanceSpec("a", slots=16),
+        InstanceSpec("b", slots=16),
+        strategy="least_time",
+        limits=limits,
     )
     bring_up(sched, rng)
     sched.states[0].inflight = busy
@@ -145,14 +142,6 @@ def test_it_does_not_wait_beyond_its_ttft_objective() -> None:
     sched = _waiting_fleet()
     assert isinstance(sched.strategy, LeastTime)
     sched.strategy.ttft_objectives = {Lane.LONG: 2.0}
-    assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
-
-
-def test_it_does_not_wait_for_a_card_whose_long_answers_fill_the_running_bound() -> None:
-    """b's prefill ending would not let it in when b's long answers are at
-    `max_long_running_per_instance`: nothing frees there soon."""
-    rng = random.Random(0)
-    sched = _waiting_fleet(running=1)
     assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")
 
 
