@@ -1,15 +1,14 @@
-"""Who of the long queue takes a place now, under least_time with the split off.
+"""Who of the long queue takes a place now, under least_time.
 
-A long request that could start now may do better a moment later: its 6,000-token
-prefill stalls every answer decoding where it lands, and a slow card takes 2.5 times as
-long to its first token. Two choices, both made when a place is there for the head of
-the long queue (with the split on, the lanes keep long prefills apart already, and
-other strategies always start it):
+A long request that could start now may do better a moment later: its prefill stalls
+every answer decoding where it lands, and a slow card takes longer to its first token.
+Two choices, both made when a place is there for the head of the long queue (other
+strategies always start it):
 - With nobody of its lane and model queued behind it, it waits for a long place about
   to free where that halves its cost, the wait included (`LeastTime.worth_waiting`).
 - With a queue behind it, every place is wanted and waiting would cost throughput. But
   where the places now are all on cards flagged slow (`speed.slow`) and its first token
-  would come 10% sooner, and within its TTFT objective, on a card about to free
+  would come sooner, and within its TTFT objective, on a card about to free
   (`LeastTime.sooner_elsewhere`), the newest long request takes the slow place (with
   several, the newest first), and the head, which has waited longest, waits for the
   other, which it gets as it frees unless a retry or another gateway process takes it
