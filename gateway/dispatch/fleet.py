@@ -224,27 +224,23 @@ class Fleet:
         state.report = report
         state.inflight_at_report = state.fleet_inflight
 
-    def _up_and_room(
-        self, ticket: Ticket, now: float, holding: int
-    ) -> tuple[list[InstanceState], list[InstanceState]]:
-        """The instances of `ticket`'s pool up for it, and of those the ones with room;
-        none while `holding` (requests placed in all) is at the global limit."""
+    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
+        """Where `ticket` may go now: the instances of its pool up for it and with room, and
+        of those one that did not just say "busy" unless none other may take it; none while
+        `holding` (requests placed in all) is at the global limit."""
         limit = self.limits.global_limit
         if limit is not None and holding >= limit:
-            return [], []
+            return []
         # A retry goes only to instances it has not tried; the shell checks that one
         # exists (`untried_available`) before it retries.
-        up = [
+        room = [
             s
             for s in self._pool[ticket.lane]
-            if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
+            if s.available(now)
+            and s.serves_model(ticket.model)
+            and s.name not in ticket.exclude
+            and self._has_room(s, ticket)
         ]
-        return up, [s for s in up if self._has_room(s, ticket)]
-
-    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
-        _, room = self._up_and_room(ticket, now, holding)
-        # One that just said "busy" only when no other may take it.
         return [s for s in room if not s.busy(now)] or room
 
     def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
@@ -273,22 +269,10 @@ class Fleet:
             if s.serves_model(model)
         )
 
-    def _freeing(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where a long request could start as soon as a long prefill there ends: up for
-        it, a running slot free, room under every limit but `max_long_per_instance`."""
-        up, room = self._up_and_room(ticket, now, holding)
-        return [
-            s
-            for s in up
-            if s not in room
-            and s.fleet_inflight < s.spec.slots
-            and self._has_room(s, ticket, prefill_cap=False)
-        ]
-
-    def _has_room(self, state: InstanceState, ticket: Ticket, prefill_cap: bool = True) -> bool:
+    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if prefill_cap and state.spec.lane == "any" and self._takes_long_place(state, ticket):
+        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
             return long_prefilling < self.limits.max_long_per_instance

@@ -58,10 +58,6 @@ class LeastTime:
     # first token SHELTER_SLACK_S later (measured in lanes Round 4: docs/decisions/0005).
     SHELTER_SLACK = 0.1
     SHELTER_SLACK_S = 0.02  # s
-    # `worth_waiting`: the share of its cost a wait must save (lanes, Round 4, even fleet).
-    WAIT_GAIN = 0.5
-    # `sooner_elsewhere`: how much sooner the head's first token must come (lanes, Round 5).
-    HAND_GAIN = 0.1
     PRIOR_PREFILL = 5000.0  # tokens/s
     PRIOR_TPOT = 0.03  # s
     DEFAULT_TPOT_OBJECTIVE = 0.1  # s, the [slo] default
@@ -75,11 +71,6 @@ class LeastTime:
         self.tpot_objectives = dict(tpot_objectives or {})
         # Per lane, the time to first token a request should get ([slo]); none: no bound.
         self.ttft_objectives: dict[Lane, float] = {}
-
-    def predict(
-        self, state: InstanceState, fleet: Sequence[InstanceState], ticket: Ticket, now: float
-    ) -> float:
-        return self.costs([state], fleet, ticket, now)[state.name]
 
     def costs(
         self,
@@ -144,12 +135,10 @@ class LeastTime:
         else a long prompt queues behind prefills on a card with few answers running rather
         than start at once on a busier one.
         """
-        return [c for c in candidates if self._on_time(predicted[c.name], lane)] or candidates
-
-    def _on_time(self, predicted: Prediction, lane: Lane) -> bool:
-        """Whether its first token comes within its lane's TTFT objective (if it has one)."""
         objective = self.ttft_objectives.get(lane)
-        return objective is None or predicted.ttft <= objective
+        if objective is None:
+            return candidates
+        return [c for c in candidates if predicted[c.name].ttft <= objective] or candidates
 
     def _sheltered(
         self, candidates: Sequence[InstanceState], predicted: Mapping[str, Prediction]
@@ -176,61 +165,6 @@ class LeastTime:
             return candidates
         most = max(predicted[c.name].crowd for c in near)
         return [c for c in near if predicted[c.name].crowd >= most]
-
-    def worth_waiting(
-        self,
-        candidates: Sequence[InstanceState],
-        freeing: Sequence[InstanceState],
-        fleet: Sequence[InstanceState],
-        ticket: Ticket,
-        now: float,
-    ) -> bool:
-        """Whether a long prompt should wait for a long place to free on one of `freeing`
-        (each prefilling a long prompt now) rather than start now on one of `candidates`.
-
-        It waits where that saves `WAIT_GAIN` of its cost, its wait included: a card
-        prefilling behind few answers beats an idle one where many decode, since its
-        prefill would stall each of them (the short prompts gather there, `_sheltered`).
-        Only within its TTFT objective. The wait is certain and the stall it saves a
-        prediction, so a small saving does not buy it.
-        """
-        predicted, soon = self._now_and_soon(candidates, freeing, fleet, ticket, now)
-        if not soon:
-            return False
-        start = self._in_time(candidates, predicted, ticket.lane)
-        best_now = min(predicted[c.name].cost for c in start)
-        return min(p.cost for p in soon) < (1 - self.WAIT_GAIN) * best_now
-
-    def sooner_elsewhere(
-        self,
-        candidates: Sequence[InstanceState],
-        freeing: Sequence[InstanceState],
-        fleet: Sequence[InstanceState],
-        ticket: Ticket,
-        now: float,
-    ) -> bool:
-        """Whether `ticket`'s first token comes sooner, by more than HAND_GAIN, on a
-        card about to free (and within its TTFT objective there) than on any of
-        `candidates` now. The scheduler asks for the head of the long queue when the
-        places now are all on slow cards: if so, the newest long prompt takes the place,
-        and the head, which has waited longest, the fast one about to free."""
-        predicted, soon = self._now_and_soon(candidates, freeing, fleet, ticket, now)
-        best_now = min(predicted[c.name].ttft for c in candidates)
-        return bool(soon) and min(p.ttft for p in soon) < (1 - self.HAND_GAIN) * best_now
-
-    def _now_and_soon(
-        self,
-        candidates: Sequence[InstanceState],
-        freeing: Sequence[InstanceState],
-        fleet: Sequence[InstanceState],
-        ticket: Ticket,
-        now: float,
-    ) -> tuple[dict[str, Prediction], list[Prediction]]:
-        """Predictions on every card, in one pass (the fleet's loads and medians once),
-        and those of the `freeing` cards where its first token comes within objective."""
-        predicted = self._predict([*candidates, *freeing], fleet, ticket, now)
-        soon = [predicted[f.name] for f in freeing if self._on_time(predicted[f.name], ticket.lane)]
-        return predicted, soon
 
     def choose(
         self,

@@ -9,9 +9,7 @@ shell wakes those requests.
 Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
 no room, it waits in a bounded FIFO queue of its lane (and model) for at most the lane's
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
-at once (`admission.py`). Under least_time a long request may wait for a better place,
-and a slow card's place may go to the newest long request rather than the oldest
-(`long_waits.py`).
+at once (`admission.py`).
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each (`affinity.py`), estimated here, counts in the
@@ -23,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
-from . import admission, health, long_waits, snapshot
+from . import admission, health, snapshot
 from .fleet import Fleet
 from .holding import Held as _Held
 from .holding import UnknownTicket
@@ -121,11 +119,10 @@ class Scheduler(Fleet):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
-        # FIFO: nobody may overtake requests already waiting for the same lane and model
-        # (in the queue, only a slow card's place may go to the newest: `long_waits.py`).
+        # FIFO: nobody may overtake requests already waiting for the same lane and model.
         if not self._queues.waiting_before(ticket):
             candidates = self._candidates(ticket, now, len(self._holding))
-            if candidates and self._who_starts(ticket, candidates, now, behind=0):
+            if candidates:
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
@@ -168,7 +165,7 @@ class Scheduler(Fleet):
             return []
         ticket = self._queues.remove(ticket_id)
         assert ticket is not None
-        # One that waited for a better place by choice (`_who_starts`) starts where it can.
+        # Room may have come back unannounced (an ejection that ran out): it starts there.
         if ticket.deadline > now and (
             candidates := self._candidates(ticket, now, len(self._holding))
         ):
@@ -307,25 +304,6 @@ class Scheduler(Fleet):
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
-    def _who_starts(
-        self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, behind: int
-    ) -> Ticket | None:
-        """Who of `ticket`'s FIFO takes a place on `candidates` now (`long_waits.py`):
-        `ticket`, the newest request queued `behind` it, or nobody."""
-        youngest = self._queues.youngest(ticket.lane, ticket.model) if behind else None
-        if behind and (youngest is None or youngest.id == ticket.id):
-            return ticket  # only retries behind it: every place is wanted
-        freeing = lambda: self._freeing(ticket, now, len(self._holding))  # noqa: E731
-        starts = long_waits.who_starts(
-            self.strategy, ticket, youngest, candidates, freeing, self.states, now
-        )
-        if starts is None or starts is ticket:
-            return starts
-        # The newest takes the place on its own terms: its deadline, its own limits.
-        if starts.deadline <= now or not self._candidates(starts, now, len(self._holding)):
-            return ticket
-        return starts
-
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
         """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
         out: list[Decision] = []
@@ -346,8 +324,7 @@ class Scheduler(Fleet):
             for ticket in self._queues.heads():
                 wait_until = self._queues.wait_until(ticket.id)
                 expired = wait_until is not None and wait_until <= now
-                # One whose wait ran out, not its deadline, still starts if it can: it may
-                # have waited for a better place by choice (`_who_starts`).
+                # One whose wait ran out, not its deadline, still starts if it can.
                 candidates = (
                     []
                     if ticket.deadline <= now
@@ -358,15 +335,9 @@ class Scheduler(Fleet):
                     out.append(Rejected(ticket, "deadline", after))
                     placed = True
                     break
-                behind = self._queues.length_for(ticket.lane, ticket.model) - 1
-                if not candidates:
-                    continue
-                starts = ticket if expired else self._who_starts(ticket, candidates, now, behind)
-                if starts is not None:
-                    if starts is not ticket:  # the newest, where it may go itself
-                        candidates = self._candidates(starts, now, len(self._holding))
-                    self._queues.remove(starts.id)
-                    out.append(self._assign(starts, candidates, now, rng))
+                if candidates:
+                    self._queues.remove(ticket.id)
+                    out.append(self._assign(ticket, candidates, now, rng))
                     placed = True
                     break
             if not placed:
