@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
+from .health import apply_probe
 from .model import (
     HealthPolicy,
     InstanceSpec,
@@ -34,6 +34,7 @@ from .model import (
     SharedView,
     Ticket,
 )
+from .speed import update_slow_flags
 
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
@@ -130,7 +131,7 @@ class Fleet:
 
     def update_slow_flags(self) -> dict[str, bool]:
         """Re-evaluate which instances are slow cards; return the flags that changed."""
-        return speed.update_slow_flags({s.name: s.speed for s in self.states})
+        return update_slow_flags({s.name: s.speed for s in self.states})
 
     def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
         """The prompts placed since the last call (instance, block hashes), to publish."""
@@ -173,7 +174,7 @@ class Fleet:
         if state is None:
             return None
         was_up = state.up
-        changed = health.apply_probe(state, ok, self.health_policy)
+        changed = apply_probe(state, ok, self.health_policy)
         if changed and state.up and was_up is False:
             state.cache.clear()  # it came back: most likely restarted, with a cold cache
         return changed

@@ -7,9 +7,9 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from . import speed
 from .model import InstanceState, Lane, Ticket
 from .select import lowest, score_all
+from .speed import median
 
 
 class Prediction(NamedTuple):
@@ -89,8 +89,8 @@ class LeastTime:
         now: float,
     ) -> dict[str, Prediction]:
         """Per candidate: what the request would get there, and what it would cost."""
-        prefill_median = speed.median(s.speed.prefill_rate for s in fleet) or self.PRIOR_PREFILL
-        tpot_median = speed.median(s.speed.tpot_value for s in fleet) or self.PRIOR_TPOT
+        prefill_median = median(s.speed.prefill_rate for s in fleet) or self.PRIOR_PREFILL
+        tpot_median = median(s.speed.tpot_value for s in fleet) or self.PRIOR_TPOT
         objective = self.tpot_objectives.get(ticket.lane, self.DEFAULT_TPOT_OBJECTIVE)
         loads = score_all(fleet, now, self.stale_after)
         out: dict[str, Prediction] = {}

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
+from types import MappingProxyType
 
-from . import admission, health, snapshot
+from .admission import DrainRates, predicted_wait, refusal
 from .fleet import Fleet
+from .health import apply_outcome
 from .holding import Held as _Held
 from .holding import UnknownTicket
 from .model import (
@@ -41,7 +43,7 @@ from .model import (
     Ticket,
 )
 from .queues import WaitQueues
-from .snapshot import Snapshot
+from .snapshot import Snapshot, instances_at
 from .speed import Ewma
 from .strategies import Strategy
 
@@ -61,7 +63,7 @@ class Scheduler(Fleet):
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Drain rates per lane and model: each model's instances drain its own queue.
-        self._drained = admission.DrainRates()
+        self._drained = DrainRates()
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
@@ -103,9 +105,7 @@ class Scheduler(Fleet):
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return admission.predicted_wait(
-            self.ahead(lane, model), self._drained.rate(lane, model, now)
-        )
+        return predicted_wait(self.ahead(lane, model), self._drained.rate(lane, model, now))
 
     # ------------------------------------------------------------ requests
 
@@ -134,7 +134,7 @@ class Scheduler(Fleet):
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
-        refused = admission.refusal(ahead, rate, budget)
+        refused = refusal(ahead, rate, budget)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
@@ -214,7 +214,7 @@ class Scheduler(Fleet):
             self._settle_prefix(held.state, held.ticket)
         if not held.departs_at_prefill:
             self._depart(held, now)
-        health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
+        apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
 
     def _end_prefill(self, held: _Held, now: float) -> None:
@@ -345,7 +345,13 @@ class Scheduler(Fleet):
 
     def snapshot(self, now: float) -> Snapshot:
         """A frozen copy of the state, for readers (metrics, health, /admin, readiness)."""
-        return snapshot.take(self, now)
+        return Snapshot(
+            at=now,
+            strategy=self.strategy.name,
+            inflight=self.inflight,
+            queues=MappingProxyType({lane: self.queue_length(lane) for lane in Lane}),
+            instances=instances_at(self.states, now, self.limits.metrics_stale_after),
+        )
 
     def queued_tickets(self) -> Iterable[Ticket]:
         return iter(self._queues)
