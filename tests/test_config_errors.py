@@ -57,11 +57,11 @@ CASES: list[Any] = [
         id="port-type",
     ),
     pytest.param(
-        "[prefill]\nmax_long_running_per_instance = 0\n",
+        "[prefill]\nlane_split = true\n",
         None,
         "config.toml",
-        ["prefill.max_long_running_per_instance", "0"],
-        id="long-running-bound",
+        ["prefill.lane_split", "True"],
+        id="removed-setting",
     ),
     pytest.param(
         "[gateway]\nport = 70000\n", None, "config.toml", ["gateway.port", "70000"], id="port-range"

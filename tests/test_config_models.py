@@ -10,7 +10,6 @@ from _config_helpers import ENV, URLS, channel, load_error, load_ok
 from pydantic import ValidationError
 
 from gateway.config.load import ConfigError
-from gateway.fleet.inputs import scheduler_inputs
 
 # ------------------------------------------------------------------ instances
 
@@ -223,12 +222,3 @@ def test_models_are_frozen(tmp_path: Path) -> None:
     with pytest.raises(ValidationError):
         config.dispatch.health.rise = 9  # type: ignore[misc]
     assert config.gateway.port == 8080
-
-
-def test_the_running_bound_and_its_tpot_objective_reach_the_scheduler(tmp_path: Path) -> None:
-    """`[prefill] max_long_running_per_instance` and `[slo] long_tpot`, which decides
-    which long answers the bound counts, reach the scheduler's limits."""
-    toml = "[prefill]\nmax_long_running_per_instance = 4\n[slo]\nlong_tpot = 0.04\n"
-    _, limits, _ = scheduler_inputs(load_ok(tmp_path, toml))
-    assert limits.max_long_running_per_instance == 4
-    assert limits.long_tpot_objective == 0.04

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -99,9 +99,6 @@ class DispatchSection(Frozen):
     # affinity off. None: as many as each instance's KV cache holds, from its
     # vllm:cache_config_info (8,192, about 524k tokens, until it says).
     prefix_index_blocks: int | None = Field(None, ge=0)
-    # least_time: "full" counts every output token's decode time (end-to-end latency);
-    # "over_objective" only the time beyond the lane's TPOT objective.
-    least_time_decode: Literal["full", "over_objective"] = "over_objective"
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")
@@ -117,13 +114,6 @@ class PrefillSection(Frozen):
     tag: str = Field("prefill", min_length=1, max_length=64)
     long_input_threshold: int = Field(4096, ge=1)
     max_long_per_instance: int = Field(2, ge=1)
-    # Long requests placed and not yet fully answered on a shared instance; None: no bound.
-    max_long_running_per_instance: int | None = Field(None, ge=1)
-    # Hold each `lane = "any"` instance for one lane at a time, sized by the mix (lanes.py).
-    # Off by default until its long-lane tail and the even fleet stop regressing (measured
-    # on the benchmark page): turning it on is the operator's trade.
-    lane_split: bool = False
-    long_ttft_factor: float = Field(4.0, ge=1)
     # None: estimate; "instance": ask an instance's /tokenize near the threshold;
     # a path: a local HuggingFace tokenizer.json (needs the `tokenizers` package).
     tokenizer: str | None = None

@@ -11,12 +11,8 @@ Limits an instance holds:
   `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
   a request that would exceed it goes to another instance (overflow);
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
-  still in prefill, so short requests never wait behind a wall of long ones. With the
-  split on (`lanes.py`) each shared instance is held by one lane and a request prefers
-  its own lane's instances (a short one spills to the other's for a free running slot,
-  a long one only when no instance of its lane is up, or when it would be refused for
-  its wait: `_spill_candidates`); the cap binds on every shared instance, so long
-  prompts wait in one gateway queue for the first long place free.
+  still in prefill, so short requests never wait behind a wall of long ones; the other
+  long prompts wait in the gateway queue for the first long place free.
 """
 
 from __future__ import annotations
@@ -24,10 +20,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
-from . import health, speed
 from .affinity import BLOCK_TOKENS, PrefixIndex
-from .holding import Held, counts_toward_running_bound
-from .lanes import LaneSplit
+from .health import apply_probe
 from .model import (
     HealthPolicy,
     InstanceSpec,
@@ -40,6 +34,7 @@ from .model import (
     SharedView,
     Ticket,
 )
+from .speed import update_slow_flags
 
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
@@ -59,8 +54,6 @@ class Fleet:
         # Prompts of ours whose first token came where they were not known computed yet:
         # the other processes settle them too (a long prompt with them skips the long cap).
         self._settled: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
-        # Which lane holds each shared instance now (lanes.py); re-sized each health round.
-        self.lanes = LaneSplit((), limits.lane_split)
         self.set_fleet(specs, limits, health_policy)
 
     def set_fleet(
@@ -88,7 +81,6 @@ class Fleet:
         self.states = states
         self.limits = limits
         self.health_policy = health_policy
-        self.lanes.set_fleet(states, limits.lane_split)  # shared ones that stay keep their lane
         self._by_name = {s.name: s for s in states}
         # Where a lane has no dedicated or shared instance, it may use any.
         self._pool = {lane: [s for s in states if s.serves(lane)] or states for lane in Lane}
@@ -139,7 +131,7 @@ class Fleet:
 
     def update_slow_flags(self) -> dict[str, bool]:
         """Re-evaluate which instances are slow cards; return the flags that changed."""
-        return speed.update_slow_flags({s.name: s.speed for s in self.states})
+        return update_slow_flags({s.name: s.speed for s in self.states})
 
     def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
         """The prompts placed since the last call (instance, block hashes), to publish."""
@@ -182,7 +174,7 @@ class Fleet:
         if state is None:
             return None
         was_up = state.up
-        changed = health.apply_probe(state, ok, self.health_policy)
+        changed = apply_probe(state, ok, self.health_policy)
         if changed and state.up and was_up is False:
             state.cache.clear()  # it came back: most likely restarted, with a cold cache
         return changed
@@ -233,44 +225,24 @@ class Fleet:
         state.report = report
         state.inflight_at_report = state.fleet_inflight
 
-    def _up_and_room(
-        self, ticket: Ticket, now: float, holding: int
-    ) -> tuple[list[InstanceState], list[InstanceState]]:
-        """The instances of `ticket`'s pool up for it, and of those the ones with room;
-        none while `holding` (requests placed in all) is at the global limit."""
+    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
+        """Where `ticket` may go now: the instances of its pool up for it and with room, and
+        of those one that did not just say "busy" unless none other may take it; none while
+        `holding` (requests placed in all) is at the global limit."""
         limit = self.limits.global_limit
         if limit is not None and holding >= limit:
-            return [], []
+            return []
         # A retry goes only to instances it has not tried; the shell checks that one
         # exists (`untried_available`) before it retries.
-        up = [
+        room = [
             s
             for s in self._pool[ticket.lane]
-            if s.available(now) and s.serves_model(ticket.model) and s.name not in ticket.exclude
+            if s.available(now)
+            and s.serves_model(ticket.model)
+            and s.name not in ticket.exclude
+            and self._has_room(s, ticket)
         ]
-        return up, [s for s in up if self._has_room(s, ticket)]
-
-    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where `ticket` may go now, best kind first; `holding` is requests placed in all."""
-        up, untried = self._up_and_room(ticket, now, holding)
-        # Its own lane's instances first (see LaneSplit.prefer), and of those one that did
-        # not just say "busy"; a busy one only when no other may take it.
-        fresh = [s for s in untried if not s.busy(now)]
-        choice = self.lanes.prefer(fresh, ticket.lane, up) if fresh else []
-        return choice or self.lanes.prefer(untried, ticket.lane, up)
-
-    def _spill_candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where a request that would be refused for its wait may go instead, with the split
-        on: the other lane's instances with room (a long request there under
-        `max_long_per_instance`). Served late on a card of the other lane beats refused
-        while that card has room; it is only lent in overload, so the lanes stay apart
-        while the long lane keeps up (`loadtest lanes`: 70 of 563 requests refused at 100%
-        of capacity, every one long, while the short-held card had room)."""
-        if not self.lanes.enabled or ticket.exclude:
-            return []
-        _, room = self._up_and_room(ticket, now, holding)
-        own = ticket.lane.value
-        return [s for s in room if self.lanes.lane(s) not in (own, "any") and not s.busy(now)]
+        return [s for s in room if not s.busy(now)] or room
 
     def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
@@ -298,45 +270,14 @@ class Fleet:
             if s.serves_model(model)
         )
 
-    def _freeing(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where a long request could start as soon as a long prefill there ends: up for
-        it, a running slot free, room under every limit but `max_long_per_instance`."""
-        up, room = self._up_and_room(ticket, now, holding)
-        return [
-            s
-            for s in up
-            if s not in room
-            and s.fleet_inflight < s.spec.slots
-            and self._has_room(s, ticket, prefill_cap=False)
-        ]
-
-    def _has_room(self, state: InstanceState, ticket: Ticket, prefill_cap: bool = True) -> bool:
+    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
             return False
-        if (
-            state.spec.lane == "any"
-            and self.lanes.capped(state)
-            and self._takes_long_place(state, ticket)
-        ):
+        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
-            if prefill_cap and long_prefilling >= self.limits.max_long_per_instance:
-                return False
-            running = self.limits.max_long_running_per_instance
-            return running is None or state.long_running + state.peers.long_running < running
+            return long_prefilling < self.limits.max_long_per_instance
         return True
-
-    def _counts_running(self, held: Held) -> bool:
-        """Whether a request holding a long place counts toward the running bound
-        (`holding.counts_toward_running_bound`: only answers a stall can hurt)."""
-        bound = self.limits.max_long_running_per_instance
-        if bound is None or not held.long_place:
-            return True
-        rate = held.state.speed.prefill_rate
-        stall = held.uncached / rate if rate else None
-        return counts_toward_running_bound(
-            bound, stall, held.ticket.max_tokens, self.limits.long_tpot_objective
-        )
 
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
         """A long request counts as a long prefill there, unless it is cached there enough

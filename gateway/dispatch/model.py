@@ -64,7 +64,7 @@ class PeerLoad:
     """What the other gateway processes (workers, replicas) hold on one instance, as the
     shared view last said: requests in flight there, their uncached prompt tokens still in
     prefill there, how many of those hold a long-prefill place (max_long_per_instance), and
-    how many long answers hold a running place (max_long_running_per_instance)."""
+    how many long requests placed there are not fully answered yet."""
 
     inflight: int = 0
     pending_prefill_tokens: int = 0
@@ -100,12 +100,6 @@ class LocalShare:
 class Limits:
     max_queue_per_instance: int = 32
     max_long_per_instance: int = 2
-    # Long requests placed and not yet answered in full, on a shared instance (None: no
-    # bound): each long prefill there stalls the long answers decoding there.
-    max_long_running_per_instance: int | None = None
-    # The long lane's TPOT objective ([slo] long_tpot): which long answers the bound
-    # protects (holding.counts_toward_running_bound).
-    long_tpot_objective: float = 0.1
     gateway_queue_size: int = 1024
     global_limit: int | None = None  # the upstream connection pool: beyond it, queue here
     metrics_stale_after: float = 30.0
@@ -122,9 +116,6 @@ class Limits:
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
     # Size each index from its instance's vllm:cache_config_info once it reports it.
     prefix_index_learned: bool = True
-    # Split the shared instances between the lanes by the mix (lanes.py); False: every
-    # shared instance serves both, long requests bounded by max_long_per_instance.
-    lane_split: bool = True
 
     def max_queue_wait(self, lane: Lane) -> float:
         return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long
@@ -196,8 +187,8 @@ class InstanceState:
     # The gateway's own traffic: exact and instant.
     inflight: int = 0
     long_prefilling: int = 0
-    # Long requests of ours there, from placing until their answer ends; with a running
-    # bound, only those that count toward it (holding.counts_toward_running_bound).
+    # Long requests of ours there holding a long place, from placing until their answer
+    # ends (least_time shelters short prompts while any run).
     long_running: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens of ours there, no first token yet
     # The models it serves, from its /v1/models (None until known; pinned ones win).

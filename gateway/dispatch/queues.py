@@ -96,11 +96,6 @@ class WaitQueues:
     def fifos(self) -> list[tuple[QueueKey, list[Ticket]]]:
         return [(key, list(fifo.values())) for key, fifo in self._fifos.items()]
 
-    def youngest(self, lane: Lane, model: str | None) -> Ticket | None:
-        """The newest request waiting in the FIFO of `lane` and `model` (None: empty)."""
-        fifo = self._fifos.get((lane, model))
-        return next(reversed(fifo.values())) if fifo else None
-
     def heads(self) -> list[Ticket]:
         """Who may be placed next: every retry, then each FIFO's oldest, oldest first."""
         firsts = sorted((next(iter(f.values())) for f in self._fifos.values()), key=_ticket_id)

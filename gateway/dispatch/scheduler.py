@@ -9,9 +9,7 @@ shell wakes those requests.
 Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
 no room, it waits in a bounded FIFO queue of its lane (and model) for at most the lane's
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
-at once (`admission.py`), unless the split lends it a place of the other lane's. Under
-least_time a long request may wait for a better place, and a slow card's place may go
-to the newest long request rather than the oldest (`long_waits.py`).
+at once (`admission.py`).
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each (`affinity.py`), estimated here, counts in the
@@ -22,9 +20,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
+from types import MappingProxyType
 
-from . import admission, health, long_waits, snapshot
+from .admission import DrainRates, predicted_wait, refusal
 from .fleet import Fleet
+from .health import apply_outcome
 from .holding import Held as _Held
 from .holding import UnknownTicket
 from .model import (
@@ -43,7 +43,7 @@ from .model import (
     Ticket,
 )
 from .queues import WaitQueues
-from .snapshot import Snapshot
+from .snapshot import Snapshot, instances_at
 from .speed import Ewma
 from .strategies import Strategy
 
@@ -63,7 +63,7 @@ class Scheduler(Fleet):
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Drain rates per lane and model: each model's instances drain its own queue.
-        self._drained = admission.DrainRates()
+        self._drained = DrainRates()
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
@@ -105,9 +105,7 @@ class Scheduler(Fleet):
 
     def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return admission.predicted_wait(
-            self.ahead(lane, model), self._drained.rate(lane, model, now)
-        )
+        return predicted_wait(self.ahead(lane, model), self._drained.rate(lane, model, now))
 
     # ------------------------------------------------------------ requests
 
@@ -121,11 +119,10 @@ class Scheduler(Fleet):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
-        # FIFO: nobody may overtake requests already waiting for the same lane and model
-        # (in the queue, only a slow card's place may go to the newest: `long_waits.py`).
+        # FIFO: nobody may overtake requests already waiting for the same lane and model.
         if not self._queues.waiting_before(ticket):
             candidates = self._candidates(ticket, now, len(self._holding))
-            if candidates and self._who_starts(ticket, candidates, now, behind=0):
+            if candidates:
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
@@ -137,10 +134,8 @@ class Scheduler(Fleet):
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
-        refused = admission.refusal(ahead, rate, budget)
-        if refused is not None:  # but first a place of the other lane's, if it has one
-            if spill := self._spill_candidates(ticket, now, len(self._holding)):
-                return self._assign(ticket, spill, now, rng)
+        refused = refusal(ahead, rate, budget)
+        if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
@@ -162,21 +157,19 @@ class Scheduler(Fleet):
         return self._queues.remove(ticket_id) is not None
 
     def expire(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
-        """A queued request's wait ran out: a place of the other lane's if the split lends
-        one, else refused (503, it never reached an instance). Nothing if it is no longer
-        queued or its time has not come (the shell's timer may run early; it asks again)."""
+        """A queued request's wait ran out: refused (503, it never reached an instance).
+        Nothing if it is no longer queued or its time has not come (the shell's timer may
+        run early; it asks again)."""
         wait_until = self._queues.wait_until(ticket_id)
         if wait_until is None or wait_until > now:
             return []
         ticket = self._queues.remove(ticket_id)
         assert ticket is not None
-        # One that waited for a better place by choice (`_who_starts`) starts where it can.
+        # Room may have come back unannounced (an ejection that ran out): it starts there.
         if ticket.deadline > now and (
             candidates := self._candidates(ticket, now, len(self._holding))
         ):
             return [self._assign(ticket, candidates, now, rng)]
-        if spill := self._spill_candidates(ticket, now, len(self._holding)):
-            return [self._assign(ticket, spill, now, rng)]
         return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
 
     def wait_until(self, ticket_id: int) -> float | None:
@@ -198,17 +191,8 @@ class Scheduler(Fleet):
         self._settle_prefix(held.state, held.ticket)
         if ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
-            self.lanes.observe_prefill(held.state.name, held.ahead + held.uncached, ttft)
             self._service_ttft[held.ticket.lane].update(ttft)
         return self._drain(now, rng) if held.long_place else []
-
-    def update_lanes(
-        self, now: float, rng: random.Random
-    ) -> tuple[dict[str, Lane], list[Decision]]:
-        """Re-size the split (a health round); return the moves and the queued requests
-        placed now: a new lane, or an ejection that ran out unannounced, lets them go."""
-        moves = self.lanes.evaluate(self.states, now)
-        return moves, self._drain(now, rng) if moves or self._queues else []
 
     def release(
         self,
@@ -230,7 +214,7 @@ class Scheduler(Fleet):
             self._settle_prefix(held.state, held.ticket)
         if not held.departs_at_prefill:
             self._depart(held, now)
-        health.apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
+        apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
         return self._drain(now, rng)
 
     def _end_prefill(self, held: _Held, now: float) -> None:
@@ -315,33 +299,10 @@ class Scheduler(Fleet):
             uncached=ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
         )
-        held.counts_running = self._counts_running(held)
         self._holding[ticket.id] = held
         held.take()
-        self.lanes.record(ticket.lane, held.uncached, ticket.max_tokens, now)
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
-
-    def _who_starts(
-        self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, behind: int
-    ) -> Ticket | None:
-        """Who of `ticket`'s FIFO takes a place on `candidates` now (`long_waits.py`):
-        `ticket`, the newest request queued `behind` it, or nobody."""
-        if self.lanes.enabled:
-            return ticket
-        youngest = self._queues.youngest(ticket.lane, ticket.model) if behind else None
-        if behind and (youngest is None or youngest.id == ticket.id):
-            return ticket  # only retries behind it: every place is wanted
-        freeing = lambda: self._freeing(ticket, now, len(self._holding))  # noqa: E731
-        starts = long_waits.who_starts(
-            self.strategy, ticket, youngest, candidates, freeing, self.states, now
-        )
-        if starts is None or starts is ticket:
-            return starts
-        # The newest takes the place on its own terms: its deadline, its own limits.
-        if starts.deadline <= now or not self._candidates(starts, now, len(self._holding)):
-            return ticket
-        return starts
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
         """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
@@ -363,8 +324,7 @@ class Scheduler(Fleet):
             for ticket in self._queues.heads():
                 wait_until = self._queues.wait_until(ticket.id)
                 expired = wait_until is not None and wait_until <= now
-                # One whose wait ran out, not its deadline, still starts if it can: it may
-                # have waited for a better place by choice (`_who_starts`).
+                # One whose wait ran out, not its deadline, still starts if it can.
                 candidates = (
                     []
                     if ticket.deadline <= now
@@ -375,15 +335,9 @@ class Scheduler(Fleet):
                     out.append(Rejected(ticket, "deadline", after))
                     placed = True
                     break
-                behind = self._queues.length_for(ticket.lane, ticket.model) - 1
-                if not candidates:
-                    continue
-                starts = ticket if expired else self._who_starts(ticket, candidates, now, behind)
-                if starts is not None:
-                    if starts is not ticket:  # the newest, where it may go itself
-                        candidates = self._candidates(starts, now, len(self._holding))
-                    self._queues.remove(starts.id)
-                    out.append(self._assign(starts, candidates, now, rng))
+                if candidates:
+                    self._queues.remove(ticket.id)
+                    out.append(self._assign(ticket, candidates, now, rng))
                     placed = True
                     break
             if not placed:
@@ -391,7 +345,13 @@ class Scheduler(Fleet):
 
     def snapshot(self, now: float) -> Snapshot:
         """A frozen copy of the state, for readers (metrics, health, /admin, readiness)."""
-        return snapshot.take(self, now)
+        return Snapshot(
+            at=now,
+            strategy=self.strategy.name,
+            inflight=self.inflight,
+            queues=MappingProxyType({lane: self.queue_length(lane) for lane in Lane}),
+            instances=instances_at(self.states, now, self.limits.metrics_stale_after),
+        )
 
     def queued_tickets(self) -> Iterable[Ticket]:
         return iter(self._queues)

@@ -104,12 +104,10 @@ def least_prefill_work(candidates: Sequence[InstanceState]) -> list[InstanceStat
 
     A long prompt's first token waits for the prefills ahead of it, not for the requests
     decoding there (each takes one token of a step's budget): counted in requests, an
-    instance with a 6,000-token prompt prefilling and one request decoding looks less
-    busy than one with three decoding and nothing to prefill, and the long prompt waits
-    0.3 s behind the first while the second was free (`loadtest lanes`). Only for a
-    prompt cached nowhere: where it is cached, least_busy's bounded affinity term
-    decides (placed by work too, the uniform prefix workload's goodput halved:
-    `loadtest prefix`, two runs).
+    instance with a long prompt prefilling and one request decoding looks less busy than
+    one with three decoding and nothing to prefill. Only for a prompt cached nowhere:
+    where it is cached, least_busy's bounded affinity term decides (placed by work too,
+    the prefix workload lost goodput: docs/decisions/0016).
     """
     free = [c for c in candidates if c.fleet_inflight < c.spec.slots]
     candidates = free or candidates

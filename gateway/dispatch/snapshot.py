@@ -8,16 +8,11 @@ the scheduler through it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING
 
-from .model import InstanceLane, Lane, LoadReport
+from .model import InstanceLane, InstanceState, Lane, LoadReport
 from .select import score_all
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +21,7 @@ class InstanceSnapshot:
     verdict: str  # up | down | unknown
     available: bool  # up by its probes and not ejected
     ejected_for: float | None  # seconds of ejection left
-    lane: InstanceLane  # its configured lane
-    current_lane: InstanceLane  # the lane it serves now (the split may have moved it)
+    lane: InstanceLane
     weight: float
     slots: int
     models: frozenset[str] | None  # served, pinned or learned; None while unknown
@@ -68,13 +62,14 @@ class Snapshot:
         return tuple(i for i in self.instances if i.available)
 
 
-def take(scheduler: Scheduler, now: float) -> Snapshot:
-    """The scheduler's state at `now`, copied."""
-    stale = scheduler.limits.metrics_stale_after
-    scores = score_all(scheduler.states, now, stale)
+def instances_at(
+    states: Sequence[InstanceState], now: float, stale_after: float
+) -> tuple[InstanceSnapshot, ...]:
+    """Every instance's state at `now`, copied; a scrape older than `stale_after` is stale."""
+    scores = score_all(states, now, stale_after)
     instances = []
-    for state in scheduler.states:
-        fresh = state.fresh_report(now, stale)
+    for state in states:
+        fresh = state.fresh_report(now, stale_after)
         score = scores[state.name]
         until = state.ejected_until
         instances.append(
@@ -84,7 +79,6 @@ def take(scheduler: Scheduler, now: float) -> Snapshot:
                 available=state.available(now),
                 ejected_for=until - now if until is not None and until > now else None,
                 lane=state.spec.lane,
-                current_lane=scheduler.lanes.lane(state),
                 weight=state.spec.weight,
                 slots=state.spec.slots,
                 models=state.models,
@@ -111,10 +105,4 @@ def take(scheduler: Scheduler, now: float) -> Snapshot:
                 recent_errors=tuple(state.recent_errors),
             )
         )
-    return Snapshot(
-        at=now,
-        strategy=scheduler.strategy.name,
-        inflight=scheduler.inflight,
-        queues=MappingProxyType({lane: scheduler.queue_length(lane) for lane in Lane}),
-        instances=tuple(instances),
-    )
+    return tuple(instances)

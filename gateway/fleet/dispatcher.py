@@ -233,17 +233,16 @@ class Dispatcher:
 
     def _drain_later(self) -> None:
         self._drain_timer = None
+        self.drain()
+
+    def drain(self) -> None:
+        """Place (or turn away) what waits and can be now: a health round calls it, since an
+        ejection that ran out frees room without a call that says so."""
         self._settle(self.scheduler.drain(self.clock(), self.rng))
 
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""
         self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
-
-    def update_lanes(self) -> dict[str, Lane]:
-        """Re-size the split between the lanes; return the instances that changed lane."""
-        moves, decisions = self.scheduler.update_lanes(self.clock(), self.rng)
-        self._settle(decisions)
-        return moves
 
     def reconfigure(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
         """A reloaded instance list and limits; queued requests may be placed or refused."""

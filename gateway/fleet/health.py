@@ -137,8 +137,8 @@ class HealthChecker:
         await asyncio.gather(*(self._check(t) for t in self.targets))
         self.rounds += 1
         flags = self.dispatcher.scheduler.update_slow_flags()
-        moves = self.dispatcher.update_lanes()
-        if not flags and not moves:
+        self.dispatcher.drain()
+        if not flags:
             return
         snap = {i.name: i for i in self.dispatcher.snapshot().instances}
         for name, slow in flags.items():
@@ -147,12 +147,6 @@ class HealthChecker:
                 server=name,
                 prefill_tokens_per_s=snap[name].prefill_rate,
                 tpot_s=snap[name].tpot,
-            )
-        if moves:
-            _log.info(
-                "lane_split",
-                moved={name: lane.value for name, lane in moves.items()},
-                lanes={name: i.current_lane for name, i in snap.items()},
             )
 
     async def run_forever(self) -> None:

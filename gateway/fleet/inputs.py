@@ -40,8 +40,6 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
     limits = Limits(
         max_queue_per_instance=dispatch.max_queue_per_instance,
         max_long_per_instance=config.prefill.max_long_per_instance,
-        max_long_running_per_instance=config.prefill.max_long_running_per_instance,
-        long_tpot_objective=config.file.slo.long_tpot,
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,
         metrics_stale_after=stale_after,
@@ -49,7 +47,6 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
         long_input_threshold=config.prefill.long_input_threshold,
-        lane_split=config.prefill.lane_split,
         prefix_index_blocks=DEFAULT_INDEX_BLOCKS
         if dispatch.prefix_index_blocks is None
         else dispatch.prefix_index_blocks,

@@ -397,10 +397,9 @@ class StateCollector(Collector):
                 labels=["server"],
             ),
         }
-        current_lane = GaugeMetricFamily(
+        lanes_served = GaugeMetricFamily(
             "gateway_instance_lane",
-            "1 for the lane each instance serves now (static, or given by the split between "
-            "the lanes), 0 for the other; both 1 on a shared instance with the split off.",
+            "1 for each lane the instance serves (both on a shared instance), 0 for the other.",
             labels=["server", "lane"],
         )
         ejections = CounterMetricFamily(
@@ -422,8 +421,8 @@ class StateCollector(Collector):
             families["kv"].add_metric(name, nan if kv is None else kv)
             ejections.add_metric(name, state.ejections_total)
             for lane in Lane:
-                on = state.current_lane in (lane.value, "any")
-                current_lane.add_metric([state.name, self.lane_names[lane]], 1.0 if on else 0.0)
+                on = state.lane in (lane.value, "any")
+                lanes_served.add_metric([state.name, self.lane_names[lane]], 1.0 if on else 0.0)
             rate, tpot = state.prefill_rate, state.tpot
             families["prefill_rate"].add_metric(name, nan if rate is None else rate)
             families["tpot"].add_metric(name, nan if tpot is None else tpot)
@@ -439,7 +438,7 @@ class StateCollector(Collector):
         yield from families.values()
         yield from prefix.values()
         yield ejections
-        yield current_lane
+        yield lanes_served
         lanes = GaugeMetricFamily(
             "gateway_queue_depth",
             "Requests waiting in the gateway queue, by lane.",

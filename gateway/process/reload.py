@@ -47,7 +47,6 @@ RESTART_ONLY = (
     "gateway.idle_timeout",
     "gateway.max_client_connections",
     "dispatch.strategy",
-    "dispatch.least_time_decode",  # the strategy's, built at start
     "dispatch.health_check_interval",
     "dispatch.health.metrics_stale_after",
     "dispatch.prefix_index_blocks",

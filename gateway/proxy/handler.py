@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 _log = log.get("gateway.proxy")
 
+# A long-lane stream may wait this many `timeout.read`s for its first token (and between
+# two events): a long prefill behind others takes longer than a read should.
+LONG_TTFT_FACTOR = 4
+
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Endpoint", "Proxy", "Route"]
 
@@ -116,7 +120,7 @@ class Proxy:
         self.retry = channel.retry
         self.ttft_allowance = {
             Lane.SHORT: channel.timeout.read,
-            Lane.LONG: channel.timeout.read * config.prefill.long_ttft_factor,
+            Lane.LONG: channel.timeout.read * LONG_TTFT_FACTOR,
         }
         self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
         self.relay.write_timeout = channel.timeout.write

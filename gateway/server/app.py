@@ -101,7 +101,6 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         stale_after, {Lane.SHORT: slo.tpot, Lane.LONG: slo.long_tpot}
     )
     if isinstance(strategy, LeastTime):
-        strategy.decode = dispatch.least_time_decode
         strategy.ttft_objectives = {Lane.SHORT: slo.ttft, Lane.LONG: slo.long_ttft}
     scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
@@ -301,8 +300,6 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "available": i.available,
                 "ejected_for_s": None if i.ejected_for is None else round(i.ejected_for, 1),
                 "lane": lane_names.get(i.lane, i.lane),
-                # The lane it serves now: its static lane, or the one the split gave it.
-                "current_lane": lane_names.get(i.current_lane, i.current_lane),
                 "weight": i.weight,
                 "slots": i.slots,
                 "models": None if i.models is None else sorted(i.models),

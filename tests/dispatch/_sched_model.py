@@ -45,13 +45,10 @@ class Model:
     cancelled: set[int] = field(default_factory=set)
     ever_queued: set[int] = field(default_factory=set)
     wait_until: dict[int, float] = field(default_factory=dict)  # when a queued one expires
-    # Which lane holds each shared instance, from the moves update_lanes reported.
-    lanes: dict[str, Lane] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         s = self.setup
         self.rng = random.Random(s.seed)
-        self.lanes = {spec.name: Lane.SHORT for spec in s.specs if spec.lane == "any"}
         self.sched = Scheduler(
             s.specs, STRATEGIES[s.strategy](s.limits.metrics_stale_after), s.limits, s.policy
         )
@@ -80,14 +77,8 @@ class Model:
             return state.long_prefilling < self.limits.max_long_per_instance
         return True
 
-    def serves_now(self, state: InstanceState) -> str:
-        """The lane `state` serves now by the model: static, held, or "any" (split off)."""
-        if state.spec.lane != "any" or not self.limits.lane_split:
-            return state.spec.lane
-        return self.lanes[state.name].value
-
     def capped(self, state: InstanceState) -> bool:
-        """Long requests there are bounded: on a shared instance, whatever lane it holds."""
+        """Long requests there are bounded: on a shared instance."""
         return state.spec.lane == "any"
 
     def fits_somewhere(self, ticket: Ticket) -> bool:
@@ -126,18 +117,6 @@ class Model:
         chosen = self.sched.state(d.instance)
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
-        if self.serves_now(chosen) not in (lane.value, "any"):
-            # It spilled to the other lane: none of its own lane's instances had room (a
-            # short request: a free running slot); a busy one of its own may lose to a
-            # fresh one of the other lane.
-            assert not any(
-                self.has_room(s, lane)
-                and (lane is Lane.LONG or s.inflight < s.spec.slots)
-                and s.name not in exclude
-                and self.serves_now(s) in (lane.value, "any")
-                and (chosen.busy(self.now) or not s.busy(self.now))
-                for s in others
-            ), f"{d} spilled to the other lane although its own had a free slot"
         if chosen.busy(self.now):
             assert not any(
                 self.has_room(s, lane) and not s.busy(self.now)
@@ -145,15 +124,8 @@ class Model:
             ), d
 
     def allowed(self, ticket: Ticket, states: Sequence[InstanceState]) -> list[InstanceState]:
-        """Of `states`, those `ticket` may go to, room aside: untried ones, and for a long
-        request only its own lane's while an instance holding the long lane is up."""
-        untried = [s for s in states if s.name not in ticket.exclude]
-        if ticket.lane is Lane.LONG and any(
-            self.serves_now(s) == "long" and s.available(self.now) and s.name not in ticket.exclude
-            for s in self.pool(Lane.LONG)
-        ):
-            return [s for s in untried if self.serves_now(s) in ("long", "any")]
-        return untried
+        """Of `states`, those `ticket` may go to, room aside: the untried ones."""
+        return [s for s in states if s.name not in ticket.exclude]
 
     # ---------------------------------------------------------------- applying decisions
 

@@ -55,11 +55,11 @@ class Report:
 
 
 @dataclass(frozen=True)
-class UpdateLanes:
-    """A health round's look at the split between the lanes."""
+class Drain:
+    """A health round: queued requests may fit where an ejection ran out unannounced."""
 
 
-Op = Submit | Release | PrefillDone | Probe | Cancel | Advance | Report | UpdateLanes
+Op = Submit | Release | PrefillDone | Probe | Cancel | Advance | Report | Drain
 
 picks = st.integers(0, 63)
 instances = st.integers(0, 3)
@@ -83,8 +83,7 @@ ops = st.one_of(
     st.builds(Cancel, picks),
     st.builds(Advance, st.sampled_from([0.5, 2.0, 7.0])),
     st.builds(Report, instances, st.integers(0, 20), st.integers(0, 20)),
-    st.just(UpdateLanes()),
-    st.just(UpdateLanes()),
+    st.just(Drain()),
 )
 operation_lists = st.lists(ops, min_size=40, max_size=150)
 
@@ -119,7 +118,6 @@ def setups(draw: st.DrawFn) -> Setup:
         metrics_stale_after=5.0,
         max_queue_wait_short=draw(st.sampled_from([math.inf, 1.0, 4.0])),
         max_queue_wait_long=draw(st.sampled_from([math.inf, 3.0])),
-        lane_split=draw(st.booleans()),
     )
     policy = HealthPolicy(
         rise=draw(st.integers(1, 2)),

@@ -1,5 +1,5 @@
-"""A health round (`Scheduler.update_lanes`) places what waits where room came back
-without a call that says so: an ejection that ran out."""
+"""A health round (`Scheduler.drain`) places what waits where room came back without a
+call that says so: an ejection that ran out."""
 
 from __future__ import annotations
 
@@ -36,7 +36,5 @@ def test_a_queued_request_goes_to_an_instance_whose_ejection_ran_out() -> None:
     assert isinstance(sched.submit(Ticket(2, Lane.SHORT, 1e9), 0.0, rng), Assigned)  # i1
     waiting = sched.submit(Ticket(3, Lane.SHORT, 1e9), 0.0, rng)
     assert isinstance(waiting, Queued)
-    assert sched.update_lanes(0.5, rng) == ({}, [])  # still ejected: it waits
-    moves, placed = sched.update_lanes(1.5, rng)
-    assert moves == {}
-    assert placed == [Assigned(waiting.ticket, "i0")]
+    assert sched.drain(0.5, rng) == []  # still ejected: it waits
+    assert sched.drain(1.5, rng) == [Assigned(waiting.ticket, "i0")]

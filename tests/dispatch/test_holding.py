@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.dispatch import InstanceSpec, InstanceState, Lane, Ticket
-from gateway.dispatch.holding import Held, counts_toward_running_bound
+from gateway.dispatch.holding import Held
 
 
 def _counters(state: InstanceState) -> tuple[int, int, int, int, int]:
@@ -50,21 +50,3 @@ def test_a_long_request_departs_at_its_prefill_only_on_a_shared_instance() -> No
     assert Held(shared, long).departs_at_prefill
     assert not Held(own_lane, long).departs_at_prefill
     assert not Held(shared, short).departs_at_prefill
-
-
-@pytest.mark.parametrize(
-    ("bound", "stall", "max_tokens", "counts"),
-    [
-        (4, 0.3, 32, True),  # 4 x 9.4 ms = 37.5 ms, over half of 50 ms
-        (4, 0.3, 128, False),  # 4 x 2.3 ms = 9.4 ms: it absorbs them
-        (4, 0.3, 64, False),  # 18.75 ms: under half
-        (4, 0.75, 64, True),  # a slow card: 4 x 11.7 ms over 64 tokens
-        (1, 0.3, 8, True),
-        (4, None, 128, True),  # the card's prefill rate is not known yet
-        (4, 0.3, 0, True),  # max_tokens not given
-    ],
-)
-def test_which_long_answers_the_running_bound_counts(
-    bound: int, stall: float | None, max_tokens: int, counts: bool
-) -> None:
-    assert counts_toward_running_bound(bound, stall, max_tokens, 0.05) is counts

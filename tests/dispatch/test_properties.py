@@ -13,6 +13,7 @@ from _sched_model import Model
 from _sched_ops import (
     Advance,
     Cancel,
+    Drain,
     Op,
     PrefillDone,
     Probe,
@@ -20,7 +21,6 @@ from _sched_ops import (
     Report,
     Setup,
     Submit,
-    UpdateLanes,
     operation_lists,
     setups,
 )
@@ -41,7 +41,6 @@ class Harness(Model):
         exclude = frozenset(
             s.name for k, s in enumerate(self.setup.specs) if op.exclude_mask >> k & 1
         )
-        # Prompt sizes of each lane, so that the split sees a mix to size itself by.
         tokens = 5000 if op.lane is Lane.LONG else 100
         ticket = Ticket(tid, op.lane, self.now + op.patience, exclude, tokens, 16)
         lane_queue = self.queued[op.lane]
@@ -160,17 +159,8 @@ class Harness(Model):
             load = LoadReport(op.running, op.waiting, kv_usage=op.running / 40, at=self.now)
             self.sched.report_load(name, load)
 
-    def update_lanes(self) -> None:
-        before = dict(self.lanes)
-        moves, out = self.sched.update_lanes(self.now, self.rng)
-        assert len(moves) <= 2, f"moved more than two instances at once: {moves}"
-        if len(moves) == 2:  # a swap: one each way
-            assert set(moves.values()) == set(Lane), moves
-        for name, lane in moves.items():
-            assert name in before, f"moved {name}, not a shared instance"
-            assert before[name] is not lane, f"moved {name} to the lane it was in"
-        self.lanes.update(moves)
-        self.settle(out, drained=True)
+    def drain(self) -> None:
+        self.settle(self.sched.drain(self.now, self.rng), drained=True)
 
     def step(self, op: Op) -> None:
         if isinstance(op, Submit):
@@ -185,8 +175,8 @@ class Harness(Model):
             self.cancel(op)
         elif isinstance(op, Advance):
             self.now += op.seconds
-        elif isinstance(op, UpdateLanes):
-            self.update_lanes()
+        elif isinstance(op, Drain):
+            self.drain()
         else:
             self.report(op)
         self.check()

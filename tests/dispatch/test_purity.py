@@ -82,7 +82,6 @@ def test_checker_sees_every_dispatch_module() -> None:
         "model.py",
         "select.py",
         "least_time.py",
-        "long_waits.py",
         "strategies.py",
         "scheduler.py",
         "health.py",

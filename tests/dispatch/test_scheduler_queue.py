@@ -187,6 +187,30 @@ def test_expired_ejection_drains_the_queue_on_the_next_probe() -> None:
     assert sched.probe("a", True, 11.0, rng) == [Assigned(tk(3), "a")]
 
 
+def test_a_wait_that_runs_out_where_room_came_back_unannounced_starts_there() -> None:
+    """A request whose queue wait (not its deadline) runs out after an ejection ended, with
+    no probe since, is placed on that instance rather than refused; past its deadline it
+    is refused."""
+    rng = random.Random(0)
+    sched = make(
+        InstanceSpec("a", slots=1),
+        InstanceSpec("b", slots=1),
+        limits=Limits(max_queue_per_instance=0, max_queue_wait_short=15.0),
+        policy=HealthPolicy(eject_after_failures=1, ejection_base=10.0),
+    )
+    bring_up(sched, rng)
+    assert assigned_to(sched.submit(tk(1, exclude={"b"}), 0.0, rng)) == "a"
+    sched.release(1, Outcome.FAILURE, 0.0, rng)
+    assert assigned_to(sched.submit(tk(2), 1.0, rng)) == "b"
+    waiting = sched.submit(tk(3), 1.0, rng)
+    assert waiting == Queued(tk(3), 1, 16.0)
+    assert isinstance(sched.submit(tk(4, deadline=12.0), 1.0, rng), Queued)
+    assert sched.expire(3, 16.0, rng) == [Assigned(tk(3), "a")]
+    (refused,) = sched.expire(4, 16.0, rng)
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "deadline"
+
+
 # ------------------------------------------------------------------ no instance, deadline, close
 
 

@@ -93,8 +93,9 @@ def test_peers_long_prefills_count_toward_the_long_cap() -> None:
 
 
 def test_share_publishes_our_long_prefills() -> None:
-    """What we publish counts our long prefills and long answers per instance, for the
-    others' long caps; a long answer still counts once its prefill is done."""
+    """What we publish counts our long prefills per instance (for the others' long caps)
+    and our long answers (for their shelter); a long answer still counts once its
+    prefill is done."""
     rng = random.Random(0)
     sched = make(InstanceSpec("a"))
     sched.submit(Ticket(1, Lane.LONG, FAR, tokens=6000), 0.0, rng)

@@ -208,33 +208,13 @@ def test_decode_speed_weighs_in_for_long_outputs() -> None:
     assert strategy.choose(fleet, fleet, _ticket(100, 500), 0.0, random.Random(0)).name == "i0"
 
 
-def test_over_objective_judges_a_slow_decoder_within_the_objective_on_ttft_alone() -> None:
-    """With decode = "over_objective", a card decoding 2.5x slower but inside the TPOT
-    objective pays no decode penalty."""
+def test_a_slow_decoder_within_the_objective_is_judged_on_ttft_alone() -> None:
+    """A card decoding 2.5x slower but inside the TPOT objective pays no decode penalty."""
     fleet = _fleet(1000.0, 1000.0, tpots=(0.02, 0.05))
     fleet[0].pending_prefill_tokens = 200
-    strategy = LeastTime(30, {Lane.SHORT: 0.1}, decode="over_objective")
+    strategy = LeastTime(30, {Lane.SHORT: 0.1})
     costs = strategy.costs(fleet, fleet, _ticket(100, 500), 0.0)
     assert costs == {"i0": pytest.approx(0.3), "i1": pytest.approx(0.1)}
-
-
-def test_full_decode_predicts_end_to_end_latency() -> None:
-    """With decode = "full" the cost is TTFT plus every output token's decode time, so a
-    card whose decode is 2.5x slower loses a long answer even inside the TPOT objective."""
-    fleet = _fleet(1000.0, 1000.0, tpots=(0.02, 0.05))
-    fleet[0].pending_prefill_tokens = 200
-    strategy = LeastTime(30, {Lane.SHORT: 0.1}, decode="full")
-    costs = strategy.costs(fleet, fleet, _ticket(100, 500), 0.0)
-    assert costs == {"i0": pytest.approx(0.3 + 500 * 0.02), "i1": pytest.approx(0.1 + 500 * 0.05)}
-    assert strategy.choose(fleet, fleet, _ticket(100, 500), 0.0, random.Random(0)).name == "i0"
-
-
-def test_full_decode_leaves_short_answers_to_ttft() -> None:
-    """Where the output is too short for decode to matter, the quicker first token wins."""
-    fleet = _fleet(1000.0, 1000.0, tpots=(0.02, 0.05))
-    fleet[0].pending_prefill_tokens = 200  # 0.2 s more prefill work on i0
-    strategy = LeastTime(30, {Lane.SHORT: 0.1}, decode="full")
-    assert strategy.choose(fleet, fleet, _ticket(100, 2), 0.0, random.Random(0)).name == "i1"
 
 
 def test_instances_without_history_are_assumed_median_speed() -> None:

@@ -181,10 +181,10 @@ async def test_hung_instance_times_out_per_attempt_and_a_stream_is_retried_elsew
         assert gw.sims[1].stats.requests == 1
 
 
-async def test_long_lane_stream_gets_long_ttft_factor_times_read() -> None:
-    """A long-lane stream waits timeout.read x long_ttft_factor for a silent instance."""
+async def test_long_lane_stream_gets_four_times_read() -> None:
+    """A long-lane stream waits timeout.read x LONG_TTFT_FACTOR (4) for a silent instance."""
     channel = {"timeout": {"connect": 2, "read": 0.3, "write": 5}}
-    sections = {"prefill": {"long_input_threshold": 50, "long_ttft_factor": 4}}
+    sections = {"prefill": {"long_input_threshold": 50}}
     async with (
         proxied(FAST, FAST, channel=channel, sections=sections) as (gw, (a, _)),
         sdk(gw) as client,
@@ -208,7 +208,7 @@ async def test_long_lane_stream_gets_long_ttft_factor_times_read() -> None:
 async def test_long_prefill_slower_than_read_streams_on_the_first_attempt() -> None:
     """A long prompt whose first token comes after timeout.read, within the allowance, streams."""
     channel = {"timeout": {"connect": 2, "read": 0.3, "write": 5}}
-    sections = {"prefill": {"long_input_threshold": 500, "long_ttft_factor": 5}}
+    sections = {"prefill": {"long_input_threshold": 500}}
     # 1500 prompt tokens at 2000 tokens/s: the first token after about 0.75 s.
     slow_prefill = SimConfig(prefill_tokens_per_s=2000, decode_s_per_token=0.001)
     async with (

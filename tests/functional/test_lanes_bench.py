@@ -14,15 +14,15 @@ TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_
 
 
 async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """lanes measures the fleet's capacity, then runs the shared gateway queueing all,
-    least_time with a flag, and an unknown setup (skipped), per class, at a share of it."""
+    """lanes measures the fleet's capacity, then runs the gateway queueing all, least_time
+    with a flag, and an unknown setup (skipped), per class, at a share of it."""
     monkeypatch.setattr(capacity, "WARM", 1.0)
     monkeypatch.setattr(capacity, "WINDOW", 3.0)
     opts = lanes_bench.LanesOptions(
         setups=(
-            "least_busy:shared+queue_all",
-            "least_time:over_objective",
-            "least_time:over_objective#2",
+            "least_busy:queue_all",
+            "least_time:cap1",
+            "least_time:cap1#2",
             "nginx_nowhere",
         ),
         speeds=(1.0, 0.4),
@@ -45,9 +45,9 @@ async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     )
     runs = body["loads"]["0.4"]
     assert set(runs) == {
-        "least_busy:shared+queue_all",
-        "least_time:over_objective",
-        "least_time:over_objective#2",  # a repeat runs as its own setup
+        "least_busy:queue_all",
+        "least_time:cap1",
+        "least_time:cap1#2",  # a repeat runs as its own setup
     }
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():  # every request is good or missed in exactly one way
@@ -70,20 +70,12 @@ async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_setup_flags_become_dispatch_settings() -> None:
-    """`queue_all` lifts the queue wait past any run; `over_objective` picks the decode
-    rule; `shared` turns the split off and `cap1` allows one long prefill per instance;
-    no flag leaves the gateway's defaults (the split on in this bench)."""
+    """`queue_all` lifts the queue wait past any run; `cap1` allows one long prefill per
+    instance; no flag leaves the gateway's defaults."""
     assert lanes_bench._dispatch(set()) == {}
-    assert lanes_bench._prefill(set()) == {"lane_split": True}
-    assert lanes_bench._prefill({"shared", "cap1"}) == {
-        "lane_split": False,
-        "max_long_per_instance": 1,
-    }
-    assert lanes_bench._dispatch({"queue_all"}) == {"max_queue_wait": lanes_bench.QUEUE_ALL}
-    assert lanes_bench._dispatch({"over_objective", "queue_all", "shared"}) == {
-        "least_time_decode": "over_objective",
-        "max_queue_wait": lanes_bench.QUEUE_ALL,
-    }
+    assert lanes_bench._prefill(set()) == {}
+    assert lanes_bench._prefill({"cap1", "queue_all"}) == {"max_long_per_instance": 1}
+    assert lanes_bench._dispatch({"queue_all", "cap1"}) == {"max_queue_wait": lanes_bench.QUEUE_ALL}
     assert lanes_bench._dispatch({"cardq0"}) == {"max_queue_per_instance": 0}
     assert lanes_bench._dispatch({"cardq4", "queue_all"}) == {
         "max_queue_per_instance": 4,
@@ -94,9 +86,9 @@ def test_setup_flags_become_dispatch_settings() -> None:
 def test_a_setup_names_its_strategy_flags_and_ref() -> None:
     """`strategy:flag+flag@ref` splits into its parts; a bare name has no flag and no ref;
     an unknown flag is an error naming it."""
-    assert lanes_bench.parse_setup("least_busy:shared+cap1@ae9739e") == (
+    assert lanes_bench.parse_setup("least_busy:queue_all+cap1@ae9739e") == (
         "least_busy",
-        {"shared", "cap1"},
+        {"queue_all", "cap1"},
         "ae9739e",
     )
     assert lanes_bench.parse_setup("least_time") == ("least_time", set(), None)
@@ -105,9 +97,9 @@ def test_a_setup_names_its_strategy_flags_and_ref() -> None:
 
 
 def test_a_repeated_gateway_setup_is_the_same_setup() -> None:
-    assert lanes_bench.parse_setup("least_time:shared+cap1@abc#2") == (
+    assert lanes_bench.parse_setup("least_time:queue_all+cap1@abc#2") == (
         "least_time",
-        {"shared", "cap1"},
+        {"queue_all", "cap1"},
         "abc",
     )
     assert lanes_targets.front("nginx#2") == "nginx"
