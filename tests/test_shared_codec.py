@@ -17,6 +17,8 @@ from gateway.dispatch import (
     Ticket,
 )
 from gateway.fleet.shared_codec import (
+    MAX_ENTRY_BYTES,
+    Refused,
     combine,
     decode,
     encode,
@@ -152,3 +154,37 @@ async def test_a_cancellation_swallowed_inside_a_round_still_stops_the_loop() ->
     finally:
         shared.run_round = lambda: asyncio.sleep(0, True)  # type: ignore[method-assign]
         task.cancel()
+
+
+def _entry(load: str, extra: str = "") -> bytes:
+    """A publication as a peer (or whoever writes to Redis) may write it, load for `a`."""
+    return (
+        '{"loads":{"a":' + load + '},"speeds":{},"queued":{},"budget":[0,0],"seq":1' + extra + "}"
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    "load",
+    ["[Infinity,0,0,0]", "[NaN,0,0,0]", "[-3,0,0,0]", "[1e9,0,0,0]", "[1.5,0,0,0]", '["1",0]'],
+)
+def test_a_number_no_peer_could_hold_refuses_the_entry(load: str) -> None:
+    """Non-finite, negative, fractional, absurd or non-numeric counts: the entry is refused."""
+    with pytest.raises(Refused) as refused:
+        decode(_entry(load))
+    assert refused.value.reason in ("out_of_bounds", "malformed")
+
+
+def test_an_entry_over_the_size_cap_is_refused_unread() -> None:
+    """Five megabytes is refused by its length, before any parsing."""
+    with pytest.raises(Refused) as refused:
+        decode(_entry("[1,0,0,0]", ',"pad":"' + "x" * (5 * 1024 * 1024) + '"'))
+    assert refused.value.reason == "too_large"
+    assert len(_entry("[1,0,0,0]")) < MAX_ENTRY_BYTES
+
+
+def test_instances_the_reader_does_not_serve_are_skipped() -> None:
+    """A peer's entry for an instance we do not have is dropped, the rest kept."""
+    body = _entry("[2,10,0,0]").replace(b'"loads":{', b'"loads":{"zz":[5,0,0,0],')
+    entry = decode(body, known={"a"})
+    assert set(entry.share.loads) == {"a"}
+    assert entry.share.loads["a"] == PeerLoad(2, 10, 0, 0)

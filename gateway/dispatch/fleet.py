@@ -17,6 +17,7 @@ Limits an instance holds:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -152,6 +153,10 @@ class Fleet:
             if state is not None:
                 state.cache.settle(blocks)
 
+    def names(self) -> frozenset[str]:
+        """The instances of the fleet now."""
+        return frozenset(self._by_name)
+
     def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Another process placed these prompts: they are (about to be) cached there too,
         so every process agrees where a prefix lives."""
@@ -160,12 +165,36 @@ class Fleet:
             if state is not None:
                 state.cache.insert(blocks)
 
-    def hear_peers(self, view: SharedView) -> None:
+    def hear_peers(self, view: SharedView, now: float) -> None:
         """The other processes' load counts toward every instance's limit and score; their
         speeds blend with ours, so every process judges a slow card alike."""
         for state in self.states:
-            state.peers = view.loads.get(state.name, PeerLoad())
+            state.peers = self._believable(state, view.loads.get(state.name, PeerLoad()), now)
             state.speed.blend(view.speeds.get(state.name, ()))
+
+    def _believable(self, state: InstanceState, claim: PeerLoad, now: float) -> PeerLoad:
+        """As much of the peers' claim as the instance can hold and its own metrics allow.
+
+        A claim makes this process more careful at most up to the instance's limit (its
+        running slots and queue), and, while its metrics are fresh, at most one batch of
+        running slots beyond the requests it reported that are not ours: a peer that says
+        (or a bad entry in Redis that says) a card is full which the card itself says is
+        idle cannot make us refuse what the card can take. A batch of slack, because a
+        scrape is seconds old and honest peers place requests in between.
+        """
+        room = state.spec.slots + self.limits.max_queue_per_instance
+        report = state.fresh_report(now, self.limits.metrics_stale_after)
+        if report is not None:
+            seen = max(0, report.running + report.waiting - state.inflight_at_report)
+            room = min(room, math.ceil(seen) + state.spec.slots)
+        if claim.inflight <= room and claim.long_prefilling <= room:
+            return claim
+        return PeerLoad(
+            min(claim.inflight, room),
+            claim.pending_prefill_tokens,
+            min(claim.long_prefilling, room),
+            min(claim.long_running, room),
+        )
 
     def observe_probe(self, name: str, ok: bool) -> bool | None:
         """An active health probe answered (or failed): whether `name`'s up/down verdict

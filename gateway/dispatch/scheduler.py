@@ -260,7 +260,7 @@ class Scheduler(Fleet):
         """
         self._shared = view
         self._drained.peers = view.rates
-        self.hear_peers(view)
+        self.hear_peers(view, now)
         # Peers may have let go of places: waiting requests may fit now.
         return self._drain(now, rng) if drain and self._queues else []
 

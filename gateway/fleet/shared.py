@@ -35,8 +35,18 @@ toward the budget, and their learned speeds blend with ours. A process that dies
 writing; its key expires after `ttl` and its load leaves every view with it.
 
 If Redis is away or slow, the process logs it once, sets `gateway_shared_state_up` to 0,
-dispatches on its own view (own load plus the instances' metrics) and keeps trying, with
-backoff, until Redis answers again. No request waits on Redis or fails because of it.
+dispatches on its own view (own load plus the instances' metrics) and keeps trying, at
+most `BACKOFF_MAX` apart and on a fresh connection, until Redis answers again. No request
+waits on Redis or fails because of it.
+
+What is read from Redis is untrusted (shared_codec.py bounds it): an entry too large is
+not even fetched whole (GETRANGE), a bad one is dropped and counted, and no failure of
+any kind ends the rounds or the listener. Every failure is counted in
+`gateway_shared_state_errors_total{reason}` and logged at most once a minute per reason.
+A peer whose publication has not moved for `ttl` seconds leaves the view, whatever its key
+says (a key written without a TTL would otherwise stay forever). `gateway_shared_state_up`
+is 1 only while the view is actually shared: the last round went through and, with pushes
+on, the listener is subscribed.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
@@ -59,7 +69,9 @@ from gateway.dispatch import LocalShare, RetryBudget, SharedView
 from gateway.dispatch.fleet import MAX_PLACEMENTS
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.shared_codec import (
+    MAX_ENTRY_BYTES,
     PeerEntry,
+    Refused,
     combine,
     decode,
     encode,
@@ -74,7 +86,9 @@ from gateway.observe import log
 
 _log = log.get("gateway.shared")
 
-BACKOFF_MAX = 5.0  # seconds between attempts while Redis is away
+BACKOFF_MAX = 1.0  # seconds between attempts while Redis is away: back within a second
+MAX_PEERS = 256  # other processes read per round; more is a misconfiguration, not a fleet
+LOG_EVERY_S = 60.0  # the same failure is logged at most this often (with a count)
 STREAM_MAXLEN = 20_000  # placements kept in the stream (approximately: Redis trims lazily)
 CATCH_UP = 500  # placements a new process reads back from before it started
 
@@ -121,11 +135,16 @@ class SharedState:
             url, socket_timeout=max(0.5, interval * 2), socket_connect_timeout=1.0
         )
         self.up: bool | None = None  # None until the first round
+        self.round_ok: bool | None = None  # the last round went through
+        self.errors: dict[str, int] = {}  # failures by reason, for the counter
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
+        self._moved: dict[str, tuple[int, float]] = {}  # peer -> (seq, when it last moved)
         self.peers = 0
         self.rounds = 0
         self.pushes_sent = 0
         self.pushes_heard = 0
         self.listening = False  # subscribed to the others' pushes
+        self._deaf = False  # the listener lost its subscription and has not got it back
 
     async def run_forever(self) -> None:
         """The rounds, and between them the pushes both ways, until cancelled."""
@@ -155,18 +174,66 @@ class SharedState:
             await asyncio.sleep(delay)
 
     async def run_round(self) -> bool:
-        """Publish ours, read theirs, hand the view to the scheduler; False if Redis failed."""
+        """Publish ours, read theirs, hand the view to the scheduler; False if it failed."""
         try:
             async with asyncio.timeout(max(1.0, self.ttl / 2)):
-                self._peers = await self._exchange()
-        except (RedisError, OSError, TimeoutError, ValueError) as exc:
-            self._set_up(False, exc)
+                self._peers = self._alive(await self._exchange())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = "redis" if isinstance(exc, RedisError | OSError | TimeoutError) else "round"
+            self.failed(reason, exc)
+            self.round_ok = False
             self._peers = {}  # the local view alone
+            # The next round on a fresh connection: one pooled from before a Redis restart
+            # would fail that round too.
+            with contextlib.suppress(Exception):
+                await self._redis.connection_pool.disconnect()
         else:
-            self._set_up(True)
+            self.round_ok = True
+        self._refresh_up()
         self.rounds += 1
         self._apply()
-        return self.up is True
+        return self.round_ok is True
+
+    def _alive(self, read: dict[str, PeerEntry]) -> dict[str, PeerEntry]:
+        """The peers whose publication moved within `ttl` (by our clock): a process that
+        stopped publishing leaves, even if its key never expires."""
+        now = self.dispatcher.clock()
+        alive = {}
+        for process, entry in read.items():
+            seq, since = self._moved.get(process, (-1, now))
+            if entry.seq != seq:
+                since = now
+            self._moved[process] = (entry.seq, since)
+            if now - since <= self.ttl:
+                alive[process] = entry
+        for gone in self._moved.keys() - read.keys():
+            del self._moved[gone]
+        return alive
+
+    def failed(self, reason: str, error: BaseException | str) -> None:
+        """Count a failure and log it, at most once a minute per reason."""
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+        now = self.dispatcher.clock()
+        last, since = self._logged.get(reason, (-LOG_EVERY_S, 0))
+        if now - last < LOG_EVERY_S:
+            self._logged[reason] = (last, since + 1)
+            return
+        self._logged[reason] = (now, 0)
+        detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        _log.warning(
+            "shared_state_error",
+            reason=reason,
+            detail=str(detail)[:200],
+            suppressed=since,
+            redis=redacted(self.url),
+        )
+
+    def _refresh_up(self) -> None:
+        """Up only while the view is shared: rounds go through and the listener, once
+        subscribed, has not lost its subscription."""
+        self._set_up(self.round_ok is True and not self._deaf)
 
     def _apply(self, stagger: float = 0.0) -> None:
         entries = list(self._peers.values())
@@ -199,20 +266,28 @@ class SharedState:
             pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
             results = await pipe.execute()
         self._learn(results[-1])
-        others = sorted(m.decode() for m in results[2] if m.decode() != self.process_id)
+        others = sorted(_text(m) for m in results[2] if _text(m) != self.process_id)
+        if len(others) > MAX_PEERS:
+            self.failed("too_many_peers", f"{len(others)} processes listed, {MAX_PEERS} read")
+            others = others[:MAX_PEERS]
         if not others:
             return {}
-        values = await self._redis.mget([self._prefix + p for p in others])
+        # At most one byte past the limit of each: a huge entry is refused, not fetched.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for process in others:
+                pipe.getrange(self._prefix + process, 0, MAX_ENTRY_BYTES)
+            values = await pipe.execute()
+        known = self.dispatcher.scheduler.names()
         read: dict[str, PeerEntry] = {}
         gone: list[str] = []
         for process, value in zip(others, values, strict=True):
-            if value is None:  # its key expired: that process died or left
+            if not value:  # its key expired: that process died or left
                 gone.append(process)
                 continue
             try:
-                read[process] = decode(value)
-            except ValueError:
-                _log.warning("shared_state_entry_malformed", process=process)
+                read[process] = decode(value, known)
+            except ValueError as exc:
+                self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
         if gone:
             await self._redis.srem(self._members, *gone)
         # A push heard while this round was on its way may be newer than the key.
@@ -254,15 +329,21 @@ class SharedState:
             try:
                 async with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self._channel)
-                    self.listening = True
+                    self.listening, self._deaf = True, False
+                    self._refresh_up()
                     while True:
                         message = await pubsub.get_message(timeout=1.0)
                         _honour_cancel()
                         if message is not None and message.get("type") == "message":
                             self._heard(message["data"])
+            except asyncio.CancelledError:
+                raise
             except (RedisError, OSError, TimeoutError):
-                pass  # the rounds log the outage and set the metric
-            self.listening = False
+                pass  # the rounds count and log the outage
+            except Exception as exc:
+                self.failed("listener", exc)
+            self.listening, self._deaf = False, True
+            self._refresh_up()
             _honour_cancel()
             await asyncio.sleep(min(BACKOFF_MAX, max(self.interval, 0.1)))
 
@@ -275,9 +356,9 @@ class SharedState:
             return  # our own push, back from the channel: not worth parsing
         try:
             process, payload, placements, settled = parse_push(raw)
-            entry = decode(payload)
-        except ValueError:
-            _log.warning("shared_state_entry_malformed", channel=self._channel)
+            entry = decode(payload, self.dispatcher.scheduler.names())
+        except ValueError as exc:
+            self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
             return
         if placements:  # the stream brings them again at the next round: harmless
             self.dispatcher.scheduler.learn_placements(placements)
@@ -307,24 +388,18 @@ class SharedState:
                     continue
                 try:
                     learned = parse_placements(fields[b"d"])
-                except (KeyError, ValueError):
-                    _log.warning("shared_state_entry_malformed", stream=self._stream)
+                except (KeyError, ValueError) as exc:
+                    self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
                     continue
                 self.dispatcher.scheduler.learn_placements(learned)
 
-    def _set_up(self, up: bool, error: BaseException | None = None) -> None:
+    def _set_up(self, up: bool) -> None:
         if up == self.up:
             return
         if up:
             _log.info("shared_state_up", redis=redacted(self.url), process=self.process_id)
-        else:
-            # Once per outage, not once per round.
-            _log.warning(
-                "shared_state_down",
-                redis=redacted(self.url),
-                error=type(error).__name__ if error else None,
-                detail=str(error)[:200] if error else None,
-            )
+        else:  # once per outage; its cause is the shared_state_error line
+            _log.warning("shared_state_down", redis=redacted(self.url), process=self.process_id)
         self.up = up
 
     async def close(self) -> None:
@@ -362,6 +437,15 @@ class SharedStateCollector(Collector):
         )
         peers.add_metric([], self.shared.peers)
         yield peers
+        errors = CounterMetricFamily(
+            "gateway_shared_state_errors",
+            "Failures of the shared view by reason: redis (away or slow), malformed, "
+            "too_large, out_of_bounds (an entry refused), too_many_peers, round, listener.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.shared.errors.items()):
+            errors.add_metric([reason], count)
+        yield errors
 
 
 def _honour_cancel() -> None:

@@ -1,12 +1,19 @@
 """What one gateway process publishes for the others, and how the others' are read and summed.
 
 Pure: no Redis, no clock. `shared.py` moves these bytes; this module says what they mean.
+
+Anything read from Redis is untrusted input: whoever can write there (or one buggy
+replica) must not be able to take a replica down. So a publication is parsed into bounded
+values here, at the seam, or refused whole with `Refused` and a short reason that the
+caller counts: over `MAX_ENTRY_BYTES`; not the shape we write; a number that is not finite,
+negative or beyond what any fleet holds. Instances the reader does not know are skipped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,39 +50,93 @@ def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> byte
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode(data: bytes | str) -> PeerEntry:
-    """Another process's publication; ValueError if it is malformed."""
+# A publication is a few dozen bytes per instance; a thousand instances fit many times.
+MAX_ENTRY_BYTES = 256 * 1024
+# Bounds no honest process reaches: requests and tokens per instance, queue and budget
+# counts, speeds (tokens/s, seconds a token), and the rates and models listed.
+MAX_COUNT = 1_000_000
+MAX_TOKENS = 10**10
+MAX_RATE = 1e9
+MAX_RATES = 1024
+MAX_MODEL_CHARS = 512
+
+
+class Refused(ValueError):
+    """A publication not taken; `reason` is one word, for a counter's label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def decode(data: bytes | str, known: Collection[str] | None = None) -> PeerEntry:
+    """Another process's publication, bounded; `Refused` (a ValueError) if it cannot be.
+
+    With `known`, only those instances' loads and speeds are kept.
+    """
+    if len(data) > MAX_ENTRY_BYTES:
+        raise Refused("too_large", f"{len(data)} bytes, over {MAX_ENTRY_BYTES}")
     try:
-        return _decode(json.loads(data))
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise ValueError(f"malformed publication: {type(exc).__name__}: {exc}") from None
+        body = json.loads(data)
+    except ValueError as exc:
+        raise Refused("malformed", f"not JSON: {exc}") from None
+    try:
+        return _decode(body, known)
+    except Refused:
+        raise
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+        raise Refused("malformed", f"{type(exc).__name__}: {exc}") from None
 
 
-def _decode(body: dict[str, Any]) -> PeerEntry:
+def _count(value: Any, bound: int = MAX_COUNT) -> int:
+    """A non-negative whole number no larger than `bound` (a JSON float like 3.0 is one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r} is not a number")
+    if not math.isfinite(value) or value < 0 or value > bound or value != int(value):
+        raise Refused("out_of_bounds", f"{value!r} is not a count in 0..{bound}")
+    return int(value)
+
+
+def _real(value: Any, bound: float = MAX_RATE) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r} is not a number")
+    if not math.isfinite(value) or value < 0 or value > bound:
+        raise Refused("out_of_bounds", f"{value!r} is not a value in 0..{bound:g}")
+    return float(value)
+
+
+def _maybe_real(value: Any) -> float | None:
+    return None if value is None else _real(value)
+
+
+def _decode(body: dict[str, Any], known: Collection[str] | None) -> PeerEntry:
+    def ours(items: dict[str, Any]) -> list[tuple[str, Any]]:
+        if not isinstance(items, dict):
+            raise TypeError("not an object")
+        return [(n, v) for n, v in items.items() if known is None or n in known]
+
     # A process from before long prefills (or long answers) were shared publishes two
     # (or three) numbers: what it leaves out counts zero.
     loads = {
-        name: PeerLoad(int(v[0]), int(v[1]), *(int(x) for x in v[2:4]))
-        for name, v in body["loads"].items()
+        name: PeerLoad(_count(v[0]), _count(v[1], MAX_TOKENS), *(_count(x) for x in v[2:4]))
+        for name, v in ours(body["loads"])
     }
     speeds = {
-        name: PeerSpeed(
-            None if v[0] is None else float(v[0]),
-            int(v[1]),
-            None if v[2] is None else float(v[2]),
-            int(v[3]),
-        )
-        for name, v in body["speeds"].items()
+        name: PeerSpeed(_maybe_real(v[0]), _count(v[1]), _maybe_real(v[2]), _count(v[3]))
+        for name, v in ours(body["speeds"])
     }
-    queued = {Lane(lane): int(n) for lane, n in body["queued"].items()}
-    rates: dict[tuple[Lane, str | None], float] = {
-        (Lane(lane), None if model is None else str(model)): float(rate)
-        for lane, model, rate in body.get("rates", ())
-    }
-    requests, retries = (int(n) for n in body["budget"])
-    return PeerEntry(
-        LocalShare(loads, speeds, queued, rates), requests, retries, int(body.get("seq", 0))
-    )
+    queued = {Lane(lane): _count(n) for lane, n in body["queued"].items()}
+    listed = body.get("rates", ())
+    if len(listed) > MAX_RATES:
+        raise Refused("out_of_bounds", f"{len(listed)} rates, over {MAX_RATES}")
+    rates: dict[tuple[Lane, str | None], float] = {}
+    for lane, model, rate in listed:
+        if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
+            raise Refused("out_of_bounds", "a model name that is not one")
+        rates[(Lane(lane), model)] = _real(rate)
+    requests, retries = (_count(n) for n in body["budget"])
+    seq = _count(body.get("seq", 0), 2**62)
+    return PeerEntry(LocalShare(loads, speeds, queued, rates), requests, retries, seq)
 
 
 def newest(old: PeerEntry | None, new: PeerEntry) -> PeerEntry:
@@ -112,8 +173,8 @@ def parse_push(data: bytes | str) -> tuple[str, bytes, Placements, Placements]:
     """(process id, publication, placements, settled) of a push; ValueError if malformed."""
     raw = data.encode() if isinstance(data, str) else data
     process, sep, rest = raw.partition(b" ")
-    if not sep or not process:
-        raise ValueError("malformed push: no process id")
+    if not sep or not process or len(process) > 256:
+        raise Refused("malformed", "a push without a process id")
     payload, _, rest = rest.partition(b"\n")
     placed, _, settled = rest.partition(b"\n")
     return (
@@ -124,12 +185,17 @@ def parse_push(data: bytes | str) -> tuple[str, bytes, Placements, Placements]:
     )
 
 
+MAX_PLACEMENT_BYTES = 4 * 1024 * 1024  # a round's placements: 256 prompts of long documents
+
+
 def parse_placements(data: bytes | str) -> Placements:
-    """Placements as published (JSON pairs); ValueError if they are malformed."""
+    """Placements as published (JSON pairs); `Refused` if they are malformed or too large."""
+    if len(data) > MAX_PLACEMENT_BYTES:
+        raise Refused("too_large", f"placements of {len(data)} bytes")
     try:
         return [(str(name), [int(b) for b in blocks]) for name, blocks in json.loads(data)]
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"malformed placements: {exc}") from None
+        raise Refused("malformed", f"placements: {exc}") from None
 
 
 def combine(entries: list[PeerEntry]) -> SharedView:

@@ -12,6 +12,7 @@ from gateway.dispatch import (
     InstanceSpec,
     Lane,
     Limits,
+    LoadReport,
     Outcome,
     PeerLoad,
     PeerSpeed,
@@ -226,3 +227,17 @@ def test_the_retry_budget_counts_the_peers_retries() -> None:
     assert budget.try_spend(0.0)  # 20 of 200 allowed: the 20th is ours
     assert not budget.try_spend(0.0)
     assert budget.own_totals(0.0) == (100, 1)
+
+
+def test_a_peers_claim_fills_an_instance_at_most_and_not_past_what_it_reports() -> None:
+    """A claim of 500 on a card of 4 slots and 2 queued places counts 6 at most; with the
+    card's fresh metrics saying it is idle, 4 (one batch of slack): ours still fit there."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=4), max_queue_per_instance=2)
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=500)}, peers=1), 0.0, rng)
+    assert sched.state("a").peers.inflight == 6
+    assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng), Queued)
+    sched.report_load("a", LoadReport(running=0, waiting=0, kv_usage=0.0, at=1.0))
+    sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=500)}, peers=1), 1.0, rng)
+    assert sched.state("a").peers.inflight == 4
+    assert isinstance(sched.submit(Ticket(2, Lane.SHORT, FAR), 1.0, rng), Assigned)
