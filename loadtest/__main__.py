@@ -14,12 +14,12 @@ from loadtest import (
     cli_args,
     compare,
     harness,
-    lanes_bench,
     overhead,
     overload_bench,
     prefix_bench,
     scenarios,
 )
+from loadtest.lanes import bench as lanes_bench
 from loadtest.loadgen import Mix
 from loadtest.workloads import ConversationMix, PrefixMix
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loadtest import lanes_bench, prefix_bench
+from loadtest import prefix_bench
 from loadtest.helpfmt import HelpFormatter
+from loadtest.lanes import bench as lanes_bench
 from loadtest.loadgen import SEED_MIX
 from loadtest.workloads import ConversationMix, PrefixMix
 

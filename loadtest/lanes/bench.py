@@ -27,12 +27,12 @@ oldest first across the lanes). The baselines a user would pick instead, `nginx`
 (least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
 skipped with a line where they are not installed. Any setup may be named again with
 `#N` (`nginx#2`): the same front once more, on the same requests, for the A/A spread
-that `lanes_targets` prints (how far one front lands from itself in one sitting).
+that `targets` prints (how far one front lands from itself in one sitting).
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
 tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
 Where a baseline ran, each gateway setup is judged against issue 10's targets beside it
-(`lanes_targets.py`, which also reads saved reports).
+(`targets.py`, which also reads saved reports).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import capacity, compare, harness, lanes_targets, report
+from loadtest import capacity, compare, harness, report
+from loadtest.lanes import targets
 from loadtest.loadgen import (
     SEED_MIX,
     Client,
@@ -100,8 +101,8 @@ FLAGS = frozenset({"shared", "queue_all", "cap1", "running3", "running4", *DECOD
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
     """`strategy[:flag+flag][@ref][#N]` as (strategy, flags, ref or None); unknown flags
-    raise. `#N` marks a repeat (`lanes_targets.front`) and changes nothing of the setup."""
-    name, _, ref = lanes_targets.front(setup).partition("@")
+    raise. `#N` marks a repeat (`targets.front`) and changes nothing of the setup."""
+    name, _, ref = targets.front(setup).partition("@")
     strategy, _, variant = name.partition(":")
     flags = set(variant.split("+")) if variant else set()
     if flags - FLAGS:
@@ -253,7 +254,7 @@ async def _baseline_run(
             )
         )
         url = await stack.enter_async_context(
-            fronts.front(lanes_targets.front(setup), fleet.urls, core=gw_core, seed=common.seed)
+            fronts.front(targets.front(setup), fleet.urls, core=gw_core, seed=common.seed)
         )
         route: Route = lambda spec, worker: url + "/v1"  # noqa: E731
         http = await stack.enter_async_context(session())
@@ -267,7 +268,7 @@ async def _one(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> report.Summary | None:
     fronts = _baselines()
-    if (base := lanes_targets.front(setup)) in lanes_targets.BASELINES:
+    if (base := targets.front(setup)) in targets.BASELINES:
         why = "loadtest/baselines.py is not in this tree" if fronts is None else None
         why = why or fronts.missing(base)
         if why:
@@ -321,10 +322,10 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
                 loads[f"{load:g}"] = runs
                 write_json(common, opts.name, body)  # what is done so far survives a stop
         say(table(runs))
-        for name, verdicts in lanes_targets.judge_run(runs).items():
-            say(lanes_targets.render(f"{load:g}", name, verdicts, runs[name]))
-        for name, spreads in lanes_targets.spread(runs).items():
-            say(lanes_targets.render_spread(f"{load:g}", name, spreads))
+        for name, verdicts in targets.judge_run(runs).items():
+            say(targets.render(f"{load:g}", name, verdicts, runs[name]))
+        for name, spreads in targets.spread(runs).items():
+            say(targets.render_spread(f"{load:g}", name, spreads))
     say(f"wrote {write_json(common, opts.name, body)}")
     if plot_path(common, f"{opts.name}.png"):
         plot_cdf(loads, common.out / f"{opts.name}.png", opts)

@@ -1,10 +1,10 @@
 """Issue 10's targets pooled over sittings: how one setup stands against the best
 baseline beside it, sitting after sitting, rather than in one.
 
-    python -m loadtest.lanes_pool results/lanes/round*.json \
+    python -m loadtest.lanes.pool results/lanes/round*.json \
         --setup least_time:shared+cap1+queue_all --commit 71dfb1b --commit 41a1591
 
-Each sitting is judged as `lanes_targets` judges it, against its own baselines. Per load
+Each sitting is judged as `targets` judges it, against its own baselines. Per load
 and target this prints in how many sittings the target was met, and the margin: the
 bound over ours for a figure where lower is better, ours over the bound where higher
 is, so above 1 is met. The margins are summed up as their geometric mean with an
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.lanes_targets import TARGETS, Verdict, judge_run
+from loadtest.lanes.targets import TARGETS, Verdict, judge_run
 from loadtest.report import table
 
 
@@ -128,7 +128,7 @@ def render(pooled: Sequence[Pooled]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.lanes_pool", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lanes.pool", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", required=True, help="the setup to pool, without @ref")

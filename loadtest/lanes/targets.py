@@ -1,8 +1,8 @@
 """Issue 10's targets, judged inside one `lanes` run: each gateway setup against the best
 baseline that ran beside it on the same requests.
 
-    python -m loadtest.lanes_targets results/lanes/lanes-6e72517.json [more.json ...]
-    python -m loadtest.lanes_targets FILE --setup least_time:shared+cap1+running4
+    python -m loadtest.lanes.targets results/lanes/lanes-6e72517.json [more.json ...]
+    python -m loadtest.lanes.targets FILE --setup least_time:shared+cap1+running4
 
 The targets (issue 10, "Targets"), per load:
 - short p50 TTFT and short p50 end-to-end no higher than the best baseline's;
@@ -205,7 +205,7 @@ def report_file(path: Path, setup: str | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.lanes_targets", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lanes.targets", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", help="judge only this setup (default: every gateway setup)")

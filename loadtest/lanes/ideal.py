@@ -1,6 +1,6 @@
 """The long prompts' TTFT on an ideal fleet: how low a front could bring it (issue 10).
 
-    python -m loadtest.lanes_ideal --seeds 1,2,3,4 --loads 0.75,1 [REPORT.json ...]
+    python -m loadtest.lanes.ideal --seeds 1,2,3,4 --loads 0.75,1 [REPORT.json ...]
 
 For a `lanes` workload (the same requests `lanes` sends at a seed and load), the fleet
 is taken at its best: every card busy whenever there is work, every step's decode batch
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import compare, lanes_bench, lanes_targets, report
+from loadtest import compare, report
+from loadtest.lanes import bench, targets
 from loadtest.loadgen import Mix, RequestSpec
 
 
@@ -76,12 +77,10 @@ def ideal(specs: Sequence[RequestSpec], speeds: Sequence[float], sim: SimConfig)
     return Ideal(sorted(ttfts), share)
 
 
-def workload_ideal(
-    seed: int, load: float, duration: float, opts: lanes_bench.LanesOptions
-) -> Ideal:
+def workload_ideal(seed: int, load: float, duration: float, opts: bench.LanesOptions) -> Ideal:
     """The ideal fleet on the requests `lanes` sends at `seed` and `load` (of the estimate)."""
     opts = dataclasses.replace(opts, duration=duration)
-    specs = lanes_bench.workload(opts, load * lanes_bench.estimate(opts), seed)
+    specs = bench.workload(opts, load * bench.estimate(opts), seed)
     return ideal(specs, opts.speeds, SimConfig(max_num_seqs=opts.max_num_seqs))
 
 
@@ -99,7 +98,7 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
         for load, runs in body.get("loads", {}).items():
             baselines = [
                 p99
-                for run in lanes_targets.baselines_of(runs)
+                for run in targets.baselines_of(runs)
                 if (p99 := run.get("long_ttft_s", {}).get("p99"))
             ]
             if not baselines:
@@ -107,7 +106,7 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
             ours = {
                 name: run["long_ttft_s"]["p99"]
                 for name, run in runs.items()
-                if lanes_targets.front(name) not in lanes_targets.BASELINES
+                if targets.front(name) not in targets.BASELINES
                 and run.get("long_ttft_s", {}).get("p99")
             }
             out.append(
@@ -124,22 +123,22 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _options(saved: dict[str, Any]) -> lanes_bench.LanesOptions:
+def _options(saved: dict[str, Any]) -> bench.LanesOptions:
     """The fleet and mix a report's sitting ran (as `lanes` wrote its options)."""
     mix = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["mix"].items()}
-    return lanes_bench.LanesOptions(
+    return bench.LanesOptions(
         speeds=tuple(saved["speeds"]), max_num_seqs=saved["max_num_seqs"], mix=Mix(**mix)
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.lanes_ideal", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.lanes.ideal", description=__doc__)
     parser.add_argument("reports", nargs="*", type=Path, help="lanes reports (JSON) to compare")
     parser.add_argument("--seeds", default="1,2,3,4")
     parser.add_argument("--loads", default="0.75,1")
     parser.add_argument("--duration", type=float, default=90.0)
     args = parser.parse_args(argv)
-    opts = lanes_bench.LanesOptions()
+    opts = bench.LanesOptions()
     print("seed  load  rest share  long p50 / p99 TTFT on the ideal fleet, ms")
     for seed in (int(s) for s in args.seeds.split(",")):
         for load in (float(x) for x in args.loads.split(",")):
