@@ -201,7 +201,12 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         "lanes", help="issue 10's mix: short prompts kept out of long prefills", **fmt
     )
     defaults = lanes_bench.LanesOptions()
-    p.add_argument("--setups", type=_names, default=defaults.setups, help="strategy[:shared],...")
+    p.add_argument(
+        "--setups",
+        type=_names,
+        default=defaults.setups,
+        help="strategy[:flag+flag][@ref][#N],... (see loadtest/lanes/bench.py)",
+    )
     p.add_argument("--speeds", type=_floats, default=defaults.speeds)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)

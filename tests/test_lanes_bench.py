@@ -10,20 +10,13 @@ from loadtest.loadgen import Result
 
 
 def test_setup_flags_become_dispatch_settings() -> None:
-    """`queue_all` lifts the queue wait past any run; `over_objective` picks the decode
-    rule; `shared` turns the split off and `cap1` allows one long prefill per instance;
-    no flag leaves the gateway's defaults (the split on in this bench)."""
+    """`queue_all` lifts the queue wait past any run; `cap1` allows one long prefill per
+    instance; `cardqN` sets the cards' queue; no flag leaves the gateway's defaults."""
     assert bench._dispatch(set()) == {}
-    assert bench._prefill(set()) == {"lane_split": True}
-    assert bench._prefill({"shared", "cap1"}) == {
-        "lane_split": False,
-        "max_long_per_instance": 1,
-    }
+    assert bench._prefill(set()) == {}
+    assert bench._prefill({"cap1", "queue_all"}) == {"max_long_per_instance": 1}
     assert bench._dispatch({"queue_all"}) == {"max_queue_wait": bench.QUEUE_ALL}
-    assert bench._dispatch({"over_objective", "queue_all", "shared"}) == {
-        "least_time_decode": "over_objective",
-        "max_queue_wait": bench.QUEUE_ALL,
-    }
+    assert bench._dispatch({"cap1", "queue_all"}) == {"max_queue_wait": bench.QUEUE_ALL}
     assert bench._dispatch({"cardq0"}) == {"max_queue_per_instance": 0}
     assert bench._dispatch({"cardq4", "queue_all"}) == {
         "max_queue_per_instance": 4,
@@ -34,9 +27,9 @@ def test_setup_flags_become_dispatch_settings() -> None:
 def test_a_setup_names_its_strategy_flags_and_ref() -> None:
     """`strategy:flag+flag@ref` splits into its parts; a bare name has no flag and no ref;
     an unknown flag is an error naming it."""
-    assert bench.parse_setup("least_busy:shared+cap1@ae9739e") == (
+    assert bench.parse_setup("least_busy:queue_all+cap1@ae9739e") == (
         "least_busy",
-        {"shared", "cap1"},
+        {"queue_all", "cap1"},
         "ae9739e",
     )
     assert bench.parse_setup("least_time") == ("least_time", set(), None)
@@ -45,9 +38,9 @@ def test_a_setup_names_its_strategy_flags_and_ref() -> None:
 
 
 def test_a_repeated_gateway_setup_is_the_same_setup() -> None:
-    assert bench.parse_setup("least_time:shared+cap1@abc#2") == (
+    assert bench.parse_setup("least_time:queue_all+cap1@abc#2") == (
         "least_time",
-        {"shared", "cap1"},
+        {"queue_all", "cap1"},
         "abc",
     )
     assert targets.front("nginx#2") == "nginx"

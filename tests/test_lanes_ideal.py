@@ -81,7 +81,7 @@ def _write(path: Path, body: Any) -> Path:
 
 def test_sittings_bound_is_half_the_best_baseline(tmp_path: Path) -> None:
     runs = {
-        "least_time:shared+cap1": _run(3.0),
+        "least_time:cap1": _run(3.0),
         "nginx": _run(7.0),
         "vllm-router": _run(6.0),
         "nginx#2": _run(4.0),  # a repeat: not a baseline
@@ -99,7 +99,7 @@ def test_sittings_bound_is_half_the_best_baseline(tmp_path: Path) -> None:
     assert row["report"] == "a.json"
     assert (row["seed"], row["load"], row["duration"]) == (3, 1.0, 90.0)
     assert row["bound"] == pytest.approx(3.0)
-    assert row["ours"] == {"least_time:shared+cap1": 3.0}
+    assert row["ours"] == {"least_time:cap1": 3.0}
     assert row["opts"].speeds == (1.0, 0.5)  # the sitting's own fleet and mix
     assert row["opts"].mix == bench.LanesOptions().mix
 

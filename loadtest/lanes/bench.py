@@ -8,26 +8,21 @@ capacity: `compare.capacity`'s estimate, or with `--capacity measured` what the 
 serves with every card kept full straight to it (`capacity.py`). Every setup gets a fresh
 fleet (and gateway) and exactly the same requests.
 
-Setups: a strategy name (`least_busy`, `least_time`) runs the gateway as configured by
-default, with the split between the lanes; `@ref` at the end runs the gateway as
-committed at that git ref (a change beside its parent in one run: `least_busy@HEAD~1`);
-flags after a colon, joined by `+`, change the settings: `shared` sets
-`lane_split = false`, every instance serving both lanes and long prefills capped by
-`max_long_per_instance` (the gateway before the split);
-`over_objective` sets `least_time_decode = "over_objective"` (least_time before it
-counted every output token), e.g. `least_time:shared+over_objective`, and `full` sets
-`least_time_decode = "full"` (every output token at the card's TPOT counts); `queue_all`
-sets `max_queue_wait` to `QUEUE_ALL` seconds, so admission refuses nothing and every request
-is served, late if need be, as the baselines do (like with like for tokens/s, and a p99
-over every request rather than over the ones admitted); `cap1` sets
-`max_long_per_instance = 1`; `running3` and `running4` set
-`max_long_running_per_instance`; `cardq0` and `cardq4` set `max_queue_per_instance`
-(requests a card holds waiting beyond its running slots; the rest wait in the gateway,
-oldest first across the lanes). The baselines a user would pick instead, `nginx`
-(least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
-skipped with a line where they are not installed. Any setup may be named again with
-`#N` (`nginx#2`): the same front once more, on the same requests, for the A/A spread
-that `targets` prints (how far one front lands from itself in one sitting).
+Setups: a strategy name (`least_busy`, `least_time`, `round_robin`) runs the gateway as
+configured by default; `@ref` at the end runs the gateway as committed at that git ref (a
+change beside its parent in one run: `least_busy@HEAD~1`); flags after a colon, joined by
+`+`, change the settings (e.g. `least_time:cap1+queue_all@HEAD~1`): `cap1` sets
+`max_long_per_instance = 1`; `queue_all` sets `max_queue_wait` to `QUEUE_ALL` seconds, so
+admission refuses nothing and every request is served, late if need be, as the baselines
+do (like with like for tokens/s, and a p99 over every request rather than over the ones
+admitted); `cardq0` and `cardq4` set `max_queue_per_instance` (requests a card holds
+waiting beyond its running slots; the rest wait in the gateway, oldest first across the
+lanes). The fronts a user would pick instead, `nginx` (least_conn), `vllm-router`
+(cache_aware) and `sticky` (our copy of the routers' rule), come from
+`loadtest/baselines.py` and are skipped with a line where they are not installed. Any
+setup may be named again with `#N` (`nginx#2`): the same front once more, on the same
+requests, for the A/A spread that `targets` prints (how far one front lands from itself
+in one sitting).
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
 tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
@@ -76,12 +71,7 @@ QUEUE_ALL = 600.0  # s: longer than any run, so no request is refused for its wa
 
 @dataclass(frozen=True)
 class LanesOptions:
-    setups: tuple[str, ...] = (
-        "least_busy:shared",
-        "least_busy",
-        "least_time:shared+over_objective",
-        "least_time",
-    )
+    setups: tuple[str, ...] = ("least_busy", "least_time")
     speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.4)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 8192
@@ -94,9 +84,8 @@ class LanesOptions:
     capacity: str = "estimate"
 
 
-DECODES = frozenset({"over_objective", "full"})  # flag = its least_time_decode
 CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
-FLAGS = frozenset({"shared", "queue_all", "cap1", "running3", "running4", *DECODES, *CARD_QUEUES})
+FLAGS = frozenset({"queue_all", "cap1", *CARD_QUEUES})
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
@@ -151,20 +140,12 @@ async def _gateway_run(
 
 def _prefill(flags: set[str]) -> dict[str, Any]:
     """The `[prefill]` settings a setup's flags ask for."""
-    out: dict[str, Any] = {"lane_split": "shared" not in flags}
-    if "cap1" in flags:
-        out["max_long_per_instance"] = 1
-    for bound in (3, 4):
-        if f"running{bound}" in flags:
-            out["max_long_running_per_instance"] = bound
-    return out
+    return {"max_long_per_instance": 1} if "cap1" in flags else {}
 
 
 def _dispatch(flags: set[str]) -> dict[str, Any]:
     """The `[dispatch]` settings a setup's flags ask for."""
     out: dict[str, Any] = {}
-    for decode in DECODES & flags:
-        out["least_time_decode"] = decode
     if "queue_all" in flags:
         out["max_queue_wait"] = QUEUE_ALL
     for flag, depth in CARD_QUEUES.items():

@@ -1,8 +1,8 @@
 """Issue 10's targets pooled over sittings: how one setup stands against the best
 baseline beside it, sitting after sitting, rather than in one.
 
-    python -m loadtest.lanes.pool results/lanes/round*.json \
-        --setup least_time:shared+cap1+queue_all --commit 71dfb1b --commit 41a1591
+    python -m loadtest.lanes.pool results/lanes/*.json \
+        --setup least_time:cap1+queue_all --commit COMMIT [--commit COMMIT ...]
 
 Each sitting is judged as `targets` judges it, against its own baselines. Per load
 and target this prints in how many sittings the target was met, and the margin: the
@@ -64,10 +64,10 @@ def margin(verdict: Verdict, higher_is_better: bool) -> float:
 def ran(name: str, report_commit: str) -> tuple[str, str]:
     """A setup's name as (the setup without `@ref`, the commit it ran).
 
-    >>> ran("least_time:shared@41a1591", "c677319")
-    ('least_time:shared', '41a1591')
-    >>> ran("least_time:shared", "c677319")
-    ('least_time:shared', 'c677319')
+    >>> ran("least_time:cap1@41a1591", "c677319")
+    ('least_time:cap1', '41a1591')
+    >>> ran("least_time:cap1", "c677319")
+    ('least_time:cap1', 'c677319')
     """
     setup, _, ref = name.partition("@")
     return setup, ref or report_commit

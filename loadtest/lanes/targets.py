@@ -2,7 +2,7 @@
 baseline that ran beside it on the same requests.
 
     python -m loadtest.lanes.targets results/lanes/lanes-6e72517.json [more.json ...]
-    python -m loadtest.lanes.targets FILE --setup least_time:shared+cap1+running4
+    python -m loadtest.lanes.targets FILE --setup least_time:cap1+queue_all
 
 The targets (issue 10, "Targets"), per load:
 - short p50 TTFT and short p50 end-to-end no higher than the best baseline's;

@@ -15,15 +15,15 @@ TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_
 
 
 async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """lanes measures the fleet's capacity, then runs the shared gateway queueing all,
-    least_time with a flag, and an unknown setup (skipped), per class, at a share of it."""
+    """lanes measures the fleet's capacity, then runs least_busy queueing all, least_time
+    with a flag and again, and an unknown setup (skipped), per class, at a share of it."""
     monkeypatch.setattr(capacity, "WARM", 1.0)
     monkeypatch.setattr(capacity, "WINDOW", 3.0)
     opts = bench.LanesOptions(
         setups=(
-            "least_busy:shared+queue_all",
-            "least_time:over_objective",
-            "least_time:over_objective#2",
+            "least_busy:queue_all",
+            "least_time:cap1",
+            "least_time:cap1#2",
             "nginx_nowhere",
         ),
         speeds=(1.0, 0.4),
@@ -46,9 +46,9 @@ async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     )
     runs = body["loads"]["0.4"]
     assert set(runs) == {
-        "least_busy:shared+queue_all",
-        "least_time:over_objective",
-        "least_time:over_objective#2",  # a repeat runs as its own setup
+        "least_busy:queue_all",
+        "least_time:cap1",
+        "least_time:cap1#2",  # a repeat runs as its own setup
     }
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():  # every request is good or missed in exactly one way
