@@ -9,18 +9,19 @@ from loadtest.lanes import bench, targets
 from loadtest.loadgen import Result
 
 
-def test_setup_flags_become_dispatch_settings() -> None:
+def test_setup_flags_become_config_sections() -> None:
     """`queue_all` lifts the queue wait past any run; `cap1` allows one long prefill per
-    instance; `cardqN` sets the cards' queue; no flag leaves the gateway's defaults."""
-    assert bench._dispatch(set()) == {}
-    assert bench._prefill(set()) == {}
-    assert bench._prefill({"cap1", "queue_all"}) == {"max_long_per_instance": 1}
-    assert bench._dispatch({"queue_all"}) == {"max_queue_wait": bench.QUEUE_ALL}
-    assert bench._dispatch({"cap1", "queue_all"}) == {"max_queue_wait": bench.QUEUE_ALL}
-    assert bench._dispatch({"cardq0"}) == {"max_queue_per_instance": 0}
-    assert bench._dispatch({"cardq4", "queue_all"}) == {
-        "max_queue_per_instance": 4,
-        "max_queue_wait": bench.QUEUE_ALL,
+    instance; `cardqN` sets the cards' queue; flags of one section merge; no flag leaves
+    the gateway's defaults."""
+    assert bench.settings(set()) == {}
+    assert bench.settings({"cap1"}) == {"prefill": {"max_long_per_instance": 1}}
+    assert bench.settings({"cap1", "queue_all"}) == {
+        "prefill": {"max_long_per_instance": 1},
+        "dispatch": {"max_queue_wait": bench.QUEUE_ALL},
+    }
+    assert bench.settings({"cardq0"}) == {"dispatch": {"max_queue_per_instance": 0}}
+    assert bench.settings({"cardq4", "queue_all"}) == {
+        "dispatch": {"max_queue_per_instance": 4, "max_queue_wait": bench.QUEUE_ALL},
     }
 
 
@@ -33,7 +34,7 @@ def test_a_setup_names_its_strategy_flags_and_ref() -> None:
         "ae9739e",
     )
     assert bench.parse_setup("least_time") == ("least_time", set(), None)
-    with pytest.raises(ValueError, match="'bogus'"):
+    with pytest.raises(ValueError, match=r"\['bogus'\] in 'least_time:bogus' \(known: cap1,"):
         bench.parse_setup("least_time:bogus")
 
 

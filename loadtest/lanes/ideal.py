@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import compare, report
+from loadtest import baselines, compare, report
 from loadtest.lanes import bench, targets
 from loadtest.loadgen import Mix, RequestSpec
 
@@ -96,17 +96,17 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
         if body.get("options", {}).get("capacity", "estimate") != "estimate":
             continue
         for load, runs in body.get("loads", {}).items():
-            baselines = [
+            theirs = [
                 p99
                 for run in targets.baselines_of(runs)
                 if (p99 := run.get("long_ttft_s", {}).get("p99"))
             ]
-            if not baselines:
+            if not theirs:
                 continue
             ours = {
                 name: run["long_ttft_s"]["p99"]
                 for name, run in runs.items()
-                if targets.front(name) not in targets.BASELINES
+                if targets.front(name) not in baselines.BASELINES
                 and run.get("long_ttft_s", {}).get("p99")
             }
             out.append(
@@ -115,7 +115,7 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
                     "seed": body["common"]["seed"],
                     "load": float(load),
                     "duration": body["options"]["duration"],
-                    "bound": 0.5 * min(baselines),
+                    "bound": 0.5 * min(theirs),
                     "ours": ours,
                     "opts": _options(body["options"]),
                 }

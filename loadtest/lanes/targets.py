@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.baselines import BASELINES
 from loadtest.report import Summary, table
 
-BASELINES = ("nginx", "vllm-router", "sticky")  # the fronts of loadtest/baselines.py
 TAIL = 0.5  # the p99 TTFT target: at most half the best baseline's
 
 

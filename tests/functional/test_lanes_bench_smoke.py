@@ -14,16 +14,19 @@ from loadtest.loadgen import Mix
 TINY = Mix(long_share=0.5, short_tokens=(20, 20), long_tokens=(4400, 4400), max_tokens=(3, 3))
 
 
-async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """lanes measures the fleet's capacity, then runs least_busy queueing all, least_time
-    with a flag and again, and an unknown setup (skipped), per class, at a share of it."""
+async def test_lanes_smoke(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lanes measures the fleet's capacity, then runs least_time with flags, the sticky
+    baseline that judges it, sticky again (its A/A spread) and an unknown setup (skipped),
+    per class, at a share of it."""
     monkeypatch.setattr(capacity, "WARM", 1.0)
     monkeypatch.setattr(capacity, "WINDOW", 3.0)
     opts = bench.LanesOptions(
         setups=(
-            "least_busy:queue_all",
-            "least_time:cap1",
-            "least_time:cap1#2",
+            "least_time:cap1+queue_all",
+            "sticky",
+            "sticky#2",
             "nginx_nowhere",
         ),
         speeds=(1.0, 0.4),
@@ -46,9 +49,9 @@ async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     )
     runs = body["loads"]["0.4"]
     assert set(runs) == {
-        "least_busy:queue_all",
-        "least_time:cap1",
-        "least_time:cap1#2",  # a repeat runs as its own setup
+        "least_time:cap1+queue_all",
+        "sticky",
+        "sticky#2",  # a repeat runs as its own setup
     }
     assert len({s["requests"] for s in runs.values()}) == 1  # the same requests for each
     for summary in runs.values():  # every request is good or missed in exactly one way
@@ -66,5 +69,9 @@ async def test_lanes_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         # The last answer ends the run's span (the span is measured after it).
         assert ends[-1] <= summary["duration_s"]
         assert all(a["end_s"] == pytest.approx(a["sent_s"] + a["latency_s"]) for a in last)
+    out = capsys.readouterr().out
+    assert "nginx_nowhere: skipped (no such setup here)" in out
+    assert "least_time:cap1+queue_all at 40% of capacity: " in out  # judged against sticky
+    assert "sticky#2 at 40% of capacity: A/A spread against sticky" in out
     assert json.loads((tmp_path / "lanes.json").read_text())["loads"]
     assert (tmp_path / "lanes.png").exists() == report.can_plot()
