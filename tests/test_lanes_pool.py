@@ -11,8 +11,6 @@ import pytest
 
 from loadtest.lanes import pool
 
-RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results" / "lanes"
-
 
 def _summary(tokens: float, e2e: float = 1.0) -> dict[str, Any]:
     return {
@@ -85,9 +83,13 @@ def test_main_skips_what_is_not_a_lanes_report_and_prints_the_pool(
     assert "2 of 3" in out
 
 
-def test_a_setup_no_report_judged_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_setup_no_report_judged_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "sitting.json"
+    path.write_text(json.dumps(_sittings()[0]))
     with pytest.raises(SystemExit) as exited:
-        pool.main([str(RESULTS / "round9-seed4.json"), "--setup", "least_tme"])
+        pool.main([str(path), "--setup", "least_tme"])
     assert exited.value.code == 2
     assert "no report judged least_tme" in capsys.readouterr().err
 

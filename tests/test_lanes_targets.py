@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,13 @@ def _summary(
         "ok": 420,
         "requests": 422,
     }
+
+
+def _saved(folder: Path, loads: dict[str, dict[str, Any]], name: str = "lanes.json") -> Path:
+    """A `lanes` report as a sitting writes it, at commit abc1234."""
+    path = folder / name
+    path.write_text(json.dumps({"source": {"commit": "abc1234"}, "loads": loads}))
+    return path
 
 
 def _met(verdicts: list[targets.Verdict]) -> dict[str, bool]:
@@ -85,8 +93,9 @@ def test_a_run_without_baselines_judges_nothing() -> None:
 def test_a_saved_report_is_judged_as_the_benchmark_page_says() -> None:
     """`lanes-6e72517-run2.json` (loadtest/README.md, "Round 5", run 2): at 75% every
     target but the median of all requests; at 100% every one."""
-    text = targets.report_file(
-        RESULTS / "lanes-6e72517-run2.json", setup="least_time:shared+cap1+running4"
+    path = RESULTS / "lanes-6e72517-run2.json"
+    text = targets.render_report(
+        path, json.loads(path.read_text()), setup="least_time:shared+cap1+running4"
     )
     at_75, at_100 = text.split("\n\n")[1:]
     assert "6 of 7 targets met" in at_75
@@ -98,12 +107,13 @@ def test_a_saved_report_is_judged_as_the_benchmark_page_says() -> None:
 
 
 def test_an_unknown_setup_is_an_error_not_an_empty_report(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    runs = {"least_time:cap1": _summary(), "least_busy": _summary(), "nginx": _summary()}
     with pytest.raises(SystemExit) as exited:
-        targets.main([str(RESULTS / "lanes-6e72517.json"), "--setup", "least_tme"])
+        targets.main([str(_saved(tmp_path, {"0.75": runs})), "--setup", "least_tme"])
     assert exited.value.code == 2
-    assert "no setup 'least_tme' (there: least_time:shared+cap1+running4" in (
+    assert "no setup 'least_tme' (there: least_busy, least_time:cap1, nginx)" in (
         capsys.readouterr().err
     )
 
@@ -113,11 +123,21 @@ def test_sticky_is_a_baseline_not_a_setup_to_judge() -> None:
     assert list(judged) == ["least_time"]
 
 
-def test_main_prints_every_gateway_setup(capsys: pytest.CaptureFixture[str]) -> None:
-    assert targets.main([str(RESULTS / "lanes-6e72517.json")]) == 0
-    out = capsys.readouterr().out
-    assert "gateway at 6e72517" in out
+def test_main_prints_every_gateway_setup_and_skips_what_is_no_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every gateway setup at every load is judged; a load without a baseline says so; a
+    JSON file that is not a `lanes` report is skipped with a line."""
+    runs = {"least_time": _summary(), "least_busy": _summary(), "nginx": _summary()}
+    loads = {"0.75": runs, "1": runs, "1.25": {"least_time": _summary()}}
+    other = tmp_path / "capacity.json"
+    other.write_text(json.dumps([{"seed": 1}]))
+    assert targets.main([str(_saved(tmp_path, loads)), str(other)]) == 0
+    out, err = capsys.readouterr()
+    assert "lanes.json (gateway at abc1234;" in out
     assert out.count("targets met") == 4  # two gateway setups at two loads
+    assert "125%: no baseline ran beside the gateway; nothing judged" in out
+    assert "capacity.json: not a lanes report (no loads), skipped" in err
 
 
 def test_a_repeat_is_neither_judged_nor_a_baseline_but_gives_the_a_a_spread() -> None:

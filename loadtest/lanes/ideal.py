@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,13 +88,10 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
     (half the best baseline's) and every gateway setup's long p99; loads without a
     baseline or measured on a capacity other than the estimate are left out."""
     out = []
-    for path in paths:
-        body = json.loads(path.read_text())
-        if not isinstance(body, dict) or "loads" not in body:  # not a lanes report
-            continue
+    for path, body in targets.read_reports(paths):
         if body.get("options", {}).get("capacity", "estimate") != "estimate":
             continue
-        for load, runs in body.get("loads", {}).items():
+        for load, runs in body["loads"].items():
             theirs = [
                 p99
                 for run in targets.baselines_of(runs)

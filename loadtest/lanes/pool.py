@@ -20,7 +20,6 @@ report names. `--commit` keeps only sittings at those commits: pool commits whos
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.lanes.targets import TARGETS, Verdict, judge_run
+from loadtest.lanes.targets import TARGETS, Verdict, judge_run, read_reports
 from loadtest.report import table
 
 
@@ -136,14 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--commit", action="append", help="only sittings at this commit (again for more)"
     )
     args = parser.parse_args(argv)
-    reports = []
-    for path in args.reports:
-        body = json.loads(path.read_text())
-        if isinstance(body, dict) and isinstance(body.get("loads"), dict):
-            reports.append(body)
-        else:
-            print(f"{path}: not a lanes report (no loads), skipped", file=sys.stderr)
-    pooled = pool(reports, args.setup, args.commit)
+    bodies = [body for _, body in read_reports(args.reports)]
+    pooled = pool(bodies, args.setup, args.commit)
     if not pooled:
         parser.error(f"no report judged {args.setup} (at {args.commit or 'any commit'})")
     print(render(pooled))

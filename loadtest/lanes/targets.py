@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,10 +183,20 @@ def render(load: str, setup: str, verdicts: Sequence[Verdict], summary: Summary)
     return head + "\n" + table(["target", "ours", "best baseline", "bound", ""], rows)
 
 
-def report_file(path: Path, setup: str | None = None) -> str:
-    """The verdicts of every load (and every gateway setup, or only `setup`) in a saved
-    `lanes` JSON report. Raises LookupError for a `setup` the report does not have."""
-    body: dict[str, Any] = json.loads(path.read_text())
+def read_reports(paths: Iterable[Path]) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Each of `paths` that holds a saved `lanes` report, with the report; any other JSON
+    is skipped with a line on stderr."""
+    for path in paths:
+        body = json.loads(path.read_text())
+        if isinstance(body, dict) and isinstance(body.get("loads"), dict):
+            yield path, body
+        else:
+            print(f"{path}: not a lanes report (no loads), skipped", file=sys.stderr)
+
+
+def render_report(path: Path, body: dict[str, Any], setup: str | None = None) -> str:
+    """The verdicts of every load (and every gateway setup, or only `setup`) in the saved
+    report `body`, read from `path`. Raises LookupError for a `setup` it does not have."""
     ref = body.get("source", {}).get("commit") or "?"
     parts = [f"{path} (gateway at {ref}; a setup named with @ref ran that ref)"]
     names = {name for runs in body["loads"].values() for name in runs}
@@ -210,9 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", help="judge only this setup (default: every gateway setup)")
     args = parser.parse_args(argv)
-    for path in args.reports:
+    for path, body in read_reports(args.reports):
         try:
-            print(report_file(path, args.setup), end="\n\n")
+            print(render_report(path, body, args.setup), end="\n\n")
         except LookupError as e:
             parser.error(str(e))
     return 0
