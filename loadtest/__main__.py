@@ -1,5 +1,5 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, prefix, overload, overhead (see
-loadtest/README.md)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead
+(see loadtest/README.md)."""
 
 from __future__ import annotations
 

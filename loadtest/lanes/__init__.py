@@ -6,6 +6,6 @@
 - `pool`: the targets over many sittings (`python -m loadtest.lanes.pool`);
 - `ideal`: the long prompts' TTFT on an ideal fleet (`python -m loadtest.lanes.ideal`).
 
-`targets` imports nothing of the others; `bench` and `pool` judge with it, and `ideal`
-sends `bench`'s requests.
+`targets` imports none of the others and each of them imports it; `ideal` also builds
+`bench`'s requests.
 """

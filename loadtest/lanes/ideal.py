@@ -37,6 +37,7 @@ from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
 from loadtest import baselines, compare, report
+from loadtest.helpfmt import HelpFormatter
 from loadtest.lanes import bench, targets
 from loadtest.loadgen import Mix, RequestSpec
 
@@ -128,11 +129,24 @@ def _options(saved: dict[str, Any]) -> bench.LanesOptions:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.lanes.ideal", description=__doc__)
-    parser.add_argument("reports", nargs="*", type=Path, help="lanes reports (JSON) to compare")
-    parser.add_argument("--seeds", default="1,2,3,4")
-    parser.add_argument("--loads", default="0.75,1")
-    parser.add_argument("--duration", type=float, default=90.0)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.lanes.ideal", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "reports",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="lanes reports (JSON) to compare (default: none)",
+    )
+    parser.add_argument("--seeds", default="1,2,3,4", help="the workloads' seeds, comma-separated")
+    parser.add_argument("--loads", default="0.75,1", help="shares of the capacity estimate")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=90.0,
+        help="seconds of arrivals per seed and load (a report's sittings keep their own)",
+    )
     args = parser.parse_args(argv)
     opts = bench.LanesOptions()
     print("seed  load  rest share  long p50 / p99 TTFT on the ideal fleet, ms")

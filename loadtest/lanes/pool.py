@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.helpfmt import HelpFormatter
 from loadtest.lanes.targets import TARGETS, Verdict, judge_run, read_reports
 from loadtest.report import table
 
@@ -127,12 +128,16 @@ def render(pooled: Sequence[Pooled]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.lanes.pool", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lanes.pool",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", required=True, help="the setup to pool, without @ref")
     parser.add_argument(
-        "--commit", action="append", help="only sittings at this commit (again for more)"
+        "--commit",
+        action="append",
+        help="only sittings at this commit, again for more (default: at any)",
     )
     args = parser.parse_args(argv)
     bodies = [body for _, body in read_reports(args.reports)]

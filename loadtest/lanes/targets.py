@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.baselines import BASELINES
+from loadtest.helpfmt import HelpFormatter
 from loadtest.report import Summary, table
 
 TAIL = 0.5  # the p99 TTFT target: at most half the best baseline's
@@ -215,7 +216,9 @@ def render_report(path: Path, body: dict[str, Any], setup: str | None = None) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.lanes.targets", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lanes.targets",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", help="judge only this setup (default: every gateway setup)")
