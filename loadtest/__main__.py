@@ -1,5 +1,5 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, prefix, overload, overhead (see
-loadtest/README.md)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead
+(see loadtest/README.md)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from loadtest import (
     cli_args,
     compare,
     harness,
-    lanes_bench,
     overhead,
     overload_bench,
     prefix_bench,
     scenarios,
 )
+from loadtest.lanes import bench as lanes_bench
 from loadtest.loadgen import Mix
 from loadtest.workloads import ConversationMix, PrefixMix
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loadtest import lanes_bench, prefix_bench
+from loadtest import prefix_bench
 from loadtest.helpfmt import HelpFormatter
+from loadtest.lanes import bench as lanes_bench
 from loadtest.loadgen import SEED_MIX
 from loadtest.workloads import ConversationMix, PrefixMix
 
@@ -201,11 +202,20 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     )
     defaults = lanes_bench.LanesOptions()
     p.add_argument(
-        "--setups", type=_names, default=defaults.setups, help="strategy[:flag+flag][@ref],..."
+        "--setups",
+        type=_names,
+        default=defaults.setups,
+        help="strategy[:flag+flag][@ref][#N] or a baseline, comma-separated (flags, refs and"
+        " repeats: loadtest/lanes/bench.py)",
     )
-    p.add_argument("--speeds", type=_floats, default=defaults.speeds)
-    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    p.add_argument("--speeds", type=_floats, default=defaults.speeds, help=SPEEDS_HELP)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help=SEQS_HELP)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens each simulated instance batches in one step",
+    )
     p.add_argument("--loads", type=_floats, default=defaults.loads, help="shares of capacity")
     p.add_argument(
         "--capacity",
@@ -217,10 +227,28 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=defaults.duration, help="seconds per load")
     p.add_argument("--name", default=defaults.name, help="report file name")
     g = p.add_argument_group("workload mix (default: the issue's)")
-    g.add_argument("--long-share", type=float, default=SEED_MIX.long_share)
-    g.add_argument("--short-tokens", type=_range, default=SEED_MIX.short_tokens)
-    g.add_argument("--long-tokens", type=_range, default=SEED_MIX.long_tokens)
-    g.add_argument("--max-tokens", type=_range, default=SEED_MIX.max_tokens)
+    g.add_argument("--long-share", type=float, default=SEED_MIX.long_share, help="share above 4096")
+    g.add_argument(
+        "--short-tokens",
+        type=_range,
+        default=SEED_MIX.short_tokens,
+        metavar="LO-HI",
+        help="short prompts",
+    )
+    g.add_argument(
+        "--long-tokens",
+        type=_range,
+        default=SEED_MIX.long_tokens,
+        metavar="LO-HI",
+        help="long prompts",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=_range,
+        default=SEED_MIX.max_tokens,
+        metavar="LO-HI",
+        help="output tokens",
+    )
     _retries(p)
     _common(p)
 

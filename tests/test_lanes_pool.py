@@ -1,4 +1,4 @@
-"""Issue 10's targets pooled over sittings (loadtest/lanes_pool.py)."""
+"""Issue 10's targets pooled over sittings (loadtest/lanes/pool.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 
-from loadtest import lanes_pool
-
-RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results" / "lanes"
+from loadtest.lanes import pool
 
 
 def _summary(tokens: float, e2e: float = 1.0) -> dict[str, Any]:
@@ -42,13 +40,13 @@ def _sittings() -> list[dict[str, Any]]:
     ]
 
 
-def _tokens(pooled: list[lanes_pool.Pooled]) -> lanes_pool.Pooled:
+def _tokens(pooled: list[pool.Pooled]) -> pool.Pooled:
     (tokens,) = [p for p in pooled if p.target == "output tokens/s"]
     return tokens
 
 
 def test_each_sitting_is_judged_against_its_own_baselines_and_pooled_by_commit() -> None:
-    tokens = _tokens(lanes_pool.pool(_sittings(), "least_time", {"aaa"}))
+    tokens = _tokens(pool.pool(_sittings(), "least_time", {"aaa"}))
     assert tokens.margins == pytest.approx((1.02, 0.99, 1.0))
     assert tokens.met == 2
     assert tokens.geometric_mean == pytest.approx((1.02 * 0.99) ** (1 / 3))
@@ -57,13 +55,13 @@ def test_each_sitting_is_judged_against_its_own_baselines_and_pooled_by_commit()
 
 
 def test_without_a_commit_every_sitting_of_the_setup_counts() -> None:
-    tokens = _tokens(lanes_pool.pool(_sittings(), "least_time"))
+    tokens = _tokens(pool.pool(_sittings(), "least_time"))
     assert len(tokens.margins) == 4
     assert min(tokens.margins) == pytest.approx(0.5)
 
 
 def test_a_margin_is_above_one_on_the_good_side_for_either_direction() -> None:
-    pooled = lanes_pool.pool(_sittings()[:1], "least_time")
+    pooled = pool.pool(_sittings()[:1], "least_time")
     by_target = {p.target: p for p in pooled}
     assert by_target["output tokens/s"].margins == pytest.approx((1.02,))
     assert by_target["long p99 TTFT"].margins == pytest.approx((0.5,))  # 2.0 against 0.5 x 2.0
@@ -78,23 +76,27 @@ def test_main_skips_what_is_not_a_lanes_report_and_prints_the_pool(
         path = tmp_path / f"{i}.json"
         path.write_text(json.dumps(body))
         paths.append(str(path))
-    assert lanes_pool.main([*paths, "--setup", "least_time", "--commit", "aaa"]) == 0
+    assert pool.main([*paths, "--setup", "least_time", "--commit", "aaa"]) == 0
     out, err = capsys.readouterr()
     assert "4.json: not a lanes report" in err
     assert "output tokens/s" in out
     assert "2 of 3" in out
 
 
-def test_a_setup_no_report_judged_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_setup_no_report_judged_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "sitting.json"
+    path.write_text(json.dumps(_sittings()[0]))
     with pytest.raises(SystemExit) as exited:
-        lanes_pool.main([str(RESULTS / "round9-seed4.json"), "--setup", "least_tme"])
+        pool.main([str(path), "--setup", "least_tme"])
     assert exited.value.code == 2
     assert "no report judged least_tme" in capsys.readouterr().err
 
 
 def test_a_zero_on_either_side_has_no_margin_and_is_left_out() -> None:
     nothing = _summary(400.0) | {"met_slo": 0}
-    pooled = lanes_pool.pool(
+    pooled = pool.pool(
         [_report("aaa", {"least_time": _summary(400.0), "nginx": nothing})], "least_time"
     )
     assert "goodput (both objectives)" not in {p.target for p in pooled}

@@ -1,13 +1,14 @@
-"""Issue 10's targets judged inside one `lanes` run (loadtest/lanes_targets.py)."""
+"""Issue 10's targets judged inside one `lanes` run (loadtest/lanes/targets.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loadtest import lanes_targets
+from loadtest.lanes import targets
 
 RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results" / "lanes"
 
@@ -32,7 +33,14 @@ def _summary(
     }
 
 
-def _met(verdicts: list[lanes_targets.Verdict]) -> dict[str, bool]:
+def _saved(folder: Path, loads: dict[str, dict[str, Any]], name: str = "lanes.json") -> Path:
+    """A `lanes` report as a sitting writes it, at commit abc1234."""
+    path = folder / name
+    path.write_text(json.dumps({"source": {"commit": "abc1234"}, "loads": loads}))
+    return path
+
+
+def _met(verdicts: list[targets.Verdict]) -> dict[str, bool]:
     return {v.target: v.met for v in verdicts}
 
 
@@ -41,7 +49,7 @@ def test_each_target_is_judged_against_the_best_baseline_for_it() -> None:
     nginx = _summary(short_ttft=(0.03, 2.0), long_p99=2.4, tokens=390.0, met=340)
     router = _summary(short_ttft=(0.06, 1.6), long_p99=3.0, tokens=410.0, met=345)
     ours = _summary(short_ttft=(0.03, 0.7), long_p99=1.3, short_e2e=0.7, e2e=1.02, tokens=405.0)
-    verdicts = {v.target: v for v in lanes_targets.judge(ours, [nginx, router])}
+    verdicts = {v.target: v for v in targets.judge(ours, [nginx, router])}
     assert verdicts["short p50 TTFT"].best == 0.03
     assert verdicts["short p50 TTFT"].met  # equal is no worse
     assert verdicts["short p99 TTFT"].bound == pytest.approx(0.8)  # half of 1.6
@@ -57,36 +65,37 @@ def test_each_target_is_judged_against_the_best_baseline_for_it() -> None:
 
 def test_goodput_must_be_the_highest_and_tokens_only_as_high() -> None:
     base = _summary(tokens=400.0, met=350)
-    verdicts = _met(lanes_targets.judge(_summary(tokens=400.0, met=350), [base]))
+    verdicts = _met(targets.judge(_summary(tokens=400.0, met=350), [base]))
     assert verdicts["output tokens/s"]
     assert not verdicts["goodput (both objectives)"]
     # Between two baselines: beating the worse one is not the highest.
     low, high = _summary(met=340), _summary(met=360)
-    verdicts = _met(lanes_targets.judge(_summary(met=350), [low, high]))
+    verdicts = _met(targets.judge(_summary(met=350), [low, high]))
     assert not verdicts["goodput (both objectives)"]
 
 
 def test_a_percentile_too_few_samples_had_is_not_judged() -> None:
     ours = _summary(short_ttft=(0.05, None))
-    verdicts = lanes_targets.judge(ours, [_summary()])
+    verdicts = targets.judge(ours, [_summary()])
     names = {v.target for v in verdicts}
     assert "short p99 TTFT" not in names
     assert "short p50 TTFT" in names
-    text = lanes_targets.render("0.75", "ours", verdicts, ours)
+    text = targets.render("0.75", "ours", verdicts, ours)
     assert "420 of 422 requests answered (1 targets not judged" in text
 
 
 def test_a_run_without_baselines_judges_nothing() -> None:
-    assert lanes_targets.judge_run({"least_time": _summary(), "least_busy": _summary()}) == {}
-    judged = lanes_targets.judge_run({"least_time": _summary(), "nginx": _summary()})
+    assert targets.judge_run({"least_time": _summary(), "least_busy": _summary()}) == {}
+    judged = targets.judge_run({"least_time": _summary(), "nginx": _summary()})
     assert list(judged) == ["least_time"]
 
 
 def test_a_saved_report_is_judged_as_the_benchmark_page_says() -> None:
     """`lanes-6e72517-run2.json` (loadtest/README.md, "Round 5", run 2): at 75% every
     target but the median of all requests; at 100% every one."""
-    text = lanes_targets.report_file(
-        RESULTS / "lanes-6e72517-run2.json", setup="least_time:shared+cap1+running4"
+    path = RESULTS / "lanes-6e72517-run2.json"
+    text = targets.render_report(
+        path, json.loads(path.read_text()), setup="least_time:shared+cap1+running4"
     )
     at_75, at_100 = text.split("\n\n")[1:]
     assert "6 of 7 targets met" in at_75
@@ -98,26 +107,37 @@ def test_a_saved_report_is_judged_as_the_benchmark_page_says() -> None:
 
 
 def test_an_unknown_setup_is_an_error_not_an_empty_report(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    runs = {"least_time:cap1": _summary(), "least_busy": _summary(), "nginx": _summary()}
     with pytest.raises(SystemExit) as exited:
-        lanes_targets.main([str(RESULTS / "lanes-6e72517.json"), "--setup", "least_tme"])
+        targets.main([str(_saved(tmp_path, {"0.75": runs})), "--setup", "least_tme"])
     assert exited.value.code == 2
-    assert "no setup 'least_tme' (there: least_time:shared+cap1+running4" in (
+    assert "no setup 'least_tme' (there: least_busy, least_time:cap1, nginx)" in (
         capsys.readouterr().err
     )
 
 
 def test_sticky_is_a_baseline_not_a_setup_to_judge() -> None:
-    judged = lanes_targets.judge_run({"least_time": _summary(), "sticky": _summary()})
+    judged = targets.judge_run({"least_time": _summary(), "sticky": _summary()})
     assert list(judged) == ["least_time"]
 
 
-def test_main_prints_every_gateway_setup(capsys: pytest.CaptureFixture[str]) -> None:
-    assert lanes_targets.main([str(RESULTS / "lanes-6e72517.json")]) == 0
-    out = capsys.readouterr().out
-    assert "gateway at 6e72517" in out
+def test_main_prints_every_gateway_setup_and_skips_what_is_no_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every gateway setup at every load is judged; a load without a baseline says so; a
+    JSON file that is not a `lanes` report is skipped with a line."""
+    runs = {"least_time": _summary(), "least_busy": _summary(), "nginx": _summary()}
+    loads = {"0.75": runs, "1": runs, "1.25": {"least_time": _summary()}}
+    other = tmp_path / "capacity.json"
+    other.write_text(json.dumps([{"seed": 1}]))
+    assert targets.main([str(_saved(tmp_path, loads)), str(other)]) == 0
+    out, err = capsys.readouterr()
+    assert "lanes.json (gateway at abc1234;" in out
     assert out.count("targets met") == 4  # two gateway setups at two loads
+    assert "125%: no baseline ran beside the gateway; nothing judged" in out
+    assert "capacity.json: not a lanes report (no loads), skipped" in err
 
 
 def test_a_repeat_is_neither_judged_nor_a_baseline_but_gives_the_a_a_spread() -> None:
@@ -126,20 +146,20 @@ def test_a_repeat_is_neither_judged_nor_a_baseline_but_gives_the_a_a_spread() ->
     nginx = _summary(tokens=400.0, e2e=1.00)
     again = _summary(tokens=404.0, e2e=1.05)
     runs = {"least_time": _summary(tokens=402.0, e2e=1.0), "nginx": nginx, "nginx#2": again}
-    judged = lanes_targets.judge_run(runs)
+    judged = targets.judge_run(runs)
     assert list(judged) == ["least_time"]
     tokens = next(v for v in judged["least_time"] if v.target == "output tokens/s")
     assert tokens.best == 400.0  # not the repeat's 404
     assert tokens.met
-    (spreads,) = lanes_targets.spread(runs).values()
+    (spreads,) = targets.spread(runs).values()
     by_target = {s.target: s for s in spreads}
     assert by_target["output tokens/s"].relative == pytest.approx(0.01)
     assert by_target["p50 end-to-end, all requests"].relative == pytest.approx(0.05)
     assert by_target["short p50 TTFT"].relative == 0.0
-    text = lanes_targets.render_spread("0.75", "nginx#2", spreads)
+    text = targets.render_spread("0.75", "nginx#2", spreads)
     assert text.startswith("nginx#2 at 75% of capacity: A/A spread against nginx")
     assert "5.0%" in text
 
 
 def test_a_repeat_without_its_first_run_has_no_spread() -> None:
-    assert lanes_targets.spread({"nginx#2": _summary(), "least_time": _summary()}) == {}
+    assert targets.spread({"nginx#2": _summary(), "least_time": _summary()}) == {}

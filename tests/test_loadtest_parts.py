@@ -101,12 +101,14 @@ def _help_entries(text: str) -> list[str]:
         ("loadtest.__main__", ["run"]),
         ("loadtest.__main__", ["sweep"]),
         ("loadtest.__main__", ["compare"]),
+        ("loadtest.__main__", ["lanes"]),
         ("loadtest.__main__", ["overhead"]),
         ("loadtest.fleet", []),
         ("gateway.sim.fleet", []),
         ("loadtest.soak", []),
         ("loadtest.replicas", []),
         ("loadtest.affinity_cost", []),
+        ("loadtest.lanes.ideal", []),
     ],
 )
 def test_every_load_tool_flag_has_help_and_shows_its_default(

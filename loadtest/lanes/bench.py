@@ -8,37 +8,38 @@ capacity: `compare.capacity`'s estimate, or with `--capacity measured` what the 
 serves with every card kept full straight to it (`capacity.py`). Every setup gets a fresh
 fleet (and gateway) and exactly the same requests.
 
-Setups: a strategy name (`least_busy`, `least_time`) runs the gateway as configured by
-default; `@ref` at the end runs the gateway as committed at that git ref (a change beside
-its parent in one run: `least_busy@HEAD~1`); flags after a colon, joined by `+`, change
-the settings: `queue_all` sets `max_queue_wait` to `QUEUE_ALL` seconds, so admission
-refuses nothing and every request is served, late if need be, as the baselines do (like
-with like for tokens/s, and a p99 over every request rather than over the ones
-admitted); `cap1` sets `max_long_per_instance = 1`, e.g. `least_time:cap1+queue_all`;
-`cardq0` and `cardq4` set `max_queue_per_instance`
-(requests a card holds waiting beyond its running slots; the rest wait in the gateway,
-oldest first across the lanes). The baselines a user would pick instead, `nginx`
-(least_conn) and `vllm-router` (cache_aware), come from `loadtest/baselines.py` and are
-skipped with a line where they are not installed. Any setup may be named again with
-`#N` (`nginx#2`): the same front once more, on the same requests, for the A/A spread
-that `lanes_targets` prints (how far one front lands from itself in one sitting).
+Setups: a strategy name (`least_busy`, `least_time`, `round_robin`) runs the gateway as
+configured by default; `@ref` at the end runs the gateway as committed at that git ref (a
+change beside its parent in one run: `least_busy@HEAD~1`); flags after a colon, joined by
+`+`, change the settings (e.g. `least_time:cap1+queue_all@HEAD~1`): `cap1` sets
+`max_long_per_instance = 1`; `queue_all` sets `max_queue_wait` to `QUEUE_ALL` seconds, so
+admission refuses nothing and every request is served, late if need be, as the baselines
+do (like with like for tokens/s, and a p99 over every request rather than over the ones
+admitted); `cardq0` and `cardq4` set `max_queue_per_instance` (requests a card holds
+waiting beyond its running slots; the rest wait in the gateway, oldest first across the
+lanes). The fronts a user would pick instead, `nginx` (least_conn), `vllm-router`
+(cache_aware) and `sticky` (our copy of the routers' rule), come from
+`loadtest/baselines.py` and are skipped with a line where they are not installed. Any
+setup may be named again with `#N` (`nginx#2`): the same front once more, on the same
+requests, for the A/A spread that `targets` prints (how far one front lands from itself
+in one sitting).
 
 Reported per prompt class: p50/p99 TTFT; overall and short p50 end-to-end latency, output
 tokens/s and goodput (both objectives met). The PNG has the TTFT CDF per class and setup.
 Where a baseline ran, each gateway setup is judged against issue 10's targets beside it
-(`lanes_targets.py`, which also reads saved reports).
+(`targets.py`, which also reads saved reports).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import capacity, compare, harness, lanes_targets, report
+from loadtest import baselines, capacity, compare, harness, report
+from loadtest.lanes import targets
 from loadtest.loadgen import (
     SEED_MIX,
     Client,
@@ -82,25 +83,43 @@ class LanesOptions:
     capacity: str = "estimate"
 
 
-CARD_QUEUES = {"cardq0": 0, "cardq4": 4}  # flag -> max_queue_per_instance
-FLAGS = frozenset({"queue_all", "cap1", *CARD_QUEUES})
+STRATEGIES = ("least_busy", "least_time", "round_robin")  # the gateway's, as setups
+# A setup's flags: each sets these settings, by section of the gateway's config.
+FLAGS: dict[str, dict[str, dict[str, Any]]] = {
+    "cap1": {"prefill": {"max_long_per_instance": 1}},
+    "queue_all": {"dispatch": {"max_queue_wait": QUEUE_ALL}},
+    "cardq0": {"dispatch": {"max_queue_per_instance": 0}},
+    "cardq4": {"dispatch": {"max_queue_per_instance": 4}},
+}
 
 
 def parse_setup(setup: str) -> tuple[str, set[str], str | None]:
     """`strategy[:flag+flag][@ref][#N]` as (strategy, flags, ref or None); unknown flags
-    raise. `#N` marks a repeat (`lanes_targets.front`) and changes nothing of the setup."""
-    name, _, ref = lanes_targets.front(setup).partition("@")
+    raise. `#N` marks a repeat (`targets.front`) and changes nothing of the setup."""
+    name, _, ref = targets.front(setup).partition("@")
     strategy, _, variant = name.partition(":")
     flags = set(variant.split("+")) if variant else set()
-    if flags - FLAGS:
-        raise ValueError(f"unknown setup flags {sorted(flags - FLAGS)} in {setup!r}")
+    if unknown := flags - FLAGS.keys():
+        raise ValueError(
+            f"unknown setup flags {sorted(unknown)} in {setup!r} (known: {', '.join(FLAGS)})"
+        )
     return strategy, flags, ref or None
 
 
-async def _gateway_run(
+def settings(flags: set[str]) -> dict[str, dict[str, Any]]:
+    """The config sections a setup's flags set, each section's settings merged."""
+    out: dict[str, dict[str, Any]] = {}
+    for flag in sorted(flags):
+        for section, values in FLAGS[flag].items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+async def _sitting(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> tuple[Run, dict[str, str]]:
-    """One fresh fleet behind a fresh gateway running `setup`; the run and the fleet's names."""
+    """One fresh fleet behind a fresh front running `setup` (a baseline, or the gateway
+    as its flags and ref say): the run and the fleet's names."""
     strategy, flags, ref = parse_setup(setup)
     gw_core, fleet_core = cores(common)
     async with contextlib.AsyncExitStack() as stack:
@@ -116,40 +135,30 @@ async def _gateway_run(
                 max_num_batched_tokens=opts.max_num_batched_tokens,
             )
         )
-        gw = await stack.enter_async_context(
-            harness.gateway_process(
-                fleet.urls,
-                strategy=strategy,
-                max_num_seqs=opts.max_num_seqs,
-                core=gw_core,
-                source=source or common.gateway_dir,
-                slo=slo_block(common),
-                extra={"prefill": _prefill(flags)},
-                dispatch=_dispatch(flags),
+        if strategy in baselines.BASELINES:  # pinned where the gateway would be
+            front = baselines.front(strategy, fleet.urls, core=gw_core, seed=common.seed)
+            url = await stack.enter_async_context(front) + "/v1"
+        else:
+            sections = settings(flags)
+            gw = await stack.enter_async_context(
+                harness.gateway_process(
+                    fleet.urls,
+                    strategy=strategy,
+                    max_num_seqs=opts.max_num_seqs,
+                    core=gw_core,
+                    source=source or common.gateway_dir,
+                    slo=slo_block(common),
+                    dispatch=sections.pop("dispatch", None),
+                    extra=sections,
+                )
             )
-        )
-        route: Route = lambda spec, worker: gw.base_url  # noqa: E731
+            url = gw.base_url
+        route: Route = lambda spec, worker: url  # noqa: E731
         http = await stack.enter_async_context(session())
         client = Client(http, harness.KEY, retries=common.retries)
         run = await run_open(client, specs, route, label=setup, limit=common.limit)
         return run, fleet_names(fleet.urls, opts.speeds)
     raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
-
-
-def _prefill(flags: set[str]) -> dict[str, Any]:
-    """The `[prefill]` settings a setup's flags ask for."""
-    return {"max_long_per_instance": 1} if "cap1" in flags else {}
-
-
-def _dispatch(flags: set[str]) -> dict[str, Any]:
-    """The `[dispatch]` settings a setup's flags ask for."""
-    out: dict[str, Any] = {}
-    if "queue_all" in flags:
-        out["max_queue_wait"] = QUEUE_ALL
-    for flag, depth in CARD_QUEUES.items():
-        if flag in flags:
-            out["max_queue_per_instance"] = depth
-    return out
 
 
 def by_class(run: Run, common: Common, names: dict[str, str]) -> report.Summary:
@@ -209,56 +218,18 @@ def missed_objectives(
     return out
 
 
-def _baselines() -> Any:
-    """loadtest/baselines.py (nginx, vllm-router), or None where this tree lacks it."""
-    try:
-        return importlib.import_module("loadtest.baselines")
-    except ImportError:
-        return None
-
-
-async def _baseline_run(
-    setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common, fronts: Any
-) -> tuple[Run, dict[str, str]]:
-    """One fresh fleet behind a fresh baseline front (pinned where the gateway would be)."""
-    gw_core, fleet_core = cores(common)
-    async with contextlib.AsyncExitStack() as stack:
-        fleet = await stack.enter_async_context(
-            harness.fleet_process(
-                opts.speeds,
-                max_num_seqs=opts.max_num_seqs,
-                seed=common.seed,
-                core=fleet_core,
-                max_num_batched_tokens=opts.max_num_batched_tokens,
-            )
-        )
-        url = await stack.enter_async_context(
-            fronts.front(lanes_targets.front(setup), fleet.urls, core=gw_core, seed=common.seed)
-        )
-        route: Route = lambda spec, worker: url + "/v1"  # noqa: E731
-        http = await stack.enter_async_context(session())
-        client = Client(http, harness.KEY, retries=common.retries)
-        run = await run_open(client, specs, route, label=setup, limit=common.limit)
-        return run, fleet_names(fleet.urls, opts.speeds)
-    raise AssertionError("unreachable")  # pragma: no cover - the stack never swallows
-
-
 async def _one(
     setup: str, specs: Sequence[RequestSpec], opts: LanesOptions, common: Common
 ) -> report.Summary | None:
-    fronts = _baselines()
-    if (base := lanes_targets.front(setup)) in lanes_targets.BASELINES:
-        why = "loadtest/baselines.py is not in this tree" if fronts is None else None
-        why = why or fronts.missing(base)
-        if why:
+    """`setup`'s sitting at one load, summarized; None, said in a line, where it cannot run."""
+    if (base := targets.front(setup)) in baselines.BASELINES:
+        if why := baselines.missing(base):
             say(f"{setup}: skipped ({why})")
             return None
-        run, names = await _baseline_run(setup, specs, opts, common, fronts)
-    elif parse_setup(setup)[0] in ("least_busy", "least_time", "round_robin"):
-        run, names = await _gateway_run(setup, specs, opts, common)
-    else:
+    elif parse_setup(setup)[0] not in STRATEGIES:
         say(f"{setup}: skipped (no such setup here)")
         return None
+    run, names = await _sitting(setup, specs, opts, common)
     return by_class(run, common, names)
 
 
@@ -274,6 +245,8 @@ def workload(opts: LanesOptions, rate: float, seed: int) -> list[RequestSpec]:
 
 async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
     """Every setup at every load, on the same requests per load."""
+    for setup in opts.setups:  # a misspelt flag stops the run before anything starts
+        parse_setup(setup)
     pin_self(common)
     cap = estimate(opts)
     say(f"capacity estimate {cap:.1f} req/s")
@@ -301,10 +274,10 @@ async def lanes(opts: LanesOptions, common: Common) -> dict[str, Any]:
                 loads[f"{load:g}"] = runs
                 write_json(common, opts.name, body)  # what is done so far survives a stop
         say(table(runs))
-        for name, verdicts in lanes_targets.judge_run(runs).items():
-            say(lanes_targets.render(f"{load:g}", name, verdicts, runs[name]))
-        for name, spreads in lanes_targets.spread(runs).items():
-            say(lanes_targets.render_spread(f"{load:g}", name, spreads))
+        for name, verdicts in targets.judge_run(runs).items():
+            say(targets.render(f"{load:g}", name, verdicts, runs[name]))
+        for name, spreads in targets.spread(runs).items():
+            say(targets.render_spread(f"{load:g}", name, spreads))
     say(f"wrote {write_json(common, opts.name, body)}")
     if plot_path(common, f"{opts.name}.png"):
         plot_cdf(loads, common.out / f"{opts.name}.png", opts)

@@ -1,8 +1,8 @@
 """Issue 10's targets, judged inside one `lanes` run: each gateway setup against the best
 baseline that ran beside it on the same requests.
 
-    python -m loadtest.lanes_targets results/lanes/lanes-6e72517.json [more.json ...]
-    python -m loadtest.lanes_targets FILE --setup least_time:shared+cap1+running4
+    python -m loadtest.lanes.targets results/lanes/lanes-6e72517.json [more.json ...]
+    python -m loadtest.lanes.targets FILE --setup least_time:cap1+queue_all
 
 The targets (issue 10, "Targets"), per load:
 - short p50 TTFT and short p50 end-to-end no higher than the best baseline's;
@@ -25,14 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.baselines import BASELINES
+from loadtest.helpfmt import HelpFormatter
 from loadtest.report import Summary, table
 
-BASELINES = ("nginx", "vllm-router", "sticky")  # the fronts of loadtest/baselines.py
 TAIL = 0.5  # the p99 TTFT target: at most half the best baseline's
 
 
@@ -183,10 +184,20 @@ def render(load: str, setup: str, verdicts: Sequence[Verdict], summary: Summary)
     return head + "\n" + table(["target", "ours", "best baseline", "bound", ""], rows)
 
 
-def report_file(path: Path, setup: str | None = None) -> str:
-    """The verdicts of every load (and every gateway setup, or only `setup`) in a saved
-    `lanes` JSON report. Raises LookupError for a `setup` the report does not have."""
-    body: dict[str, Any] = json.loads(path.read_text())
+def read_reports(paths: Iterable[Path]) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Each of `paths` that holds a saved `lanes` report, with the report; any other JSON
+    is skipped with a line on stderr."""
+    for path in paths:
+        body = json.loads(path.read_text())
+        if isinstance(body, dict) and isinstance(body.get("loads"), dict):
+            yield path, body
+        else:
+            print(f"{path}: not a lanes report (no loads), skipped", file=sys.stderr)
+
+
+def render_report(path: Path, body: dict[str, Any], setup: str | None = None) -> str:
+    """The verdicts of every load (and every gateway setup, or only `setup`) in the saved
+    report `body`, read from `path`. Raises LookupError for a `setup` it does not have."""
     ref = body.get("source", {}).get("commit") or "?"
     parts = [f"{path} (gateway at {ref}; a setup named with @ref ran that ref)"]
     names = {name for runs in body["loads"].values() for name in runs}
@@ -205,14 +216,16 @@ def report_file(path: Path, setup: str | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.lanes_targets", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lanes.targets",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", help="judge only this setup (default: every gateway setup)")
     args = parser.parse_args(argv)
-    for path in args.reports:
+    for path, body in read_reports(args.reports):
         try:
-            print(report_file(path, args.setup), end="\n\n")
+            print(render_report(path, body, args.setup), end="\n\n")
         except LookupError as e:
             parser.error(str(e))
     return 0

@@ -1,10 +1,10 @@
 """Issue 10's targets pooled over sittings: how one setup stands against the best
 baseline beside it, sitting after sitting, rather than in one.
 
-    python -m loadtest.lanes_pool results/lanes/round*.json \
-        --setup least_time:shared+cap1+queue_all --commit 71dfb1b --commit 41a1591
+    python -m loadtest.lanes.pool results/lanes/*.json \
+        --setup least_time:cap1+queue_all --commit COMMIT [--commit COMMIT ...]
 
-Each sitting is judged as `lanes_targets` judges it, against its own baselines. Per load
+Each sitting is judged as `targets` judges it, against its own baselines. Per load
 and target this prints in how many sittings the target was met, and the margin: the
 bound over ours for a figure where lower is better, ours over the bound where higher
 is, so above 1 is met. The margins are summed up as their geometric mean with an
@@ -20,7 +20,6 @@ report names. `--commit` keeps only sittings at those commits: pool commits whos
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -29,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.lanes_targets import TARGETS, Verdict, judge_run
+from loadtest.helpfmt import HelpFormatter
+from loadtest.lanes.targets import TARGETS, Verdict, judge_run, read_reports
 from loadtest.report import table
 
 
@@ -64,10 +64,10 @@ def margin(verdict: Verdict, higher_is_better: bool) -> float:
 def ran(name: str, report_commit: str) -> tuple[str, str]:
     """A setup's name as (the setup without `@ref`, the commit it ran).
 
-    >>> ran("least_time:shared@41a1591", "c677319")
-    ('least_time:shared', '41a1591')
-    >>> ran("least_time:shared", "c677319")
-    ('least_time:shared', 'c677319')
+    >>> ran("least_time:cap1@41a1591", "c677319")
+    ('least_time:cap1', '41a1591')
+    >>> ran("least_time:cap1", "c677319")
+    ('least_time:cap1', 'c677319')
     """
     setup, _, ref = name.partition("@")
     return setup, ref or report_commit
@@ -128,22 +128,20 @@ def render(pooled: Sequence[Pooled]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.lanes_pool", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lanes.pool",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("reports", nargs="+", type=Path, help="lanes JSON reports")
     parser.add_argument("--setup", required=True, help="the setup to pool, without @ref")
     parser.add_argument(
-        "--commit", action="append", help="only sittings at this commit (again for more)"
+        "--commit",
+        action="append",
+        help="only sittings at this commit, again for more (default: at any)",
     )
     args = parser.parse_args(argv)
-    reports = []
-    for path in args.reports:
-        body = json.loads(path.read_text())
-        if isinstance(body, dict) and isinstance(body.get("loads"), dict):
-            reports.append(body)
-        else:
-            print(f"{path}: not a lanes report (no loads), skipped", file=sys.stderr)
-    pooled = pool(reports, args.setup, args.commit)
+    bodies = [body for _, body in read_reports(args.reports)]
+    pooled = pool(bodies, args.setup, args.commit)
     if not pooled:
         parser.error(f"no report judged {args.setup} (at {args.commit or 'any commit'})")
     print(render(pooled))

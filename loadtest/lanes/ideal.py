@@ -1,6 +1,6 @@
 """The long prompts' TTFT on an ideal fleet: how low a front could bring it (issue 10).
 
-    python -m loadtest.lanes_ideal --seeds 1,2,3,4 --loads 0.75,1 [REPORT.json ...]
+    python -m loadtest.lanes.ideal --seeds 1,2,3,4 --loads 0.75,1 [REPORT.json ...]
 
 For a `lanes` workload (the same requests `lanes` sends at a seed and load), the fleet
 is taken at its best: every card busy whenever there is work, every step's decode batch
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import compare, lanes_bench, lanes_targets, report
+from loadtest import baselines, compare, report
+from loadtest.helpfmt import HelpFormatter
+from loadtest.lanes import bench, targets
 from loadtest.loadgen import Mix, RequestSpec
 
 
@@ -76,12 +77,10 @@ def ideal(specs: Sequence[RequestSpec], speeds: Sequence[float], sim: SimConfig)
     return Ideal(sorted(ttfts), share)
 
 
-def workload_ideal(
-    seed: int, load: float, duration: float, opts: lanes_bench.LanesOptions
-) -> Ideal:
+def workload_ideal(seed: int, load: float, duration: float, opts: bench.LanesOptions) -> Ideal:
     """The ideal fleet on the requests `lanes` sends at `seed` and `load` (of the estimate)."""
     opts = dataclasses.replace(opts, duration=duration)
-    specs = lanes_bench.workload(opts, load * lanes_bench.estimate(opts), seed)
+    specs = bench.workload(opts, load * bench.estimate(opts), seed)
     return ideal(specs, opts.speeds, SimConfig(max_num_seqs=opts.max_num_seqs))
 
 
@@ -90,24 +89,21 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
     (half the best baseline's) and every gateway setup's long p99; loads without a
     baseline or measured on a capacity other than the estimate are left out."""
     out = []
-    for path in paths:
-        body = json.loads(path.read_text())
-        if not isinstance(body, dict) or "loads" not in body:  # not a lanes report
-            continue
+    for path, body in targets.read_reports(paths):
         if body.get("options", {}).get("capacity", "estimate") != "estimate":
             continue
-        for load, runs in body.get("loads", {}).items():
-            baselines = [
+        for load, runs in body["loads"].items():
+            theirs = [
                 p99
-                for run in lanes_targets.baselines_of(runs)
+                for run in targets.baselines_of(runs)
                 if (p99 := run.get("long_ttft_s", {}).get("p99"))
             ]
-            if not baselines:
+            if not theirs:
                 continue
             ours = {
                 name: run["long_ttft_s"]["p99"]
                 for name, run in runs.items()
-                if lanes_targets.front(name) not in lanes_targets.BASELINES
+                if targets.front(name) not in baselines.BASELINES
                 and run.get("long_ttft_s", {}).get("p99")
             }
             out.append(
@@ -116,7 +112,7 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
                     "seed": body["common"]["seed"],
                     "load": float(load),
                     "duration": body["options"]["duration"],
-                    "bound": 0.5 * min(baselines),
+                    "bound": 0.5 * min(theirs),
                     "ours": ours,
                     "opts": _options(body["options"]),
                 }
@@ -124,22 +120,35 @@ def sittings(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _options(saved: dict[str, Any]) -> lanes_bench.LanesOptions:
+def _options(saved: dict[str, Any]) -> bench.LanesOptions:
     """The fleet and mix a report's sitting ran (as `lanes` wrote its options)."""
     mix = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["mix"].items()}
-    return lanes_bench.LanesOptions(
+    return bench.LanesOptions(
         speeds=tuple(saved["speeds"]), max_num_seqs=saved["max_num_seqs"], mix=Mix(**mix)
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.lanes_ideal", description=__doc__)
-    parser.add_argument("reports", nargs="*", type=Path, help="lanes reports (JSON) to compare")
-    parser.add_argument("--seeds", default="1,2,3,4")
-    parser.add_argument("--loads", default="0.75,1")
-    parser.add_argument("--duration", type=float, default=90.0)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.lanes.ideal", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "reports",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="lanes reports (JSON) to compare (default: none)",
+    )
+    parser.add_argument("--seeds", default="1,2,3,4", help="the workloads' seeds, comma-separated")
+    parser.add_argument("--loads", default="0.75,1", help="shares of the capacity estimate")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=90.0,
+        help="seconds of arrivals per seed and load (a report's sittings keep their own)",
+    )
     args = parser.parse_args(argv)
-    opts = lanes_bench.LanesOptions()
+    opts = bench.LanesOptions()
     print("seed  load  rest share  long p50 / p99 TTFT on the ideal fleet, ms")
     for seed in (int(s) for s in args.seeds.split(",")):
         for load in (float(x) for x in args.loads.split(",")):
