@@ -376,6 +376,19 @@ async def test_bytes_nobody_asked_for_abort_an_idle_connection() -> None:
     assert owner.gone == [conn]
 
 
+async def test_bytes_after_a_complete_answer_keep_the_connection_out_of_the_pool() -> None:
+    """A second answer arriving behind the first (nobody asked for it) makes the connection
+    unusable: the first answer reads whole, and its close drops the connection."""
+    conn, transport, owner = opened()
+    head = ask(conn)
+    transport.feed(fixed(b"a") + fixed(b"unasked"))
+    response = head.result()
+    assert await response.read(1.0) == b"a"
+    response.close()
+    assert owner.back == []
+    assert transport.aborted
+
+
 async def test_pulled_bytes_over_the_high_water_mark_pause_reading_until_read() -> None:
     """64 KiB queued unread pauses the socket's reading; reading them resumes it."""
     conn, transport, _ = opened()
@@ -581,6 +594,24 @@ async def test_a_refused_connect_or_a_foreign_url_is_a_connect_failure(network: 
         await request(pool, "https://a/v1")
     assert foreign.value.kind == "connect"
     assert "open=0/4" in repr(pool)
+
+
+async def test_a_connection_out_of_step_gives_its_place_in_the_pool_up(network: Network) -> None:
+    """A connection that got an answer nobody asked for leaves the pool when its answer is
+    closed, so a pool at its limit opens a new one rather than wait."""
+    pool = h1_pool.Pool(1, 1.0)
+    pending = request(pool)
+    await settle()
+    network.last.feed(fixed(b"a") + fixed(b"unasked"))
+    first = await pending
+    assert await first.read(1.0) == b"a"
+    first.close()
+    await settle()
+    pending = request(pool)
+    await settle()
+    assert len(network.transports) == 2
+    network.last.feed(fixed(b"b"))
+    assert await (await pending).read(1.0) == b"b"
 
 
 def test_a_header_with_a_line_break_is_refused() -> None:

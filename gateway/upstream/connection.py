@@ -190,8 +190,8 @@ class Response:
         return f"<h1.Response {self.status} {state} {mode}>"
 
 
-class _HeadTooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """Raised in a parser callback to stop the parse: the answer is refused, for this reason."""
 
 
 class H1Connection(asyncio.Protocol):
@@ -241,7 +241,7 @@ class H1Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            cause = exc.__context__ if isinstance(exc.__context__, _HeadTooLarge) else exc
+            cause = exc.__context__ if isinstance(exc.__context__, _Refused) else exc
             # The parser's message may quote header bytes; only its gist goes on.
             self._broken("bad_response", str(cause).split(":", 1)[0].strip()[:120])
         else:
@@ -252,10 +252,13 @@ class H1Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) + 2 > _MAX_LINE:
-            raise _HeadTooLarge(f"Got more than {_MAX_LINE} bytes when reading a header line")
+            raise _Refused(f"Got more than {_MAX_LINE} bytes when reading a header line")
         self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
+        if self.head is None:
+            # Bytes behind a complete answer: the connection is out of step with its requests.
+            raise _Refused("an answer nobody asked for followed the last one")
         head, self.head = self.head, None
         status = self.parser.get_status_code()
         if status < 200:  # 1xx: an interim answer; the real head follows
