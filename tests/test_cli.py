@@ -155,6 +155,7 @@ def test_without_config_uses_packaged_defaults(
     assert "2 instance(s)" in out
 
 
+@pytest.mark.slow  # runs the CLI as a process
 def test_module_check_exits_0(tmp_path: Path) -> None:
     """`python -m gateway --config ... --check` exits 0 and prints ok for a valid config."""
     proc = run_module("--config", str(write(tmp_path)), "--check")
@@ -162,6 +163,7 @@ def test_module_check_exits_0(tmp_path: Path) -> None:
     assert proc.stdout.startswith("ok")
 
 
+@pytest.mark.slow  # runs the CLI as a process
 def test_module_check_exits_2_on_a_bad_file(tmp_path: Path) -> None:
     """`python -m gateway --config ... --check` exits 2 with the error on stderr for a bad file."""
     config = write(tmp_path, "[gateway]\nport = 70000\n")

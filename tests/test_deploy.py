@@ -211,6 +211,7 @@ def test_dockerfile_is_slim_and_runs_as_a_non_root_user() -> None:
     assert int(instructions["USER"]) != 0
 
 
+@pytest.mark.slow  # runs the CLI as a process
 def test_dockerfile_command_checks_the_shipped_configuration(shipped: Path) -> None:
     """The Dockerfile's CMD, run with --check against the ConfigMap's files, says ok."""
     argv = _dockerfile_cmd()
@@ -220,6 +221,7 @@ def test_dockerfile_command_checks_the_shipped_configuration(shipped: Path) -> N
     assert done.stdout.startswith("ok:")
 
 
+@pytest.mark.slow  # a gateway and instances on loopback
 async def test_dockerfile_healthcheck_passes_against_a_running_gateway() -> None:
     """The HEALTHCHECK command (python's stdlib, no curl) exits 0 against a live gateway's
     /healthz, and 1 when nothing answers."""
@@ -266,6 +268,7 @@ def test_systemd_unit_reloads_drains_and_runs_unprivileged() -> None:
     assert unit["EnvironmentFile"]
 
 
+@pytest.mark.slow  # runs the CLI as a process
 def test_systemd_execstart_checks_the_shipped_configuration(shipped: Path) -> None:
     """The unit's ExecStart (and ExecStartPre) parse, and run with --check against the
     shipped files they say ok."""
@@ -278,6 +281,7 @@ def test_systemd_execstart_checks_the_shipped_configuration(shipped: Path) -> No
         assert done.returncode == 0, (line, done.stderr)
 
 
+@pytest.mark.slow  # runs systemd-analyze
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
     """`systemd-analyze verify` finds nothing wrong with the unit (paths moved to this install)."""
     analyze = shutil.which("systemd-analyze")

@@ -146,6 +146,7 @@ def _assert_error_shape(body: bytes) -> None:
     assert isinstance(error["type"], str)
 
 
+@pytest.mark.slow  # a gateway and instances on loopback
 @settings(
     max_examples=150,
     deadline=None,
@@ -215,6 +216,7 @@ def test_key_checker_accepts_exactly_the_configured_keys(scheme: str, token: str
     assert KeyChecker(KEYS).check(f"{scheme} {token}") is (token in KEYS)
 
 
+@pytest.mark.slow  # 400 examples of deep JSON: seconds of generating
 @settings(max_examples=400)
 @given(json_like_dicts | openai_like)
 def test_estimate_request_never_raises(body: dict[str, Any]) -> None:

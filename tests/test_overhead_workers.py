@@ -53,6 +53,7 @@ def parent() -> Iterator[tuple[subprocess.Popen[str], int]]:
         proc.stdout.close()
 
 
+@pytest.mark.slow  # child processes that burn CPU
 def test_tree_cpu_counts_live_and_reaped_children(
     parent: tuple[subprocess.Popen[str], int],
 ) -> None:
@@ -64,6 +65,7 @@ def test_tree_cpu_counts_live_and_reaped_children(
     assert tree - own >= 0.55  # two children of 0.3 s each, less /proc's tick rounding
 
 
+@pytest.mark.slow  # child processes
 def test_process_tree_lists_the_root_and_its_children(
     parent: tuple[subprocess.Popen[str], int],
 ) -> None:

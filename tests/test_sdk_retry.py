@@ -113,6 +113,7 @@ async def test_a_refused_request_is_sent_again_and_timed_from_its_first_try(
     assert result.latency >= result.ttft
 
 
+@pytest.mark.slow  # waits out the SDK's own backoff, over a second
 async def test_retries_run_out_on_the_third_refusal(refusing: tuple[str, list[int]]) -> None:
     """Without a delay from the server: the SDK's backoff, 0.375-0.5 s then 0.75-1 s."""
     url, seen = refusing

@@ -1,9 +1,11 @@
-"""splice.py without sockets: a fake instance answer, a fake client transport."""
+"""splice.py without sockets: a fake instance answer, a mock client transport."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+
+from mock_transport import MockTransport
 
 from gateway.relay import splice, sse
 
@@ -26,21 +28,6 @@ class Source:
         self.resumed += 1
 
 
-class Client(asyncio.Transport):
-    """The client's transport: keeps what is written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-        self.closing = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-
 class Watch:
     def __init__(self, behind: bool = False) -> None:
         self.listener: Callable[[bool], None] | None = None
@@ -53,8 +40,8 @@ class Watch:
 
 def start(
     *, silence: float = 10.0, write_timeout: float = 10.0, chunked: bool = True
-) -> tuple[splice.Splice, Source, Client, Watch]:
-    source, client, watch = Source(), Client(), Watch()
+) -> tuple[splice.Splice, Source, MockTransport, Watch]:
+    source, client, watch = Source(), MockTransport(), Watch()
     run = splice.Splice(
         source,
         client,
@@ -107,7 +94,7 @@ async def test_a_client_behind_pauses_the_instance_and_catching_up_resumes_it() 
 
 async def test_a_client_already_behind_at_the_start_pauses_at_once() -> None:
     """A client whose buffer is over the mark when the splice starts pauses the instance."""
-    source, client, watch = Source(), Client(), Watch(behind=True)
+    source, client, watch = Source(), MockTransport(), Watch(behind=True)
     run = splice.Splice(source, client, sse.Framer(), chunked=True, silence=5, write_timeout=5)
     run.start(watch)
     assert source.paused == 1
@@ -140,7 +127,7 @@ async def test_silence_ends_the_stream_and_only_data_events_reset_it() -> None:
 async def test_a_client_gone_ends_the_stream() -> None:
     """A chunk for a client whose transport is closing ends the stream as the client's."""
     run, _, client, _ = start()
-    client.closing = True
+    client.close()
     run.body(b"data: 1\n\n")
     assert (await run.done).why is splice.Why.CLIENT
     assert client.written == b""
@@ -154,7 +141,7 @@ async def test_a_broken_answer_and_undecodable_bytes_say_why() -> None:
         splice.Why.ENDED, "broke the stream after it started (reset)"
     )
 
-    source, client, watch = Source(), Client(), Watch()
+    source, client, watch = Source(), MockTransport(), Watch()
 
     def bad(data: bytes) -> bytes:
         import zlib
