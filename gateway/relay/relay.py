@@ -45,8 +45,8 @@ class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
         ...
 
 
-class Call(Protocol):
-    """What the relay reads of the request it answers (the proxy's `attempt.Call` is one)."""
+class Request(Protocol):
+    """What the relay reads of the request it answers (the proxy's `attempt.Request` is one)."""
 
     @property
     def request(self) -> web.Request: ...
@@ -179,7 +179,7 @@ class Relay:
 
     async def stream(
         self,
-        call: Call,
+        call: Request,
         response: StreamAnswer,
         started: Started,
         lease: Lease,
@@ -218,7 +218,7 @@ class Relay:
 
     async def _conclude(
         self,
-        call: Call,
+        call: Request,
         out: web.StreamResponse,
         lease: Lease,
         framer: sse.Framer,

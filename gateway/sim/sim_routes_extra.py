@@ -33,7 +33,7 @@ from .sim_engine import (
 )
 
 
-class SimInstance(Protocol):
+class Host(Protocol):
     """What these routes use of the instance that serves them (sim_vllm's `SimInstance`)."""
 
     config: SimConfig
@@ -89,7 +89,7 @@ def _form_fields(content_type: str, raw: bytes) -> dict[str, bytes]:
 class ExtraRoutes:
     """The handlers, bound to one simulated instance (its config, faults and stats)."""
 
-    def __init__(self, sim: SimInstance) -> None:
+    def __init__(self, sim: Host) -> None:
         self.sim = sim
 
     def install(self, router: web.UrlDispatcher) -> None:
