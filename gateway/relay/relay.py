@@ -46,7 +46,7 @@ class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
 
 
 class Request(Protocol):
-    """What the relay reads of the request it answers (the proxy's `attempt.Request` is one)."""
+    """What the relay reads of the request it answers (the proxy's `attempt.Call` is one)."""
 
     @property
     def request(self) -> web.Request: ...
