@@ -182,11 +182,11 @@ class Fleet:
         idle cannot make us refuse what the card can take. A batch of slack, because a
         scrape is seconds old and honest peers place requests in between.
         """
-        room = state.spec.slots + self.limits.max_queue_per_instance
+        room = state.slots + self.limits.max_queue_per_instance
         report = state.fresh_report(now, self.limits.metrics_stale_after)
         if report is not None:
             seen = max(0, report.running + report.waiting - state.inflight_at_report)
-            room = min(room, math.ceil(seen) + state.spec.slots)
+            room = min(room, math.ceil(seen) + state.slots)
         if claim.inflight <= room and claim.long_prefilling <= room:
             return claim
         return PeerLoad(
@@ -251,6 +251,8 @@ class Fleet:
             # Remember what its cache can hold, no more: a larger index would keep
             # prefixes the instance has already evicted, and send requests after them.
             state.cache.resize(-(-report.cache_tokens // BLOCK_TOKENS))
+        state.learned_slots = learned_slots(state, last, report)
+        state.running_seen = max(state.running_seen, report.running)
         state.report = report
         state.inflight_at_report = state.fleet_inflight
 
@@ -294,13 +296,11 @@ class Fleet:
         """The fleet's requests waiting at `lane`'s instances for `model` beyond their
         running slots: they start before anything the gateway still queues."""
         return sum(
-            max(0, s.fleet_inflight - s.spec.slots)
-            for s in self._pool[lane]
-            if s.serves_model(model)
+            max(0, s.fleet_inflight - s.slots) for s in self._pool[lane] if s.serves_model(model)
         )
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
-        if state.fleet_inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+        if state.fleet_inflight >= state.slots + self.limits.max_queue_per_instance:
             return False
         if state.spec.lane == "any" and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
@@ -318,3 +318,25 @@ class Fleet:
         # document would otherwise all skip the cap while the first is still prefilling.
         cached = state.cached_tokens(ticket, settled=True)
         return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
+
+
+def learned_slots(state: InstanceState, last: LoadReport | None, report: LoadReport) -> int | None:
+    """What the instance showed it can run, from two scrapes in a row (None: its configured
+    slots, as far as we can tell).
+
+    Requests waiting there while its running count stays put, twice, mean it runs no more
+    than that: its `--max-num-seqs` (which the operator may not have copied into our
+    settings) or what its KV cache admits now. One scrape is not enough: a request that
+    arrived a moment ago waits for the next engine step, and a long prefill holds the
+    next ones back for a step or two, with slots free. Once it runs more, with nothing
+    waiting, what it showed before no longer holds.
+    """
+    known = state.learned_slots
+    if report.waiting >= 1 and report.running >= 1 and last is not None and last.waiting >= 1:
+        if round(report.running) == round(last.running):
+            seen = round(report.running)
+            return seen if seen < state.spec.slots else None
+        return known
+    if known is not None and report.running > known:
+        return None if report.waiting < 1 else round(report.running)
+    return known

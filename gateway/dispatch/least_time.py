@@ -115,9 +115,9 @@ class LeastTime:
             # prefill would stall there.
             crowd = state.fleet_inflight + loads[state.name].others
             stall = uncached / rate * crowd
-            queued = state.fleet_inflight - state.spec.slots
+            queued = state.fleet_inflight - state.slots
             if queued >= 0:
-                ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.spec.slots
+                ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.slots
             decode = ticket.max_tokens * max(0.0, tpot - objective)
             cost = (ttft + stall + decode) * (1 + state.consecutive_failures)
             latency = ttft + ticket.max_tokens * tpot

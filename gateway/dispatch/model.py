@@ -203,6 +203,11 @@ class InstanceState:
     # gateways' share (ours and the peers') from it.
     report: LoadReport | None = None
     inflight_at_report: int = 0
+    # Running slots the instance showed it has, when fewer than configured: it ran this
+    # many while requests waited there in two scrapes in a row (its --max-num-seqs, or
+    # what its KV cache admits now). None: no sign of fewer than `spec.slots`.
+    learned_slots: int | None = None
+    running_seen: float = 0.0  # the most it ever reported running at once
     # Totals for the operator.
     assigned_total: int = 0
     failures_total: int = 0
@@ -212,6 +217,12 @@ class InstanceState:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def slots(self) -> int:
+        """Running slots to place by: the configured ones, or fewer if it showed fewer."""
+        learned = self.learned_slots
+        return self.spec.slots if learned is None else min(learned, self.spec.slots)
 
     @property
     def fleet_inflight(self) -> int:
@@ -253,7 +264,7 @@ class InstanceState:
     def queue_depth(self, report: LoadReport | None = None) -> float:
         """Requests waiting at the instance beyond its running slots: ours, or what a
         fresh scrape (`fresh_report`) says is waiting there, whichever is larger."""
-        own = max(0, self.fleet_inflight - self.spec.slots)
+        own = max(0, self.fleet_inflight - self.slots)
         return own if report is None else max(own, report.waiting)
 
     @property

@@ -47,6 +47,9 @@ from .snapshot import Snapshot, instances_at
 from .speed import Ewma
 from .strategies import Strategy
 
+# Requests an instance may hold before its metrics must have shown it runs that many.
+UNCONFIRMED = 8
+
 
 class Scheduler(Fleet):
     def __init__(
@@ -263,6 +266,37 @@ class Scheduler(Fleet):
         self.hear_peers(view, now)
         # Peers may have let go of places: waiting requests may fit now.
         return self._drain(now, rng) if drain and self._queues else []
+
+    def overbooked(self, name: str) -> list[int]:
+        """Our requests on `name` still without a first token, newest first, beyond what it
+        showed it can hold (its learned slots and its queue): to be taken back.
+
+        An instance that runs fewer requests than we thought queues the rest, and they
+        wait there past their deadlines (a 504 each). Taken back before a token was sent,
+        a request may still go elsewhere or be refused at once with Retry-After. The
+        newest go first: the instance serves its queue in order, so they wait longest.
+        """
+        state = self.state(name)
+        if state.learned_slots is None:
+            return []
+        excess = state.fleet_inflight - (state.slots + self.limits.max_queue_per_instance)
+        if excess <= 0:
+            return []
+        waiting = [
+            ticket
+            for ticket, held in reversed(self._holding.items())
+            if held.state is state and held.prefilling
+        ]
+        return waiting[:excess]
+
+    def unconfirmed(self, name: str) -> bool:
+        """Whether we hold more on `name` than it ever showed running (and at least
+        UNCONFIRMED): time to look at its metrics again, rather than at the next round,
+        in case it runs fewer than its configured slots."""
+        state = self.state(name)
+        return state.learned_slots is None and state.fleet_inflight > max(
+            UNCONFIRMED, 2 * state.running_seen
+        )
 
     def drain(self, now: float, rng: random.Random) -> list[Decision]:
         """Place (or turn away) the queued requests that can be now."""

@@ -23,7 +23,8 @@ class InstanceSnapshot:
     ejected_for: float | None  # seconds of ejection left
     lane: InstanceLane
     weight: float
-    slots: int
+    slots: int  # configured
+    learned_slots: int | None  # fewer running slots it showed (learned_slots in fleet.py)
     models: frozenset[str] | None  # served, pinned or learned; None while unknown
     pinned_models: frozenset[str] | None
     inflight: int
@@ -81,6 +82,7 @@ def instances_at(
                 lane=state.spec.lane,
                 weight=state.spec.weight,
                 slots=state.spec.slots,
+                learned_slots=state.learned_slots,
                 models=state.models,
                 pinned_models=state.spec.models,
                 inflight=state.inflight,

@@ -32,7 +32,10 @@ from gateway.dispatch import (
     Snapshot,
     Ticket,
 )
+from gateway.observe import log
 from gateway.observe.metrics import Metrics
+
+_log = log.get("gateway.dispatcher")
 
 _ids = itertools.count(1)  # ticket ids only need to be unique and increasing
 
@@ -44,7 +47,15 @@ class Lease:
     the place back once: a second call (a finally after an early release) does nothing.
     """
 
-    __slots__ = ("_dispatcher", "first_token_at", "instance", "released", "ticket_id")
+    __slots__ = (
+        "_dispatcher",
+        "_on_evict",
+        "evicted",
+        "first_token_at",
+        "instance",
+        "released",
+        "ticket_id",
+    )
 
     def __init__(self, dispatcher: Dispatcher, ticket_id: int, instance: str) -> None:
         self._dispatcher = dispatcher
@@ -52,6 +63,20 @@ class Lease:
         self.instance = instance
         self.first_token_at: float | None = None  # when `prefill_done` was told, if it was
         self.released = False
+        self.evicted = False  # taken back: the instance could not hold it (Scheduler.overbooked)
+        self._on_evict: Callable[[], None] | None = None
+
+    def evictable(self, abort: Callable[[], None] | None) -> None:
+        """Until the answer commits, `abort` ends the attempt if the place is taken back;
+        None: it committed, and nothing takes it back any more."""
+        self._on_evict = abort
+
+    def evict(self) -> None:
+        """Take the place back: the attempt is aborted and ends as `evicted`."""
+        abort, self._on_evict = self._on_evict, None
+        if abort is not None and not self.released:
+            self.evicted = True
+            abort()
 
     def prefill_done(self, at: float, ttft: float | None) -> None:
         """The first token reached the client at `at`; `ttft` teaches least_time (or None)."""
@@ -67,6 +92,7 @@ class Lease:
         if self.released:
             return
         self.released = True
+        self._on_evict = None
         self._dispatcher.release(self.ticket_id, outcome, error)
 
     def __repr__(self) -> str:
@@ -93,6 +119,10 @@ class Dispatcher:
         # Called after anything that may change our load (a request placed, queued, past
         # its prefill, released): the shared view's pusher listens (shared.py).
         self.on_change: Callable[[], None] | None = None
+        # Called with an instance that holds more of ours than it ever showed running: the
+        # health checker looks at its metrics soon (Scheduler.unconfirmed).
+        self.on_unconfirmed: Callable[[str], None] | None = None
+        self._leases: dict[int, Lease] = {}  # the places attempts hold, by ticket
         self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
 
     def snapshot(self) -> Snapshot:
@@ -132,7 +162,11 @@ class Dispatcher:
 
     async def lease(self, ticket: Ticket) -> Lease:
         """`acquire`, with the place wrapped in the `Lease` the attempt holds."""
-        return Lease(self, ticket.id, await self.acquire(ticket))
+        lease = Lease(self, ticket.id, await self.acquire(ticket))
+        self._leases[ticket.id] = lease
+        if self.on_unconfirmed is not None and self.scheduler.unconfirmed(lease.instance):
+            self.on_unconfirmed(lease.instance)
+        return lease
 
     async def _wait(self, queued: Queued) -> str:
         """Wait until the scheduler places or rejects the ticket, or the caller is cancelled.
@@ -177,6 +211,7 @@ class Dispatcher:
             asyncio.get_running_loop().call_later(delay, self._expire, ticket_id)
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
+        self._leases.pop(ticket_id, None)
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
         self._changed()
 
@@ -212,7 +247,29 @@ class Dispatcher:
         report = LoadReport(
             running, waiting, kv, self.clock(), prefix_queries, prefix_hits, cache_tokens
         )
+        state = self.scheduler.state(name) if self.scheduler.has(name) else None
+        before = state.learned_slots if state is not None else None
         self.scheduler.report_load(name, report)
+        if state is not None:
+            self._take_back(name)
+        if state is not None and state.learned_slots != before:
+            _log.warning(
+                "capacity_learned",
+                server=name,
+                configured_slots=state.spec.slots,
+                learned_slots=state.learned_slots,  # None: back to the configured ones
+                running=report.running,
+                waiting=report.waiting,
+            )
+
+    def _take_back(self, name: str) -> None:
+        """Abort our attempts that `name` cannot hold (see Scheduler.overbooked)."""
+        taken = [self._leases[t] for t in self.scheduler.overbooked(name) if t in self._leases]
+        for lease in taken:
+            lease.evict()
+        if taken:
+            self.metrics.taken_back.labels(name).inc(len(taken))
+            _log.warning("requests_taken_back", server=name, requests=len(taken))
 
     def apply_shared(self, view: SharedView, stagger: float = 0.0) -> None:
         """The other gateway processes' load, queues and speeds (shared.py).

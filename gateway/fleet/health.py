@@ -3,6 +3,11 @@
 One background task, owned by the app, runs a round every `health_check_interval`
 (jittered by +-10% so a fleet of gateways does not probe in step). A round probes all
 instances concurrently; verdicts go to the scheduler through the dispatcher.
+
+Between rounds, an instance that holds more of our requests than it ever showed running
+has its metrics read twice, `LOOK_GAP_S` apart (`scrape_soon`): two readings are what it
+takes to learn that it runs fewer than configured (dispatch/fleet.py, `learned_slots`), and
+a flood should not wait for the next round to find out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from gateway.upstream.client import Upstream
 from gateway.upstream.response import AttemptFailed
 
 _log = log.get("gateway.health")
+
+LOOK_GAP_S = 0.5  # between the two early readings of an instance, and between two looks
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
@@ -124,6 +131,8 @@ class HealthChecker:
         self.models: dict[str, list[dict[str, Any]]] = {}
         self.rounds = 0
         self._wake = asyncio.Event()
+        self._looks: dict[str, asyncio.Task[None]] = {}  # early readings under way
+        dispatcher.on_unconfirmed = self.scrape_soon
 
     def reconfigure(self, targets: list[ProbeTarget], probe_timeout: float) -> None:
         """A reloaded instance list: probe it now, so new instances get a verdict soon."""
@@ -150,12 +159,32 @@ class HealthChecker:
             )
 
     async def run_forever(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval * self.rng.uniform(0.9, 1.1)):
-                    await self._wake.wait()
-            self._wake.clear()
-            await self.run_round()
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.interval * self.rng.uniform(0.9, 1.1)):
+                        await self._wake.wait()
+                self._wake.clear()
+                await self.run_round()
+        finally:
+            for look in self._looks.values():
+                look.cancel()
+            await asyncio.gather(*self._looks.values(), return_exceptions=True)
+
+    def scrape_soon(self, name: str) -> None:
+        """Read `name`'s metrics now and once more in LOOK_GAP_S (once at a time)."""
+        target = next((t for t in self.targets if t.name == name), None)
+        if target is None or name in self._looks:
+            return
+        self._looks[name] = asyncio.get_running_loop().create_task(self._look(target))
+
+    async def _look(self, target: ProbeTarget) -> None:
+        try:
+            for _ in range(2):
+                await self._scrape(target)
+                await asyncio.sleep(LOOK_GAP_S)
+        finally:
+            self._looks.pop(target.name, None)
 
     async def _check(self, target: ProbeTarget) -> None:
         ok = await self._probe(target)

@@ -39,7 +39,7 @@ NONE = "none"  # the label value of what a request never had (a lane, a model, a
 CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle_timeout", "over_limit")
 # Label values known in advance, each series created at zero by `start_series`.
 ERROR_KINDS = ("connect", "timeout", "bad_response")  # an attempt that got no usable answer
-RETRY_REASONS = (*get_args(RetryReason), "bad_response")
+RETRY_REASONS = (*get_args(RetryReason), "bad_response", "taken_back")
 RETRY_REFUSALS: tuple[str, ...] = get_args(get_type_hints(GiveUp)["why"])
 REJECTIONS: tuple[str, ...] = get_args(get_type_hints(Rejected)["reason"])
 STREAM_ABORT_SIDES = ("client", "upstream", "shutdown")
@@ -106,6 +106,14 @@ class Metrics:
             "gateway_retries_refused",
             "Retries not made, by why (attempts, deadline, budget).",
             ["why"],
+            registry=registry,
+        )
+        self.taken_back = Counter(
+            "gateway_requests_taken_back",
+            "Requests taken back from an instance before their first token because it showed "
+            "it runs fewer than configured (gateway_instance_slots): each goes elsewhere or "
+            "is refused with Retry-After.",
+            ["server"],
             registry=registry,
         )
         self.rejections = Counter(
@@ -364,6 +372,13 @@ class StateCollector(Collector):
                 "1 while the instance's learned speed is well below the fleet median.",
                 labels=["server"],
             ),
+            "slots": GaugeMetricFamily(
+                "gateway_instance_slots",
+                "Running slots the gateway places by: the configured max_num_seqs, or fewer "
+                "once the instance showed it runs fewer (requests waiting there twice while "
+                "its running count stayed put).",
+                labels=["server"],
+            ),
             "kv": GaugeMetricFamily(
                 "gateway_instance_vllm_kv_cache_usage_ratio",
                 "vllm:kv_cache_usage_perc at the last scrape, 0..1 (NaN if unknown).",
@@ -419,6 +434,8 @@ class StateCollector(Collector):
             families["waiting"].add_metric(name, report.waiting if report else nan)
             kv = report.kv_usage if report else None
             families["kv"].add_metric(name, nan if kv is None else kv)
+            learned = state.learned_slots
+            families["slots"].add_metric(name, state.slots if learned is None else learned)
             ejections.add_metric(name, state.ejections_total)
             for lane in Lane:
                 on = state.lane in (lane.value, "any")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway import errors
-from gateway.dispatch import Lane, Outcome
+from gateway.dispatch import Lane, Limits, Outcome
 from gateway.observe.exchange import Exchange
 from gateway.relay.records import Whole
 from gateway.routes import Route
@@ -52,7 +52,7 @@ class Failed:
     whole answer (a 503 "engine busy" passes on as vLLM wrote it).
     """
 
-    reason: str  # "connect", "timeout", "bad_response" or "status_<code>"
+    reason: str  # "connect", "timeout", "bad_response", "taken_back" or "status_<code>"
     outcome: Outcome
     answer: errors.GatewayError | Whole
 
@@ -78,6 +78,17 @@ def failed_to_send(failed: AttemptFailed, retry_after: float) -> Failed:
             f"could not reach a vLLM instance ({failed.detail})", retry_after=retry_after
         )
     return Failed(failed.kind, Outcome.FAILURE, error)
+
+
+def taken_back(instance: str, limits: Limits) -> Failed:
+    """The place was taken back before a token came (the instance runs fewer than its
+    configured slots): no fault of the instance; elsewhere, or refused with Retry-After."""
+    error = errors.NoInstanceAvailable(
+        f"the vLLM instance {instance} runs fewer requests at once than configured and "
+        "could not start this one in time; retry after the delay in Retry-After",
+        retry_after=limits.queue_retry_after,
+    )
+    return Failed("taken_back", Outcome.NEUTRAL, error)
 
 
 def send_headers(

@@ -32,7 +32,14 @@ from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.observe.recorder import EXCHANGE, Recorder
 from gateway.proxy import jsoncodec
-from gateway.proxy.attempt import Call, Committed, Failed, failed_to_send, send_headers
+from gateway.proxy.attempt import (
+    Call,
+    Committed,
+    Failed,
+    failed_to_send,
+    send_headers,
+    taken_back,
+)
 from gateway.proxy.auth import KeyChecker
 from gateway.proxy.body import InvalidField, wants_stream
 from gateway.proxy.intake import Intake, max_tokens_of
@@ -267,6 +274,7 @@ class Proxy:
                 response = await self.upstream.open(
                     "POST", url, body=call.body, headers=headers, timeout=max(0.001, allowance)
                 )
+                lease.evictable(response.close)  # until it commits (Scheduler.overbooked)
                 if call.stream:  # the relay splices its body once committed
                     stream = response
             except AttemptFailed as failed:
@@ -274,6 +282,8 @@ class Proxy:
                 result = failed_to_send(failed, retry_after)
             else:
                 result = await self._judge(call, ex, lease, response, stream, opened)
+            if lease.evicted and isinstance(result, Failed):
+                result = taken_back(lease.instance, self.dispatcher.scheduler.limits)
             return result
         finally:
             if response is not None:
@@ -316,6 +326,7 @@ class Proxy:
             started = await self.relay.first_chunk(stream, first_by - self.clock())
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
+            lease.evictable(None)  # its first token is out: it is running there
             ex.status = 200  # committed: a cancellation from here on is the client leaving
             streamed = await self.relay.stream(
                 call,
@@ -330,6 +341,7 @@ class Proxy:
         whole = await self.relay.whole(
             response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())
         )
+        lease.evictable(None)  # whole (or broken): nothing left to take back
         if isinstance(whole, Unusable):
             # A busy or failing instance's broken answer still says it was busy or failing.
             outcome = verdict.outcome if verdict.retry is not None else Outcome.FAILURE

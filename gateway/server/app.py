@@ -302,6 +302,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "lane": lane_names.get(i.lane, i.lane),
                 "weight": i.weight,
                 "slots": i.slots,
+                "learned_slots": i.learned_slots,
                 "models": None if i.models is None else sorted(i.models),
                 "models_pinned": i.pinned_models is not None,
                 "prefix_index_blocks": i.prefix_index_blocks,
