@@ -157,6 +157,9 @@ class SharedSection(Frozen):
     push_interval: float = Field(0.02, ge=0, le=5)
     ttl: float = Field(3.0, gt=0, le=60)  # a process's entries vanish this long after it died
     namespace: str = Field("gateway", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    # A place on an instance is a lease taken atomically in Redis: caps hold exactly across
+    # replicas, at one Redis round trip per request (fleet/shared.py, "Strict caps").
+    strict_caps: bool = False
 
     @model_validator(mode="after")
     def _ttl_covers_publishing(self) -> SharedSection:

@@ -17,6 +17,7 @@ Limits an instance holds:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -171,6 +172,17 @@ class Fleet:
         for state in self.states:
             state.peers = self._believable(state, view.loads.get(state.name, PeerLoad()), now)
             state.speed.blend(view.speeds.get(state.name, ()))
+
+    def room(self, name: str) -> int:
+        """Requests `name` may hold, fleet-wide: its running slots and its queue."""
+        return self.state(name).slots + self.limits.max_queue_per_instance
+
+    def note_full(self, name: str) -> None:
+        """The shared store says `name` is full: count it full until the next view says
+        otherwise (the others' places there are taken, whoever took them)."""
+        state = self.state(name)
+        taken = max(state.peers.inflight, self.room(name) - state.inflight)
+        state.peers = dataclasses.replace(state.peers, inflight=taken)
 
     def _believable(self, state: InstanceState, claim: PeerLoad, now: float) -> PeerLoad:
         """As much of the peers' claim as the instance can hold and its own metrics allow.

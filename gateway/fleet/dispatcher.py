@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from gateway import errors
 from gateway.dispatch import (
@@ -123,6 +123,12 @@ class Dispatcher:
         # health checker looks at its metrics soon (Scheduler.unconfirmed).
         self.on_unconfirmed: Callable[[str], None] | None = None
         self._leases: dict[int, Lease] = {}  # the places attempts hold, by ticket
+        # With [shared] strict_caps: take a place's lease in the shared store (True), be
+        # refused it (False: the instance is full fleet-wide), or not hear (None: Redis is
+        # away and the local view decides); and give it back.
+        self.claim: Callable[[str, int, int], Awaitable[bool | None]] | None = None
+        self.unclaim: Callable[[str, int], None] | None = None
+        self._claimed: dict[int, str] = {}  # ticket -> instance whose lease it holds
         self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
 
     def snapshot(self) -> Snapshot:
@@ -161,8 +167,27 @@ class Dispatcher:
         return await self._wait(decision)
 
     async def lease(self, ticket: Ticket) -> Lease:
-        """`acquire`, with the place wrapped in the `Lease` the attempt holds."""
-        lease = Lease(self, ticket.id, await self.acquire(ticket))
+        """`acquire`, with the place wrapped in the `Lease` the attempt holds.
+
+        With strict caps the place is also claimed in the shared store; an instance the
+        store says is full is counted full and the request placed again (a new ticket).
+        """
+        instance = await self.acquire(ticket)
+        while self.claim is not None:
+            try:
+                claimed = await self.claim(instance, ticket.id, self.scheduler.room(instance))
+            except BaseException:  # the client left while we asked: the place goes back
+                self.release(ticket.id, Outcome.NEUTRAL)
+                raise
+            if claimed is not False:
+                if claimed:
+                    self._claimed[ticket.id] = instance
+                break
+            self.release(ticket.id, Outcome.NEUTRAL)
+            self.scheduler.note_full(instance)
+            ticket = self.retry_ticket(ticket, ticket.exclude)
+            instance = await self.acquire(ticket)
+        lease = Lease(self, ticket.id, instance)
         self._leases[ticket.id] = lease
         if self.on_unconfirmed is not None and self.scheduler.unconfirmed(lease.instance):
             self.on_unconfirmed(lease.instance)
@@ -212,6 +237,9 @@ class Dispatcher:
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
         self._leases.pop(ticket_id, None)
+        claimed = self._claimed.pop(ticket_id, None)
+        if claimed is not None and self.unclaim is not None:
+            self.unclaim(claimed, ticket_id)
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
         self._changed()
 

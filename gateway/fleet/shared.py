@@ -47,6 +47,16 @@ A peer whose publication has not moved for `ttl` seconds leaves the view, whatev
 says (a key written without a TTL would otherwise stay forever). `gateway_shared_state_up`
 is 1 only while the view is actually shared: the last round went through and, with pushes
 on, the listener is subscribed.
+
+**Strict caps** (`[shared] strict_caps`). The view above counts the others' load as last
+heard, so while pushes are in flight a few more requests than an instance's cap can land
+on it. With strict caps every place is also a lease in Redis, taken atomically by a Lua
+script: a sorted set per instance of `process:ticket` members scored by their expiry
+(Redis's own clock), trimmed of expired leases and checked against the cap in one step.
+A request whose lease is refused is placed again elsewhere (dispatcher.py). Leases are
+renewed every round and given back when the attempt ends; a dead process's expire after
+`LEASE_S`. The price is one Redis round trip per request; if Redis does not answer in
+`CLAIM_TIMEOUT_S`, the local view decides, as without strict caps.
 """
 
 from __future__ import annotations
@@ -89,6 +99,29 @@ _log = log.get("gateway.shared")
 BACKOFF_MAX = 1.0  # seconds between attempts while Redis is away: back within a second
 MAX_PEERS = 256  # other processes read per round; more is a misconfiguration, not a fleet
 LOG_EVERY_S = 60.0  # the same failure is logged at most this often (with a count)
+LEASE_S = 10.0  # a strict-caps lease lives this long unless renewed (a round renews it)
+CLAIM_TIMEOUT_S = 0.5  # a claim Redis does not answer in this long is decided locally
+
+# KEYS[1]: the instance's leases; ARGV: member, cap, lease ms. 1 if the place is ours.
+_CLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+  return 1
+end
+return 0
+"""
+# KEYS: instances' lease sets; ARGV[1]: lease ms, then one member per key: renew if held.
+_RENEW = """
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', until_ms, ARGV[i + 1])
+end
+return #KEYS
+"""
 STREAM_MAXLEN = 20_000  # placements kept in the stream (approximately: Redis trims lazily)
 CATCH_UP = 500  # placements a new process reads back from before it started
 
@@ -105,6 +138,7 @@ class SharedState:
         namespace: str = "gateway",
         process_id: str | None = None,
         push_interval: float = 0.02,
+        strict_caps: bool = False,
     ) -> None:
         self.url = url
         self.dispatcher = dispatcher
@@ -119,6 +153,10 @@ class SharedState:
         self._prefix = f"{namespace}:process:"
         self._stream = f"{namespace}:placements"
         self._channel = f"{namespace}:pushes"
+        self._leases = f"{namespace}:leases:"  # + instance: a sorted set of held places
+        self._held: dict[int, str] = {}  # ticket -> instance, the leases we hold
+        self._unheld: list[tuple[str, int]] = []  # leases to give back
+        self._give_back = asyncio.Event()
         self._stream_at: str | None = None  # the last placement read
         # Placements the pushes told the others, for the next round to append to the
         # stream in one entry: one stream write a round rather than one a push, and a
@@ -144,6 +182,9 @@ class SharedState:
         self.pushes_sent = 0
         self.pushes_heard = 0
         self.listening = False  # subscribed to the others' pushes
+        self.strict_caps = strict_caps
+        self._claim_script = self._redis.register_script(_CLAIM)
+        self._renew_script = self._redis.register_script(_RENEW)
         self._deaf = False  # the listener lost its subscription and has not got it back
 
     async def run_forever(self) -> None:
@@ -155,9 +196,13 @@ class SharedState:
                 asyncio.create_task(self._push_forever(), name="shared-state-push"),
                 asyncio.create_task(self._listen_forever(), name="shared-state-listen"),
             ]
+        if self.strict_caps:
+            self.dispatcher.claim, self.dispatcher.unclaim = self.claim, self.unclaim
+            helpers.append(asyncio.create_task(self._give_back_forever(), name="shared-leases"))
         try:
             await self._rounds_forever()
         finally:
+            self.dispatcher.claim = self.dispatcher.unclaim = None
             if helpers:
                 self.dispatcher.on_change = None
             for helper in helpers:
@@ -178,6 +223,8 @@ class SharedState:
         try:
             async with asyncio.timeout(max(1.0, self.ttl / 2)):
                 self._peers = self._alive(await self._exchange())
+                if self.strict_caps:
+                    await self._renew()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -195,6 +242,58 @@ class SharedState:
         self.rounds += 1
         self._apply()
         return self.round_ok is True
+
+    async def claim(self, instance: str, ticket: int, cap: int) -> bool | None:
+        """Take one of `cap` places on `instance` in Redis: True if ours, False if all are
+        taken, None if Redis did not answer in time (the local view decides)."""
+        member = f"{self.process_id}:{ticket}"
+        try:
+            async with asyncio.timeout(CLAIM_TIMEOUT_S):
+                got = await self._claim_script(
+                    keys=[self._leases + instance], args=[member, cap, int(LEASE_S * 1000)]
+                )
+        except asyncio.CancelledError:
+            self.unclaim(instance, ticket)  # it may have gone through: give it back
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.failed("redis", exc)
+            return None
+        if got:
+            self._held[ticket] = instance
+        return bool(got)
+
+    def unclaim(self, instance: str, ticket: int) -> None:
+        """Give a lease back (soon, in one pipeline with the others given back meanwhile)."""
+        self._held.pop(ticket, None)
+        self._unheld.append((instance, ticket))
+        self._give_back.set()
+
+    async def _give_back_forever(self) -> None:
+        while True:
+            await self._give_back.wait()
+            self._give_back.clear()
+            batch, self._unheld = self._unheld, []
+            try:
+                async with asyncio.timeout(max(1.0, self.ttl / 2)):
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        for instance, ticket in batch:
+                            pipe.zrem(self._leases + instance, f"{self.process_id}:{ticket}")
+                        await pipe.execute()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # they expire after LEASE_S in any case
+                self.failed("redis", exc)
+            _honour_cancel()
+
+    async def _renew(self) -> None:
+        """Our leases live another LEASE_S: a stream may hold its place for minutes."""
+        held = list(self._held.items())
+        if not held:
+            return
+        await self._renew_script(
+            keys=[self._leases + instance for _, instance in held],
+            args=[int(LEASE_S * 1000), *(f"{self.process_id}:{t}" for t, _ in held)],
+        )
 
     def _alive(self, read: dict[str, PeerEntry]) -> dict[str, PeerEntry]:
         """The peers whose publication moved within `ttl` (by our clock): a process that

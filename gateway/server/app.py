@@ -158,6 +158,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         ttl=settings.ttl,
         namespace=settings.namespace,
         push_interval=settings.push_interval,
+        strict_caps=settings.strict_caps,
     )
     app[SHARED] = shared
     app[METRICS].registry.register(SharedStateCollector(shared))

@@ -133,8 +133,10 @@ class Engine:
         self._sync_stats()
 
     def _sync_stats(self) -> None:
-        self._stats.running = len(self._running)
-        self._stats.waiting = len(self._waiting)
+        stats = self._stats
+        stats.running = len(self._running)
+        stats.waiting = len(self._waiting)
+        stats.peak_held = max(stats.peak_held, stats.running + stats.waiting)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:

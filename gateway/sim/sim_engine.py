@@ -86,6 +86,7 @@ class SimStats:
     rejected: int = 0  # 503 busy, fault statuses and simulated connection drops
     running: int = 0
     waiting: int = 0
+    peak_held: int = 0  # the most requests it ever held at once, running and waiting
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
