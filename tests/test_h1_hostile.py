@@ -151,3 +151,147 @@ async def test_idle_connections_are_closed_on_time() -> None:
         await asyncio.wait_for(srv.closed.wait(), 2.0)  # the server saw us leave
         assert "open=0/2 idle=0" in repr(pool)
         pool.close()
+
+
+# A matrix of answers an instance may send, each followed by a clean request that must get
+# exactly its own answer on a pool of one place: nothing leaks into it, no place is lost.
+# `expect`: "ok" (the body arrives whole), "head" (the attempt fails before a response),
+# "body" (the head arrives, the body breaks).
+def _h(*lines: bytes) -> bytes:
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+MATRIX: list[tuple[str, Answer, str, bytes]] = [
+    ("cl-exact", [fixed(b"hello")], "ok", b"hello"),
+    (
+        "cl-short-then-close",
+        [_h(b"HTTP/1.1 200 OK", b"Content-Length: 9") + b"hel", None],
+        "body",
+        b"",
+    ),
+    ("cl-zero", [_h(b"HTTP/1.1 200 OK", b"Content-Length: 0")], "ok", b""),
+    ("cl-negative", [_h(b"HTTP/1.1 200 OK", b"Content-Length: -1") + b"x"], "head", b""),
+    ("cl-not-a-number", [_h(b"HTTP/1.1 200 OK", b"Content-Length: ten") + b"x"], "head", b""),
+    (
+        "cl-twice-differing",
+        [_h(b"HTTP/1.1 200 OK", b"Content-Length: 1", b"Content-Length: 2") + b"xy"],
+        "head",
+        b"",
+    ),
+    (
+        "cl-and-chunked",
+        [
+            _h(b"HTTP/1.1 200 OK", b"Content-Length: 3", b"Transfer-Encoding: chunked")
+            + chunk(b"abc")
+            + b"0\r\n\r\n"
+        ],
+        "head",
+        b"",
+    ),
+    ("chunked", [CHUNKED_HEAD + chunk(b"ab") + chunk(b"cd") + b"0\r\n\r\n"], "ok", b"abcd"),
+    ("chunked-extension", [CHUNKED_HEAD + b"2;name=value\r\nab\r\n0\r\n\r\n"], "ok", b"ab"),
+    ("chunked-trailer", [CHUNKED_HEAD + chunk(b"ab") + b"0\r\nX-Trailer: 1\r\n\r\n"], "ok", b"ab"),
+    ("chunked-bad-size", [CHUNKED_HEAD + b"zz\r\nab\r\n0\r\n\r\n"], "body", b""),
+    ("chunked-no-end-then-close", [CHUNKED_HEAD + chunk(b"ab"), None], "body", b""),
+    (
+        "chunked-split-everywhere",
+        [CHUNKED_HEAD, b"2", b"\r", b"\na", b"b\r\n", b"0\r\n", b"\r\n"],
+        "ok",
+        b"ab",
+    ),
+    ("no-framing-until-close", [_h(b"HTTP/1.1 200 OK") + b"all of it", None], "ok", b"all of it"),
+    ("http-1.0-keep-nothing", [b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"], "ok", b"ok"),
+    ("connection-close", [fixed(b"ok", b"Connection: close"), None], "ok", b"ok"),
+    ("continue-then-answer", [b"HTTP/1.1 100 Continue\r\n\r\n" + fixed(b"ok")], "ok", b"ok"),
+    (
+        "early-hints-then-answer",
+        [_h(b"HTTP/1.1 103 Early Hints", b"Link: </x>") + fixed(b"ok")],
+        "ok",
+        b"ok",
+    ),
+    (
+        "two-interim-then-answer",
+        [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 102 Processing\r\n\r\n", fixed(b"ok")],
+        "ok",
+        b"ok",
+    ),
+    ("status-not-a-number", [_h(b"HTTP/1.1 abc OK", b"Content-Length: 0")], "head", b""),
+    ("not-http", [b"SSH-2.0-OpenSSH\r\n\r\n"], "head", b""),
+    ("http-2-preface", [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"], "head", b""),
+    (
+        "header-without-colon",
+        [_h(b"HTTP/1.1 200 OK", b"Broken header", b"Content-Length: 0")],
+        "head",
+        b"",
+    ),
+    (
+        "header-line-too-long",
+        [_h(b"HTTP/1.1 200 OK", b"X-Big: " + b"y" * 9000, b"Content-Length: 0")],
+        "head",
+        b"",
+    ),
+    (
+        "many-small-headers",
+        [
+            _h(b"HTTP/1.1 200 OK", *(b"X-%d: v" % i for i in range(500)), b"Content-Length: 2")
+            + b"ok"
+        ],
+        "ok",
+        b"ok",
+    ),
+    ("close-before-head", [None], "head", b""),
+    ("close-mid-head", [b"HTTP/1.1 200 OK\r\nContent-Le", None], "head", b""),
+    (
+        "garbage-after-chunked-end",
+        [CHUNKED_HEAD + chunk(b"ab") + b"0\r\n\r\n" + b"\x00\xffjunk"],
+        "ok",
+        b"ab",
+    ),
+    (
+        "sse-split-mid-event",
+        [CHUNKED_HEAD + chunk(b'data: {"a"'), 0.02, chunk(b":1}\n\n") + b"0\r\n\r\n"],
+        "ok",
+        b'data: {"a":1}\n\n',
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("answer", "expect", "body"), [m[1:] for m in MATRIX], ids=[m[0] for m in MATRIX]
+)
+async def test_an_answer_of_any_shape_reaches_no_other_client(
+    answer: Answer, expect: str, body: bytes
+) -> None:
+    """The attempt gets its own answer or a clean failure; the next request, on a pool of one
+    place, gets exactly its own answer; no connection is left open behind."""
+    async with server([answer, [CLEAN]]) as srv:
+        pool = h1_pool.Pool(1, 1.0)
+        if expect == "head":
+            with pytest.raises(AttemptFailed):
+                await request(pool, srv)
+        else:
+            response = await request(pool, srv)
+            if expect == "ok":
+                assert await response.read(2.0) == body
+            else:
+                with pytest.raises(AttemptFailed):
+                    await response.read(2.0)
+            response.close()
+        await _next_client_is_clean(pool, srv)
+        pool.close()
+        assert "open=0/1" in repr(pool)
+
+
+async def test_an_answer_nobody_asked_for_on_an_idle_connection_closes_it() -> None:
+    """Bytes that arrive on a pooled connection with no request out drop that connection;
+    the next request goes on a new one and gets its own answer."""
+    async with server([[fixed(b"first"), 0.05, fixed(b"unasked")], [CLEAN]]) as srv:
+        pool = h1_pool.Pool(1, 1.0)
+        response = await request(pool, srv)
+        assert await response.read(2.0) == b"first"
+        response.close()  # back in the pool, idle
+        await asyncio.sleep(0.2)  # the unasked answer arrives there
+        assert "open=0/1" in repr(pool)
+        await _next_client_is_clean(pool, srv)
+        assert srv.connections == 2
+        pool.close()
