@@ -143,12 +143,15 @@ class Network:
         self.transports: list[MockTransport] = []
         self.refuse: OSError | None = None  # raised instead of connecting, when set
         self.made = asyncio.Event()  # set on each connection made; the test clears it
+        self.gate: asyncio.Event | None = None  # when set, a connect waits for it (in progress)
 
     async def create_connection(
         self, factory: Callable[[], asyncio.Protocol], host: str, port: int, **_: Any
     ) -> tuple[MockTransport, asyncio.Protocol]:
         if self.refuse is not None:
             raise self.refuse
+        if self.gate is not None:
+            await self.gate.wait()
         protocol = factory()
         transport = connect(protocol)
         self.transports.append(transport)

@@ -722,3 +722,81 @@ async def test_a_client_that_left_ends_the_splice_and_drops_the_instance() -> No
     response.close()
     assert upstream.aborted
     assert owner.back == []
+
+
+# ------------------------------------------------------------------ cancellation at every await
+# httpcore's tests/test_cancellations.py is the model: a request cancelled wherever it waits
+# leaves the pool with no place lost and no half-used connection kept.
+
+
+async def _next_request_is_served(pool: h1_pool.Pool, network: Network) -> None:
+    pending = request(pool)
+    await settle()
+    network.last.feed(fixed(b"next"))
+    response = await asyncio.wait_for(pending, 1.0)
+    assert await response.read(1.0) == b"next"
+    response.close()
+
+
+async def test_cancelled_while_waiting_for_a_place(network: Network) -> None:
+    """A waiter for the one place leaves: the holder's place goes to the next request."""
+    pool = h1_pool.Pool(1, 1.0)
+    holder = request(pool)
+    await settle()
+    waiter = request(pool)
+    await settle()
+    waiter.cancel()
+    await settle()
+    network.last.feed(fixed(b"held"))
+    response = await holder
+    assert await response.read(1.0) == b"held"
+    response.close()
+    await _next_request_is_served(pool, network)
+    assert "open=1/1 idle=1" in repr(pool)
+
+
+async def test_cancelled_while_connecting(network: Network) -> None:
+    """A connect in progress, cancelled: its place is free, nothing is counted open."""
+    pool = h1_pool.Pool(1, 1.0)
+    network.gate = asyncio.Event()
+    pending = request(pool)
+    await settle()
+    pending.cancel()
+    await settle()
+    assert "open=0/1" in repr(pool)
+    network.gate = None
+    await _next_request_is_served(pool, network)
+
+
+async def test_cancelled_while_waiting_for_the_head(network: Network) -> None:
+    """The request went out, no head yet: the connection is aborted (the instance sees us
+    leave) and not kept; the next request gets a new one."""
+    pool = h1_pool.Pool(1, 1.0)
+    pending = request(pool)
+    await settle()
+    first = network.last
+    pending.cancel()
+    await settle()
+    assert first.aborted
+    await _next_request_is_served(pool, network)
+    assert network.last is not first
+
+
+async def test_cancelled_while_reading_the_body(network: Network) -> None:
+    """The head came, the body is being read: closing the answer unfinished aborts the
+    connection; the place is free for the next request on a new one."""
+    pool = h1_pool.Pool(1, 1.0)
+    pending = request(pool)
+    await settle()
+    first = network.last
+    first.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nsome")
+    response = await pending
+    reading = asyncio.ensure_future(response.read(1.0))
+    await settle()
+    reading.cancel()
+    await settle()
+    response.close()
+    await settle()
+    assert first.aborted
+    await _next_request_is_served(pool, network)
+    assert network.last is not first
