@@ -22,8 +22,8 @@ def _instance_headers(config: Config, api_key_env: str | None) -> dict[str, str]
 
 _NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-request-tag"})
 
-# A scrape older than this many health rounds counts as unknown, not idle: one missed
-# scrape is noise, three in a row is an instance that stopped answering /metrics.
+# A scrape older than this many health rounds counts as unknown, not idle: a round or
+# two may be late without an instance's load being forgotten (docs/decisions/0017).
 METRICS_STALE_ROUNDS = 3
 
 
@@ -56,8 +56,8 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         prefix_index_learned=dispatch.prefix_index_blocks is None,
     )
     h = dispatch.health
-    # Ejection's length and share keep the core's values, Envoy's outlier-detection
-    # defaults (docs/decisions/0017).
+    # Ejection's length and share are the core's (10 s doubling to 300 s, half the
+    # fleet): no measurement here ever varied them (docs/decisions/0017).
     policy = HealthPolicy(rise=h.rise, fall=h.fall, eject_after_failures=h.eject_after_failures)
     return specs, limits, policy
 
