@@ -63,6 +63,49 @@ CASES: list[Any] = [
         ["prefill.lane_split", "True"],
         id="removed-setting",
     ),
+    # Removed with no measurement behind them (docs/decisions/0017-unmeasured-settings.md).
+    pytest.param(
+        '[tracing]\nservice_name = "gw"\n',
+        None,
+        "config.toml",
+        ["tracing.service_name", "'gw'"],
+        id="removed-service-name",
+    ),
+    pytest.param(
+        "",
+        channel(retry={"budget_ratio": 0.1}),
+        "settings.json",
+        ["channel.retry.budget_ratio", "0.1"],
+        id="removed-budget-ratio",
+    ),
+    pytest.param(
+        "[dispatch.health]\nejection_base = 1\n",
+        None,
+        "config.toml",
+        ["dispatch.health.ejection_base", "1"],
+        id="removed-ejection-base",
+    ),
+    pytest.param(
+        "[dispatch.health]\nejection_max = 30\n",
+        None,
+        "config.toml",
+        ["dispatch.health.ejection_max", "30"],
+        id="removed-ejection-max",
+    ),
+    pytest.param(
+        "[dispatch.health]\nmax_ejected_fraction = 0.25\n",
+        None,
+        "config.toml",
+        ["dispatch.health.max_ejected_fraction", "0.25"],
+        id="removed-max-ejected-fraction",
+    ),
+    pytest.param(
+        "[dispatch.health]\nmetrics_stale_after = 5\n",
+        None,
+        "config.toml",
+        ["dispatch.health.metrics_stale_after", "5"],
+        id="removed-metrics-stale-after",
+    ),
     pytest.param(
         "[gateway]\nport = 70000\n", None, "config.toml", ["gateway.port", "70000"], id="port-range"
     ),

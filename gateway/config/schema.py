@@ -79,10 +79,6 @@ class HealthSection(Frozen):
     fall: int = Field(3, ge=1)
     probe_timeout: float = Field(2.0, gt=0)
     eject_after_failures: int = Field(5, ge=1)
-    ejection_base: float = Field(10.0, gt=0)
-    ejection_max: float = Field(300.0, gt=0)
-    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
-    metrics_stale_after: float | None = Field(None, gt=0)
 
 
 class DispatchSection(Frozen):
@@ -186,7 +182,6 @@ class TracingSection(Frozen):
     """OpenTelemetry spans (the `otel` extra); off unless an OTLP endpoint is given."""
 
     otlp_endpoint: str | None = None  # OTLP/HTTP, e.g. http://collector:4318
-    service_name: str = Field("vllm-gateway", min_length=1, max_length=200)
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -218,7 +213,6 @@ class RetrySettings(Frozen):
     max_attempts: int = Field(3, ge=1, le=10)
     backoff_base: float = Field(0.5, ge=0)
     backoff_max: float = Field(8.0, ge=0)
-    budget_ratio: float = Field(0.2, ge=0, le=1)
 
 
 class Channel(Frozen):

@@ -22,6 +22,10 @@ def _instance_headers(config: Config, api_key_env: str | None) -> dict[str, str]
 
 _NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-request-tag"})
 
+# A scrape older than this many health rounds counts as unknown, not idle: a round or
+# two may be late without an instance's load being forgotten (docs/decisions/0017).
+METRICS_STALE_ROUNDS = 3
+
 
 def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
     """What the pure scheduler is built from (at start, and again on each reload)."""
@@ -36,13 +40,12 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         )
         for i in config.instances
     ]
-    stale_after = dispatch.health.metrics_stale_after or 3 * dispatch.health_check_interval
     limits = Limits(
         max_queue_per_instance=dispatch.max_queue_per_instance,
         max_long_per_instance=config.prefill.max_long_per_instance,
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,
-        metrics_stale_after=stale_after,
+        metrics_stale_after=METRICS_STALE_ROUNDS * dispatch.health_check_interval,
         queue_retry_after=retry_after_503(config),
         max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
@@ -53,14 +56,9 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         prefix_index_learned=dispatch.prefix_index_blocks is None,
     )
     h = dispatch.health
-    policy = HealthPolicy(
-        rise=h.rise,
-        fall=h.fall,
-        eject_after_failures=h.eject_after_failures,
-        ejection_base=h.ejection_base,
-        ejection_max=h.ejection_max,
-        max_ejected_fraction=h.max_ejected_fraction,
-    )
+    # Ejection's length and share are the core's (10 s doubling to 300 s, half the
+    # fleet): no measurement here ever varied them (docs/decisions/0017).
+    policy = HealthPolicy(rise=h.rise, fall=h.fall, eject_after_failures=h.eject_after_failures)
     return specs, limits, policy
 
 

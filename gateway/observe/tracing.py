@@ -5,6 +5,8 @@ imports this module only when `Config.otlp_traces_url` is set, so a gateway with
 extra, or with tracing off, runs exactly as before. Spans go to their own
 `TracerProvider` (never the process-global one) through a batching OTLP/HTTP exporter;
 the SDK reads its usual variables (`OTEL_TRACES_SAMPLER`, `OTEL_RESOURCE_ATTRIBUTES`, ...).
+The service is named by `OTEL_SERVICE_NAME` (or a `service.name` in
+`OTEL_RESOURCE_ATTRIBUTES`), else `SERVICE_NAME`.
 
 A request span (SERVER) continues the client's `traceparent` if it sent one, else starts
 a trace; each attempt is a CLIENT span under it, and the instance gets a `traceparent`
@@ -28,6 +30,9 @@ ATTEMPT = "gateway.attempt"
 ATTEMPTS = "gateway.attempts"
 REQUEST_ID = "gateway.request_id"
 ERROR = "error.type"
+# The spans' service.name unless the environment names the service (the SDK's own
+# fallback, "unknown_service:python", would tell an operator nothing).
+SERVICE_NAME = "vllm-gateway"
 _NAMES = {
     "lane": LANE,
     "model": MODEL,
@@ -130,13 +135,12 @@ def _remote(parent: TraceContext | None) -> Any:
     return set_span_in_context(NonRecordingSpan(context))
 
 
-def start(traces_url: str, service_name: str, exporter: Any = None) -> Spans:
+def start(traces_url: str, exporter: Any = None) -> Spans:
     """Spans exported to `traces_url` in batches (or to `exporter` at once, for tests)."""
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=_resource())
     if exporter is None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -144,3 +148,17 @@ def start(traces_url: str, service_name: str, exporter: Any = None) -> Spans:
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     return Spans(provider)
+
+
+def _resource() -> Any:
+    """The SDK's resource, with `SERVICE_NAME` where the environment names no service.
+
+    `Resource.create` reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES itself, but
+    attributes passed to it win over both: the default is passed only when neither names
+    the service.
+    """
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+    if "service.name" in OTELResourceDetector().detect().attributes:
+        return Resource.create()
+    return Resource.create({"service.name": SERVICE_NAME})

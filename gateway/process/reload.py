@@ -48,7 +48,6 @@ RESTART_ONLY = (
     "gateway.max_client_connections",
     "dispatch.strategy",
     "dispatch.health_check_interval",
-    "dispatch.health.metrics_stale_after",
     "dispatch.prefix_index_blocks",
     "prefill.tag",
     "prefill.tokenizer",

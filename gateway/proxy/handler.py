@@ -84,7 +84,7 @@ class Proxy:
         self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
-        self.budget = RetryBudget(ratio=config.channel.retry.budget_ratio)
+        self.budget = RetryBudget()  # the core's ratio, 0.2 (docs/decisions/0017)
         self.affinity = config.dispatch.prefix_index_blocks != 0
         self.clock = dispatcher.clock
         self.spans: Spans | None = None
@@ -93,7 +93,7 @@ class Proxy:
                 tracing,  # the otel extra is imported only by a gateway that traces
             )
 
-            self.spans = tracing.start(config.otlp_traces_url, config.file.tracing.service_name)
+            self.spans = tracing.start(config.otlp_traces_url)
         # Shutdown is the lifecycle's: it holds the requests in progress and says when
         # their drain time is up.
         self.lifecycle = lifecycle or Lifecycle()
@@ -129,7 +129,6 @@ class Proxy:
             Lane.SHORT: channel.timeout.read,
             Lane.LONG: channel.timeout.read * LONG_TTFT_FACTOR,
         }
-        self.budget.ratio = channel.retry.budget_ratio  # its counts carry on
         self.relay.write_timeout = channel.timeout.write
         self.upstream.timeouts = channel.timeout
         self.intake.reconfigure(config, keys)

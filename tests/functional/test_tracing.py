@@ -43,7 +43,7 @@ async def traced() -> AsyncIterator[tuple[Gateway, InMemorySpanExporter]]:
         gateway_with(sims, sections={"dispatch": {"strategy": "round_robin"}}) as gw,
     ):
         exporter = InMemorySpanExporter()
-        gw.app[PROXY].spans = tracing.start("http://unused", "gateway-test", exporter=exporter)
+        gw.app[PROXY].spans = tracing.start("http://unused", exporter=exporter)
         yield gw, exporter
 
 
@@ -148,6 +148,33 @@ async def test_an_unauthorized_request_is_a_span_too(
 
 
 @pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, tracing.SERVICE_NAME),
+        ({"OTEL_SERVICE_NAME": "gw-eu"}, "gw-eu"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=gw-us,team=ml"}, "gw-us"),
+        (
+            {"OTEL_SERVICE_NAME": "gw-eu", "OTEL_RESOURCE_ATTRIBUTES": "service.name=gw-us"},
+            "gw-eu",
+        ),
+    ],
+)
+def test_the_service_is_named_by_the_environment_else_vllm_gateway(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], expected: str
+) -> None:
+    """The spans' service.name: OTEL_SERVICE_NAME, else OTEL_RESOURCE_ATTRIBUTES' one,
+    else the gateway's own name (never the SDK's "unknown_service")."""
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    exporter = InMemorySpanExporter()
+    tracing.start("http://unused", exporter=exporter).request("/v1/models", "GET", None).end(200)
+    (span,) = exporter.get_finished_spans()
+    assert span.resource.attributes["service.name"] == expected
+
+
+@pytest.mark.parametrize(
     ("section", "environ", "expected"),
     [
         ({}, {}, None),
@@ -209,8 +236,9 @@ def test_with_tracing_off_no_opentelemetry_module_is_imported() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
-async def test_spans_reach_an_otlp_http_collector() -> None:
-    """With the real exporter, spans arrive at the collector's /v1/traces as OTLP protobuf."""
+async def test_spans_reach_an_otlp_http_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the real exporter, spans arrive at the collector's /v1/traces as OTLP protobuf,
+    under the service that OTEL_SERVICE_NAME names."""
     pytest.importorskip(
         "opentelemetry.exporter.otlp.proto.http",
         reason="the OTLP exporter is not installed (pip install '.[otel]')",
@@ -223,10 +251,11 @@ async def test_spans_reach_an_otlp_http_collector() -> None:
         received.append((request.path, request.content_type, await request.read()))
         return web.Response(status=200)
 
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "gateway-otlp-test")
     app = web.Application()
     app.router.add_post("/v1/traces", collect)
     async with serving(app) as url:
-        spans = tracing.start(f"{url}/v1/traces", "gateway-otlp-test")
+        spans = tracing.start(f"{url}/v1/traces")
         span = spans.request("/v1/chat/completions", "POST", None)
         span.end(200, lane="short", model="m", request_id="r1")
         await asyncio.to_thread(spans.shutdown)  # flushes the batch; the loop serves it
