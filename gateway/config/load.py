@@ -257,6 +257,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+class FromEnvironment(str):
+    """A string that `${VAR}` expansion made: the schema converts it to a number or a
+    boolean where one is meant (schema.py, `Frozen`)."""
+
+
 def _expand(value: Any, env: Mapping[str, str], file: str, path: tuple[str | int, ...]) -> Any:
     """Replace `${VAR}` / `${VAR:-default}` in every string; an unset VAR is an error."""
     if isinstance(value, str):
@@ -272,7 +277,10 @@ def _expand(value: Any, env: Mapping[str, str], file: str, path: tuple[str | int
                 f"(referenced as {match.group(0)})"
             )
 
-        return _ENV_REF.sub(substitute, value)
+        expanded = _ENV_REF.sub(substitute, value)
+        # A value from the environment is always a string; only it may stand for a number
+        # or a boolean (`port = "${PORT}"`), never a string written in the file.
+        return FromEnvironment(expanded) if expanded != value else expanded
     if isinstance(value, dict):
         return {k: _expand(v, env, file, (*path, k)) for k, v in value.items()}
     if isinstance(value, list):
