@@ -91,6 +91,12 @@ class GatewaySection(Frozen):
     admin_port: int | None = Field(None, ge=0, le=65535)
     admin_host: str | None = None  # default: `host`
 
+    @model_validator(mode="after")
+    def _admin_port_fixed_for_workers(self) -> GatewaySection:
+        if self.admin_port == 0 and self.workers > 1:
+            raise ValueError("admin_port: every worker must listen on one admin port, not 0")
+        return self
+
     @field_validator("trusted_proxies")
     @classmethod
     def _cidrs(cls, value: list[str]) -> list[str]:

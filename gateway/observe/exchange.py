@@ -37,7 +37,8 @@ class Exchange:
     # For the access log only (never labels: unbounded, or chosen by the client).
     method: str = ""
     path: str = ""
-    client: str = ""  # the peer address (proxy headers are not trusted)
+    client: str = ""  # the peer, or the client trusted proxies name (client_address.py)
+    peer: str = ""  # the connection's peer, when trusted proxies are set
     user_agent: str = ""
     queue_wait: float = 0.0  # seconds in the gateway queue, all attempts together
     bytes_sent: int = 0
