@@ -108,6 +108,14 @@ class Metrics:
             ["why"],
             registry=registry,
         )
+        self.probe_failures = Counter(
+            "gateway_instance_check_failures",
+            "Health probes (check=probe, /health) and metric scrapes (check=scrape, /metrics) "
+            "that failed, by reason: connect, timeout, bad_response, status_<code>, parse, "
+            "no_vllm_metrics.",
+            ["server", "check", "reason"],
+            registry=registry,
+        )
         self.taken_back = Counter(
             "gateway_requests_taken_back",
             "Requests taken back from an instance before their first token because it showed "

@@ -4,6 +4,7 @@ access line) and `GET /admin/config` (what runs, and what waits for a restart)."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import tempfile
@@ -18,7 +19,7 @@ from fakes import KEY, fleet, write_config
 
 from gateway.config import load as gateway_config
 from gateway.process.reload import reload
-from gateway.server.app import build_app
+from gateway.server.app import DISPATCHER, build_app
 from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
@@ -119,3 +120,37 @@ async def test_admin_config_shows_what_runs_and_what_waits_for_a_restart(tmp_pat
     assert "instance-secret" not in json.dumps(body)
     assert f'gateway_config_info{{hash="{body["digest"]}"}} 1.0' in metrics
     assert "gateway_config_last_reload_successful 0.0" in metrics
+
+
+async def test_an_instance_down_says_why_in_the_log_metrics_and_admin() -> None:
+    """A /health answering 503: instance_down with the reason, counted by reason, and the
+    reason among the instance's recent errors."""
+    async with (
+        fleet(SimConfig(instant=True)) as sims,
+        two_listeners(sims, {"admin_port": 0}) as (_, admin, app),
+        aiohttp.ClientSession(headers=AUTH) as session,
+    ):
+        await until_up(app)
+        sims[0].faults.health_status = 503
+        with structlog.testing.capture_logs() as events:
+            await until_down(app)
+        async with session.get(admin + "/admin/instances") as resp:
+            instance = (await resp.json())["instances"][0]
+        async with session.get(admin + "/metrics") as resp:
+            metrics = await resp.text()
+    down = next(e for e in events if e["event"] == "instance_down")
+    assert down["reason"] == "status_503"
+    assert "probe: status_503" in instance["recent_errors"]
+    assert 'check="probe",reason="status_503"' in metrics
+
+
+async def until_up(app: web.Application) -> None:
+    async with asyncio.timeout(10):
+        while not all(s.up for s in app[DISPATCHER].scheduler.states):
+            await asyncio.sleep(0.05)
+
+
+async def until_down(app: web.Application) -> None:
+    async with asyncio.timeout(10):
+        while any(s.up for s in app[DISPATCHER].scheduler.states):
+            await asyncio.sleep(0.05)
