@@ -149,7 +149,9 @@ def load(
     settings = _validate(Settings, raw_settings, settings_path, {"channel": block})
     keys = _api_keys(file, settings, env, settings_path, block)
     if not keys and not allow_no_key:
-        names = [n for n in (file.gateway.api_key_env, settings.channel.api_key_env) if n]
+        names = list(
+            dict.fromkeys(n for n in (file.gateway.api_key_env, settings.channel.api_key_env) if n)
+        )
         where = " or ".join(f"the environment variable {n}" for n in names) or "no variable"
         raise ConfigError(
             f"no API key configured: set {where}, or channel.api_key in {settings_path}, "

@@ -170,7 +170,7 @@ class PrefillSection(Frozen):
         if value is None or value == "instance":
             return value
         if not Path(value).is_file():
-            raise ValueError(f"expected 'instance' or the path of a tokenizer.json, got {value!r}")
+            raise ValueError("expected 'instance' or the path of a tokenizer.json")
         try:
             import tokenizers  # noqa: F401
         except ImportError:

@@ -104,7 +104,7 @@ class Metrics:
         )
         self.retries_refused = Counter(
             "gateway_retries_refused",
-            "Retries not made, by why (attempts, deadline, budget).",
+            "Retries not made, by why (attempts, deadline, budget, instances: none untried).",
             ["why"],
             registry=registry,
         )

@@ -192,6 +192,8 @@ class Recorder:
             path=request.path[:_PATH_CHARS],
             client=client,
             peer=peer,
+            protocol=f"HTTP/{request.version.major}.{request.version.minor}",
+            bytes_received=request.content_length or 0,
             user_agent=request.headers.get("User-Agent", "")[:_USER_AGENT_CHARS],
         )
         request[EXCHANGE] = ex
@@ -240,7 +242,10 @@ class Recorder:
             status=ex.status,
             prompt_tokens=ex.prompt_tokens if ex.lane else None,
             completion_tokens=ex.tokens,
+            protocol=ex.protocol or None,
+            bytes_received=ex.bytes_received,
             bytes_sent=ex.bytes_sent,
+            cut=ex.cut,
             server=ex.instance or None,
             attempts=ex.attempts,
             queue_wait_ms=round(ex.queue_wait * 1000, 2) if ex.lane else None,

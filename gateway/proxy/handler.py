@@ -164,6 +164,7 @@ class Proxy:
                 body, payload = await self.intake.form_body(request)
             else:
                 body, payload = await self.intake.json_body(request)
+            ex.bytes_received = len(body)  # as read: a chunked body has no Content-Length
             if payload.get("model") is None and self.default_model and not route.form:
                 body = jsoncodec.with_field(body, payload, "model", self.default_model)
                 payload["model"] = self.default_model
@@ -342,6 +343,7 @@ class Proxy:
                 silence=self.ttft_allowance[call.lane],  # between two data events
             )
             ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
+            ex.cut = streamed.cut
             return Committed(streamed.response, streamed.outcome, streamed.error)
         whole = await self.relay.whole(
             response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())
