@@ -347,3 +347,29 @@ def test_config_errors_never_show_a_key(tmp_path: Path, settings: Any) -> None:
     """A ConfigError message never contains an API key's value."""
     message = load_error(tmp_path, settings=settings, environ={"K": KEY})
     assert KEY not in message
+
+
+@pytest.mark.parametrize(
+    ("toml", "where"),
+    [
+        ('[gateway]\nport = "8080"\n', "gateway.port"),
+        ('[gateway]\nworkers = "2"\n', "gateway.workers"),
+        ('[dispatch]\nmax_queue_per_instance = "4"\n', "dispatch.max_queue_per_instance"),
+        ('[shared]\nstrict_caps = "no"\n', "shared.strict_caps"),
+        ("[gateway]\ndrain_delay = true\n", "gateway.drain_delay"),
+    ],
+)
+def test_a_string_or_boolean_where_a_number_is_meant_is_an_error(
+    tmp_path: Path, toml: str, where: str
+) -> None:
+    """A quoted number or a boolean in place of a number is a type error, not a guess."""
+    message = load_error(tmp_path, toml)
+    assert where in message
+    assert message.count("(got") <= 1  # the value once, not twice
+
+
+def test_a_number_from_the_environment_is_still_a_number(tmp_path: Path) -> None:
+    """`${VAR}` always expands to a string; that one may stand for a number or a boolean."""
+    environ = {**ENV, "PORT": "9123", "STRICT": "true"}
+    config = load_ok(tmp_path, '[gateway]\nport = "${PORT}"\n', environ=environ)
+    assert config.gateway.port == 9123

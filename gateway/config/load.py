@@ -149,7 +149,9 @@ def load(
     settings = _validate(Settings, raw_settings, settings_path, {"channel": block})
     keys = _api_keys(file, settings, env, settings_path, block)
     if not keys and not allow_no_key:
-        names = [n for n in (file.gateway.api_key_env, settings.channel.api_key_env) if n]
+        names = list(
+            dict.fromkeys(n for n in (file.gateway.api_key_env, settings.channel.api_key_env) if n)
+        )
         where = " or ".join(f"the environment variable {n}" for n in names) or "no variable"
         raise ConfigError(
             f"no API key configured: set {where}, or channel.api_key in {settings_path}, "
@@ -257,6 +259,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+class FromEnvironment(str):
+    """A string that `${VAR}` expansion made: the schema converts it to a number or a
+    boolean where one is meant (schema.py, `Frozen`)."""
+
+
 def _expand(value: Any, env: Mapping[str, str], file: str, path: tuple[str | int, ...]) -> Any:
     """Replace `${VAR}` / `${VAR:-default}` in every string; an unset VAR is an error."""
     if isinstance(value, str):
@@ -272,7 +279,10 @@ def _expand(value: Any, env: Mapping[str, str], file: str, path: tuple[str | int
                 f"(referenced as {match.group(0)})"
             )
 
-        return _ENV_REF.sub(substitute, value)
+        expanded = _ENV_REF.sub(substitute, value)
+        # A value from the environment is always a string; only it may stand for a number
+        # or a boolean (`port = "${PORT}"`), never a string written in the file.
+        return FromEnvironment(expanded) if expanded != value else expanded
     if isinstance(value, dict):
         return {k: _expand(v, env, file, (*path, k)) for k, v in value.items()}
     if isinstance(value, list):

@@ -6,12 +6,21 @@ Unknown keys are errors (`extra="forbid"`), so a typo never passes silently. Loa
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.config.urls import LOOPBACK, check_http_url, endpoint
 from gateway.dispatch.model import InstanceLane
@@ -23,9 +32,25 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Frozen(BaseModel):
-    """Immutable once validated; unknown keys are errors."""
+    """Immutable once validated; unknown keys are errors; a string written in a file never
+    stands for a number or a boolean (`port = "8080"`, `workers = "2"` are type errors, as
+    a typo should be). Only a `${VAR}` reference may (load.py marks what it expanded)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_string_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if type(value) is str and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = set(get_args(annotation)) or {annotation}
+            if str not in kinds and kinds & {int, float, bool}:
+                raise ValueError("expected a number or a boolean, not a string")
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in (set(get_args(annotation)) or {annotation}):
+                raise ValueError("expected a number, not a boolean")  # lax int takes true as 1
+        return value
 
 
 # ---------------------------------------------------------------- config.toml
@@ -58,19 +83,35 @@ class GatewaySection(Frozen):
     # Processes serving the port (workers.py); 1 is the single process. 256 is far past
     # any machine's cores: a larger number is a typo, not a plan.
     workers: int = Field(1, ge=1, le=256)
+    # Load balancers whose Forwarded / X-Forwarded-For name the client (observe/
+    # client_address.py); none: the peer is the client.
+    trusted_proxies: list[str] = Field(default_factory=list)
+    # A second listener for /metrics, /admin/*, /healthz and /readyz; the main port then
+    # serves only the API. None: everything on the main port.
+    admin_port: int | None = Field(None, ge=0, le=65535)
+    admin_host: str | None = None  # default: `host`
+
+    @model_validator(mode="after")
+    def _admin_port_fixed_for_workers(self) -> GatewaySection:
+        if self.admin_port == 0 and self.workers > 1:
+            raise ValueError("admin_port: every worker must listen on one admin port, not 0")
+        return self
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an address or CIDR block") from None
+        return value
 
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None:
             check_http_url(value)
-        return value
-
-    @field_validator("port", mode="before")
-    @classmethod
-    def _not_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # pydantic's lax int would take true as port 1
-            raise ValueError("expected a port number, got a boolean")
         return value
 
 
@@ -125,7 +166,7 @@ class PrefillSection(Frozen):
         if value is None or value == "instance":
             return value
         if not Path(value).is_file():
-            raise ValueError(f"expected 'instance' or the path of a tokenizer.json, got {value!r}")
+            raise ValueError("expected 'instance' or the path of a tokenizer.json")
         try:
             import tokenizers  # noqa: F401
         except ImportError:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from .affinity import BLOCK_TOKENS, PrefixIndex
-from .health import apply_probe
+from .health import apply_probe, note_error
 from .model import (
     HealthPolicy,
     InstanceSpec,
@@ -208,12 +208,14 @@ class Fleet:
             min(claim.long_running, room),
         )
 
-    def observe_probe(self, name: str, ok: bool) -> bool | None:
-        """An active health probe answered (or failed): whether `name`'s up/down verdict
-        changed; None for an instance no longer in the fleet."""
+    def observe_probe(self, name: str, ok: bool, error: str | None = None) -> bool | None:
+        """An active health probe answered (or failed, `error` says why): whether `name`'s
+        up/down verdict changed; None for an instance no longer in the fleet."""
         state = self._by_name.get(name)
         if state is None:
             return None
+        if error is not None:
+            note_error(state, error)
         was_up = state.up
         changed = apply_probe(state, ok, self.health_policy)
         if changed and state.up and was_up is False:

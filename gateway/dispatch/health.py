@@ -75,8 +75,7 @@ def apply_outcome(
         return False
     state.failures_total += 1
     if error:
-        state.recent_errors.append(error)
-        del state.recent_errors[:-_RECENT_ERRORS]
+        note_error(state, error)
     if state.ejected_until is not None:
         return False  # failures of requests sent before the ejection do not count again
     state.consecutive_failures += 1
@@ -96,3 +95,9 @@ def apply_outcome(
     state.ejected_until = now + ejection_time(state.ejections, policy)
     state.consecutive_failures = 0
     return True
+
+
+def note_error(state: InstanceState, error: str) -> None:
+    """Keep `error` among the instance's last few, for the operator (/admin/instances)."""
+    state.recent_errors.append(error)
+    del state.recent_errors[:-_RECENT_ERRORS]

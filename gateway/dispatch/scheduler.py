@@ -238,9 +238,12 @@ class Scheduler(Fleet):
 
     # ------------------------------------------------------------ instances
 
-    def probe(self, name: str, ok: bool, now: float, rng: random.Random) -> list[Decision]:
-        """An active health probe answered (or failed); ignored for a removed instance."""
-        changed = self.observe_probe(name, ok)
+    def probe(
+        self, name: str, ok: bool, now: float, rng: random.Random, error: str | None = None
+    ) -> list[Decision]:
+        """An active health probe answered (or failed, and why); ignored for a removed
+        instance."""
+        changed = self.observe_probe(name, ok, error)
         if changed is None:
             return []
         # Also drain when nothing changed: an ejection may have run out since.

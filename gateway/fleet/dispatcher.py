@@ -254,12 +254,12 @@ class Dispatcher:
     def observe_tpot(self, name: str, seconds: float) -> None:
         self.scheduler.observe_tpot(name, seconds)
 
-    def probe(self, name: str, ok: bool) -> bool:
-        """Record a health probe; return whether the verdict changed."""
+    def probe(self, name: str, ok: bool, error: str | None = None) -> bool:
+        """Record a health probe (and why it failed); return whether the verdict changed."""
         if not self.scheduler.has(name):
             return False  # removed by a reload while its probe was out
         before = self.scheduler.state(name).up
-        self._settle(self.scheduler.probe(name, ok, self.clock(), self.rng))
+        self._settle(self.scheduler.probe(name, ok, self.clock(), self.rng, error))
         return self.scheduler.state(name).up != before
 
     def report_load(

@@ -187,41 +187,61 @@ class HealthChecker:
             self._looks.pop(target.name, None)
 
     async def _check(self, target: ProbeTarget) -> None:
-        ok = await self._probe(target)
-        if self.dispatcher.probe(target.name, ok):
+        failed = await self._probe(target)
+        ok = failed is None
+        if failed is not None:
+            self.dispatcher.metrics.probe_failures.labels(target.name, "probe", failed).inc()
+        if self.dispatcher.probe(target.name, ok, None if ok else f"probe: {failed}"):
             # Coming up is good news (and every start-up's first verdict): info, not warning.
-            log_at = _log.info if ok else _log.warning
-            log_at("instance_up" if ok else "instance_down", server=target.name)
+            if ok:
+                _log.info("instance_up", server=target.name)
+            else:
+                _log.warning("instance_down", server=target.name, reason=failed)
         if ok:
             await asyncio.gather(self._scrape(target), self._models(target))
 
-    async def _probe(self, target: ProbeTarget) -> bool:
+    async def _probe(self, target: ProbeTarget) -> str | None:
+        """None if `/health` answered 200, else why not (the kind of failure, or the status)."""
         try:
             status, _ = await self.upstream.fetch(
                 target.url + "/health", headers=target.headers, timeout=self.probe_timeout
             )
-        except AttemptFailed:
-            return False
-        return status == 200
+        except AttemptFailed as exc:
+            return exc.kind
+        return None if status == 200 else f"status_{status}"
 
     async def _scrape(self, target: ProbeTarget) -> None:
+        failed: str | None = None
+        load: VllmLoad | None = None
         try:
             status, body = await self.upstream.fetch(
                 target.url + "/metrics", headers=target.headers, timeout=self.probe_timeout
             )
-            load = parse_vllm_metrics(body.decode()) if status == 200 else None
-        except (AttemptFailed, ValueError, UnicodeDecodeError):
-            load = None
-        if load is not None:
-            self.dispatcher.report_load(
-                target.name,
-                load.running,
-                load.waiting,
-                load.kv_usage,
-                load.prefix_queries,
-                load.prefix_hits,
-                load.cache_tokens,
-            )
+            if status != 200:
+                failed = f"status_{status}"
+            else:
+                load = parse_vllm_metrics(body.decode())
+                failed = None if load is not None else "no_vllm_metrics"
+        except AttemptFailed as exc:
+            failed = exc.kind
+        except (ValueError, UnicodeDecodeError):
+            failed = "parse"
+        if failed is not None:
+            # An unknown load counts as the busiest fleet's, so a scrape that keeps failing
+            # changes dispatch: say so, at debug per scrape and in a counter always.
+            self.dispatcher.metrics.probe_failures.labels(target.name, "scrape", failed).inc()
+            _log.debug("scrape_failed", server=target.name, reason=failed)
+            return
+        assert load is not None
+        self.dispatcher.report_load(
+            target.name,
+            load.running,
+            load.waiting,
+            load.kv_usage,
+            load.prefix_queries,
+            load.prefix_hits,
+            load.cache_tokens,
+        )
 
     async def _models(self, target: ProbeTarget) -> None:
         try:

@@ -37,10 +37,14 @@ class Exchange:
     # For the access log only (never labels: unbounded, or chosen by the client).
     method: str = ""
     path: str = ""
-    client: str = ""  # the peer address (proxy headers are not trusted)
+    client: str = ""  # the peer, or the client trusted proxies name (client_address.py)
+    peer: str = ""  # the connection's peer, when trusted proxies are set
     user_agent: str = ""
     queue_wait: float = 0.0  # seconds in the gateway queue, all attempts together
     bytes_sent: int = 0
+    bytes_received: int = 0  # the request body
+    protocol: str = ""  # HTTP/1.1, HTTP/1.0
+    cut: str | None = None  # a stream cut short by the client, a drain or the instance
     trace: TraceContext | None = None
     span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets

@@ -104,8 +104,16 @@ class Metrics:
         )
         self.retries_refused = Counter(
             "gateway_retries_refused",
-            "Retries not made, by why (attempts, deadline, budget).",
+            "Retries not made, by why (attempts, deadline, budget, instances: none untried).",
             ["why"],
+            registry=registry,
+        )
+        self.probe_failures = Counter(
+            "gateway_instance_check_failures",
+            "Health probes (check=probe, /health) and metric scrapes (check=scrape, /metrics) "
+            "that failed, by reason: connect, timeout, bad_response, status_<code>, parse, "
+            "no_vllm_metrics.",
+            ["server", "check", "reason"],
             registry=registry,
         )
         self.taken_back = Counter(

@@ -19,6 +19,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway.config.load import Config
 from gateway.observe import log, request_id
+from gateway.observe.client_address import Network, client_of
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import NONE, Metrics
 
@@ -164,6 +165,7 @@ class Recorder:
     def __init__(self, metrics: Metrics, slo: dict[str, tuple[float, float]]) -> None:
         self.metrics = metrics
         self.slo = slo  # lane name -> (ttft objective, tpot objective), seconds
+        self.trusted: tuple[Network, ...] = ()  # [gateway] trusted_proxies
         # Each labelled series once: prometheus_client's labels() checks and locks per call.
         self._series: dict[tuple[object, ...], Any] = {}
 
@@ -176,13 +178,22 @@ class Recorder:
 
     def begin(self, request: web.Request, route: str, started: float) -> Exchange:
         """Open the request's Exchange and leave it on the request for the handler."""
+        peer = request.remote or ""
+        client = peer
+        if self.trusted:  # the peer may be a load balancer naming the client
+            headers = request.headers
+            forwarded, xff = headers.get("Forwarded"), headers.get("X-Forwarded-For")
+            client = client_of(peer, self.trusted, forwarded, xff)
         ex = Exchange(
             route,
             request_id.current(),
             started,
             method=request.method,
             path=request.path[:_PATH_CHARS],
-            client=request.remote or "",
+            client=client,
+            peer=peer,
+            protocol=f"HTTP/{request.version.major}.{request.version.minor}",
+            bytes_received=request.content_length or 0,
             user_agent=request.headers.get("User-Agent", "")[:_USER_AGENT_CHARS],
         )
         request[EXCHANGE] = ex
@@ -223,6 +234,7 @@ class Recorder:
         (_access.debug if quiet else _access.info)(
             "request",
             client=ex.client or None,
+            peer=ex.peer if ex.peer and ex.peer != ex.client else None,
             method=ex.method or None,
             path=ex.path or None,
             route=ex.route,
@@ -230,7 +242,10 @@ class Recorder:
             status=ex.status,
             prompt_tokens=ex.prompt_tokens if ex.lane else None,
             completion_tokens=ex.tokens,
+            protocol=ex.protocol or None,
+            bytes_received=ex.bytes_received,
             bytes_sent=ex.bytes_sent,
+            cut=ex.cut,
             server=ex.instance or None,
             attempts=ex.attempts,
             queue_wait_ms=round(ex.queue_wait * 1000, 2) if ex.lane else None,

@@ -139,7 +139,10 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
     proxy.reconfigure(config, KeyChecker(k.get_secret_value() for k in config.api_keys), endpoints)
     app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
     proxy.metrics.config_reloads.labels("applied").inc()
-    proxy.metrics.config_last_reload_successful.set(1)
+    # The files on disk are not what runs while a setting waits for a restart: not a
+    # success to alert on (docs/operations.md, Reload).
+    proxy.waiting_for_restart = restart
+    proxy.metrics.config_last_reload_successful.set(0 if restart else 1)
     proxy.metrics.serving(config.digest())
     _log.info(
         "reloaded",

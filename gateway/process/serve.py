@@ -83,6 +83,14 @@ async def serve(
             )
             url = f"http://{host}:{port}"
             _log.info("listening", url=url, instances=len(config.instances))
+            gateway = config.gateway
+            if gateway.admin_port is not None:
+                admin_host, admin_port = await runner.listen_admin(
+                    gateway.admin_host or gateway.host,
+                    gateway.admin_port,
+                    reuse_port=gateway.workers > 1,
+                )
+                _log.info("listening_admin", url=f"http://{admin_host}:{admin_port}")
             if on_ready:
                 on_ready(url)
             await lifecycle.stopping.wait()

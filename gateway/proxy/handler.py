@@ -16,6 +16,7 @@ answer once an attempt has one is `relay.py`'s job; the proxy alone writes the r
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import structlog
@@ -28,6 +29,7 @@ from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log, request_id
+from gateway.observe.client_address import networks
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.observe.recorder import EXCHANGE, Recorder
@@ -100,7 +102,6 @@ class Proxy:
         self.relay = Relay(
             metrics, config.channel.timeout.write, dispatcher.clock, lambda: self.aborting
         )
-        self.reconfigure(config, keys, endpoints)
         slo = config.file.slo
         self.recorder = Recorder(
             metrics,
@@ -109,6 +110,7 @@ class Proxy:
                 self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
             },
         )
+        self.reconfigure(config, keys, endpoints)
 
     def reconfigure(self, config: Config, keys: KeyChecker, endpoints: dict[str, Endpoint]) -> None:
         """Take a (reloaded) configuration: what is read per request changes from here on.
@@ -118,7 +120,10 @@ class Proxy:
         """
         self.config = config
         self.keys = keys
+        self.loaded_at = time.time()  # wall clock, for /admin/config
+        self.waiting_for_restart: list[str] = []  # settings a reload left (reload.py)
         self.endpoints.update(endpoints)
+        self.recorder.trusted = networks(config.gateway.trusted_proxies)
         channel = config.channel
         self.default_model = channel.default_model
         self.threshold = config.prefill.long_input_threshold
@@ -158,6 +163,7 @@ class Proxy:
                 body, payload = await self.intake.form_body(request)
             else:
                 body, payload = await self.intake.json_body(request)
+            ex.bytes_received = len(body)  # as read: a chunked body has no Content-Length
             if payload.get("model") is None and self.default_model and not route.form:
                 body = jsoncodec.with_field(body, payload, "model", self.default_model)
                 payload["model"] = self.default_model
@@ -336,6 +342,7 @@ class Proxy:
                 silence=self.ttft_allowance[call.lane],  # between two data events
             )
             ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
+            ex.cut = streamed.cut
             return Committed(streamed.response, streamed.outcome, streamed.error)
         whole = await self.relay.whole(
             response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())

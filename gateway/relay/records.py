@@ -57,6 +57,7 @@ class Streamed:
     error: str | None  # why it ended badly, for the instance's record
     tokens: int | None = None
     tpot: float | None = None  # seconds per output token after the first, when measured
+    cut: str | None = None  # who cut it short: client, drain or instance (None: it ended)
 
 
 def stream_decoder(response: UpstreamResponse) -> Decode | None:

@@ -45,6 +45,10 @@ class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
         ...
 
 
+# Why a stream ended early, as the access line says who cut it.
+_CUT_BY = {"stream_broken": "instance", "drain_deadline": "drain"}
+
+
 class Request(Protocol):
     """What the relay reads of the request it answers (the proxy's `attempt.Call` is one)."""
 
@@ -326,11 +330,11 @@ class Relay:
             await out.write_eof()
         except ConnectionResetError:
             return self._client_left(out, tokens)
-        return Streamed(out, 200, outcome, error, tokens)
+        return Streamed(out, 200, outcome, error, tokens, cut=_CUT_BY.get(error or ""))
 
     def _client_left(self, out: web.StreamResponse, tokens: int | None = None) -> Streamed:
         self.metrics.stream_aborts.labels("client").inc()
-        return Streamed(out, 499, Outcome.NEUTRAL, None, tokens)
+        return Streamed(out, 499, Outcome.NEUTRAL, None, tokens, cut="client")
 
     @staticmethod
     def _stream_tokens(framer: sse.Framer, *, chat: bool) -> int:

@@ -52,6 +52,15 @@ METRICS = web.AppKey("metrics", Metrics)
 SHARED: web.AppKey[SharedState] = web.AppKey("shared")
 PEERS = web.AppKey("peers", PeerMetrics)
 
+
+class AdminListener:
+    """The admin listener's bound port, once it listens (None: there is none)."""
+
+    port: int | None = None
+
+
+ADMIN = web.AppKey("admin", AdminListener)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _UNKEYED = ("/healthz", "/readyz", "/metrics")  # probes and scrapes take no key
 
@@ -70,6 +79,11 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
             auth.middleware(lambda request: request.app[PROXY].intake.keys, _UNKEYED),
         ],
     )
+    admin = app[ADMIN] = AdminListener()
+    if config.gateway.admin_port is not None:
+        # Inside openai_errors, so the 404 has OpenAI's shape; before the key check, so a
+        # route of the other listener says 404 whatever the key.
+        app.middlewares.insert(3, middleware.split_listeners(lambda: admin.port))
     app[CONFIG] = config
     app[LIFECYCLE] = lifecycle or Lifecycle()
     app.cleanup_ctx.append(_resources)
@@ -86,6 +100,7 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/instances", _admin_instances)
+    app.router.add_get("/admin/config", _admin_config)
     return app
 
 
@@ -285,6 +300,32 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
     else:
         data = generate_latest(request.app[METRICS].registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _admin_config(request: web.Request) -> web.StreamResponse:
+    """The configuration running now (nginx -T, Envoy's /config_dump), secrets redacted:
+    both files as validated, their digest, when they were loaded and any setting a reload
+    read but left for a restart."""
+    proxy = request.app[PROXY]
+    config = proxy.config
+    body = {
+        "digest": config.digest(),
+        "loaded_at": proxy.loaded_at,
+        "config_path": config.config_path,
+        "settings_path": config.settings_path,
+        "waiting_for_restart": proxy.waiting_for_restart,
+        "keys": len(config.api_keys),
+        "config": config.file.model_dump(mode="json"),
+        "settings": _redacted_settings(config.settings.model_dump(mode="json")),
+    }
+    return web.json_response(body)
+
+
+def _redacted_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Header values may carry an instance's credentials: names only."""
+    channel = settings.get("channel") or {}
+    channel["headers"] = dict.fromkeys(channel.get("headers") or {}, "**********")
+    return settings
 
 
 async def _admin_instances(request: web.Request) -> web.StreamResponse:

@@ -95,3 +95,27 @@ def start_trace(spans: Spans | None, request: web.Request, ex: Exchange) -> None
             from_client=client is not None,
         )
     structlog.contextvars.bind_contextvars(trace_id=ex.trace.trace_id)
+
+
+# What the admin listener serves (`[gateway] admin_port`); the main port serves the rest.
+ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})
+
+
+def is_admin_path(path: str) -> bool:
+    return path in ADMIN_PATHS or path.startswith("/admin/")
+
+
+def split_listeners(admin_port: Callable[[], int | None]) -> Middleware:
+    """With an admin listener: operations routes only there, the API only on the main port;
+    the other answers 404 as an unknown route does. `admin_port` is the bound port."""
+
+    @web.middleware
+    async def split(request: web.Request, handler: Handler) -> web.StreamResponse:
+        transport = request.transport
+        local = transport.get_extra_info("sockname") if transport is not None else None
+        on_admin = isinstance(local, tuple) and local[1] == admin_port()
+        if on_admin != is_admin_path(request.path):
+            raise web.HTTPNotFound()
+        return await handler(request)
+
+    return split

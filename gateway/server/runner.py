@@ -28,7 +28,7 @@ from aiohttp import web
 
 from gateway import errors
 from gateway.observe import log, request_id
-from gateway.server.app import CONFIG, METRICS
+from gateway.server.app import ADMIN, CONFIG, METRICS
 from gateway.server.connections import ClientConnections, ConnectionLimits
 
 _log = log.get("gateway.runner")
@@ -70,6 +70,7 @@ class GatewayRunner(web.AppRunner):
         )
         self.connections: ClientConnections | None = None
         self._listener: asyncio.AbstractServer | None = None
+        self._admin: asyncio.AbstractServer | None = None  # the admin listener, if any
 
     async def setup(self) -> None:
         await super().setup()  # runs the app's start-up: its config and metrics exist now
@@ -91,6 +92,22 @@ class GatewayRunner(web.AppRunner):
         `reuse_port` sets SO_REUSEPORT, so the workers of `gateway --workers N` each bind the
         same port and the kernel spreads new connections among them (workers.py).
         """
+        self._listener = await self._serve(host, port, reuse_port)
+        assert self.connections is not None
+        _warn_if_file_limit_is_low(self.connections.limits.max_open)
+        return _bound(self._listener)
+
+    async def listen_admin(
+        self, host: str, port: int, *, reuse_port: bool = False
+    ) -> tuple[str, int]:
+        """The admin listener (`[gateway] admin_port`): the same app and connection limits;
+        it stays open through the drain, so probes and scrapes still see the gateway."""
+        self._admin = await self._serve(host, port, reuse_port)
+        bound = _bound(self._admin)
+        self.app[ADMIN].port = bound[1]
+        return bound
+
+    async def _serve(self, host: str, port: int, reuse_port: bool) -> asyncio.AbstractServer:
         server, connections = self.server, self.connections
         assert server is not None, "call setup() first"
         assert connections is not None
@@ -108,17 +125,14 @@ class GatewayRunner(web.AppRunner):
                 keepalive_timeout=backstop,
             )
 
-        self._listener = await loop.create_server(
+        listener = await loop.create_server(
             connections.protocol_factory(make_handler),
             host,
             port,
             backlog=128,
             reuse_port=reuse_port or None,
         )
-        _warn_if_file_limit_is_low(connections.limits.max_open)
-        sockets = getattr(self._listener, "sockets", None) or []
-        bound = sockets[0].getsockname()
-        return str(bound[0]), int(bound[1])
+        return listener
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -133,6 +147,9 @@ class GatewayRunner(web.AppRunner):
 
     async def cleanup(self) -> None:
         self.stop_listening()
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
         if self.connections is not None:
             self.connections.close()
         await super().cleanup()
@@ -156,3 +173,9 @@ def _warn_if_file_limit_is_low(max_open: int) -> None:
 
 def make_runner(app: web.Application, shutdown_timeout: float) -> GatewayRunner:
     return GatewayRunner(app, shutdown_timeout)
+
+
+def _bound(listener: asyncio.AbstractServer) -> tuple[str, int]:
+    sockets = getattr(listener, "sockets", None) or []
+    address = sockets[0].getsockname()
+    return str(address[0]), int(address[1])
