@@ -39,6 +39,8 @@ Pushed = Config | str
 RESTART_ONLY = (
     "gateway.host",
     "gateway.port",
+    "gateway.admin_host",
+    "gateway.admin_port",
     "gateway.workers",  # the supervisor's
     "gateway.base_url",
     "gateway.max_connections",
