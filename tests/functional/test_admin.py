@@ -99,7 +99,8 @@ async def test_admin_config_shows_what_runs_and_what_waits_for_a_restart(tmp_pat
         two_listeners(sims, {"admin_port": 0, "port": 0}, tmp_path) as (_, admin, app),
         aiohttp.ClientSession(headers=AUTH) as session,
     ):
-        write_config(tmp_path, [s.url for s in sims], channel=channel)  # only headers differ
+        urls, gateway = [s.url for s in sims], {"gateway": {"admin_port": 0}}
+        write_config(tmp_path, urls, sections=gateway, channel=channel)  # headers differ
         text = (tmp_path / "config.toml").read_text().replace("port = 0", "port = 18181")
         (tmp_path / "config.toml").write_text(text)
         assert reload(app)
