@@ -101,7 +101,7 @@ async def test_admin_config_shows_what_runs_and_what_waits_for_a_restart(tmp_pat
     ):
         urls, gateway = [s.url for s in sims], {"gateway": {"admin_port": 0}}
         write_config(tmp_path, urls, sections=gateway, channel=channel)  # headers differ
-        text = (tmp_path / "config.toml").read_text().replace("port = 0", "port = 18181")
+        text = (tmp_path / "config.toml").read_text().replace("\nport = 0", "\nport = 18181")
         (tmp_path / "config.toml").write_text(text)
         assert reload(app)
         async with session.get(admin + "/admin/config") as resp:
