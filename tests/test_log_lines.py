@@ -8,6 +8,8 @@ unparseable line, `{...}{...}` then two newlines (seen when both logged a SIGHUP
 from __future__ import annotations
 
 import io
+import json
+import logging
 
 import orjson
 import structlog
@@ -46,3 +48,24 @@ def test_a_json_line_is_one_write_with_its_newline() -> None:
         assert call.endswith("\n")
         assert call.count("\n") == 1
         assert orjson.loads(call)["event"] == event
+
+
+def test_a_library_logging_through_the_standard_module_writes_json_too() -> None:
+    """OpenTelemetry's "Failed to export spans" (stdlib logging) is one JSON line, not text."""
+    stream = io.StringIO()
+    log.configure("info", stream=stream, json=True)
+    try:
+        logging.getLogger("opentelemetry.sdk.trace.export").error("Failed to export %s", "x")
+        logging.getLogger("chatty.library").info("below warning: not written")
+    finally:
+        logging.getLogger().handlers = [
+            h for h in logging.getLogger().handlers if type(h).__name__ != "_StructlogHandler"
+        ]
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    event = json.loads(lines[0])
+    assert (event["event"], event["level"], event["message"]) == (
+        "library_log",
+        "error",
+        "Failed to export x",
+    )

@@ -2,6 +2,9 @@
 
 Configured once by the CLI. Request context (request_id, tag, lane, instance) lives in
 contextvars, so every line a request's task logs carries it without passing it around.
+What libraries log through the standard `logging` module (OpenTelemetry's exporter, for
+one: "Failed to export spans batch ...") goes out the same way, one JSON line each, so a
+library's plain text never breaks a log reader's JSON.
 """
 
 from __future__ import annotations
@@ -39,6 +42,28 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+    handler = _StructlogHandler()
+    root = logging.getLogger()
+    root.handlers = [h for h in root.handlers if not isinstance(h, _StructlogHandler)]
+    root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level > logging.WARNING:
+        root.setLevel(logging.WARNING)  # libraries' warnings and errors, not their chatter
+
+
+class _StructlogHandler(logging.Handler):
+    """A standard-library record, logged as one structlog event (`library_log`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level = record.levelname.lower()
+            log = structlog.get_logger(record.name)
+            method = getattr(log, level if level in _LEVELS else "warning")
+            method("library_log", logger=record.name, message=record.getMessage()[:1000])
+        except Exception:  # a log line must never take the process down
+            self.handleError(record)
+
+
+_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
 
 
 def _orjson_text(event: dict[str, Any], **options: Any) -> str:
