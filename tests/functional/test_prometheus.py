@@ -13,6 +13,9 @@ comparisons made `bool` (`gateway_instance_up == 0` becomes `gateway_instance_up
 ones over the threshold. An expression that names a metric or label the gateway does not
 export stays empty and fails.
 
+The one series that appears only with a failure, gateway_shared_state_errors_total, is made
+to appear by a malformed peer entry written into Redis, which the gateway refuses each round.
+
 Skipped with a clear message on a developer's machine without the binaries; in CI (env
 CI set, .ci/run installs Debian's prometheus) a missing binary fails the test.
 """
@@ -35,10 +38,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import free_port, redis_server
 
+from gateway.server.app import SHARED
 from gateway.sim.sim_vllm import SimConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +51,10 @@ DASHBOARD = REPO / "deploy" / "grafana" / "gateway-dashboard.json"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 EXAMPLE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 ALERT_TESTS = REPO / "tests" / "prometheus" / "alerts_test.yml"
+# The job the example config scrapes the gateway as, which GatewayTargetDown selects on.
+(GATEWAY_JOB,) = [
+    c["job_name"] for c in yaml.safe_load(EXAMPLE_CONFIG.read_text())["scrape_configs"]
+]
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Grafana's variables, as the test fills them in: every server, and a range that covers the
@@ -195,7 +204,7 @@ async def prometheus_scraping(gw: Gateway, folder: Path) -> AsyncIterator[Promet
         "rule_files": [str(ALERTS)],
         "scrape_configs": [
             {
-                "job_name": "gateway",
+                "job_name": GATEWAY_JOB,
                 "scrape_interval": "1s",
                 "static_configs": [{"targets": [gw.url.removeprefix("http://")]}],
             }
@@ -270,6 +279,23 @@ async def drive_traffic(gw: Gateway) -> None:
         assert 200 in burst, burst
 
 
+async def refuse_a_peer(gw: Gateway, redis_url: str) -> None:
+    """A malformed entry listed as a peer in Redis: every round refuses it and counts it in
+    gateway_shared_state_errors_total{reason="malformed"}, which exists only after a failure,
+    while the view stays shared (GatewaySharedStateErrors' case)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.set("gateway:process:broken", b"{not json")
+        await client.sadd("gateway:processes", "broken")
+    finally:
+        await client.aclose()
+
+    async def refused() -> bool:
+        return gw.app[SHARED].errors.get("malformed", 0) > 0
+
+    await wait_for(refused, "the broken peer to be refused")
+
+
 async def test_every_dashboard_and_alert_expression_returns_data_from_prometheus(
     tmp_path: Path,
 ) -> None:
@@ -283,6 +309,7 @@ async def test_every_dashboard_and_alert_expression_returns_data_from_prometheus
             gateway_with(sims, sections=sections) as gw,
             prometheus_scraping(gw, tmp_path) as prom,
         ):
+            await refuse_a_peer(gw, redis.url)
             await scrape_traffic_and_evaluate(gw, prom, tmp_path)
 
 
@@ -344,3 +371,6 @@ async def scrape_traffic_and_evaluate(gw: Gateway, prom: Prometheus, folder: Pat
     assert sum(refused.values()) > 0, refused
     assert await prom.value("sum(max by (server) (gateway_instance_up))") == 2
     assert await prom.value("min by (instance) (gateway_shared_state_up)") == 1
+    # The broken peer holds GatewaySharedStateErrors' condition (pending, `for:` to go).
+    (rule,) = [r for r in rules if r["alert"] == "GatewaySharedStateErrors"]
+    assert [r["metric"]["reason"] for r in await prom.query(rule["expr"])] == ["malformed"]
