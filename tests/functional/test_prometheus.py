@@ -13,6 +13,9 @@ comparisons made `bool` (`gateway_instance_up == 0` becomes `gateway_instance_up
 ones over the threshold. An expression that names a metric or label the gateway does not
 export stays empty and fails.
 
+The one series that appears only with a failure, gateway_shared_state_errors_total, is made
+to appear by a malformed peer entry written into Redis, which the gateway refuses each round.
+
 Skipped with a clear message on a developer's machine without the binaries; in CI (env
 CI set, .ci/run installs Debian's prometheus) a missing binary fails the test.
 """
@@ -35,10 +38,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import free_port, redis_server
 
+from gateway.server.app import SHARED
 from gateway.sim.sim_vllm import SimConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,21 +51,31 @@ DASHBOARD = REPO / "deploy" / "grafana" / "gateway-dashboard.json"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 EXAMPLE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 ALERT_TESTS = REPO / "tests" / "prometheus" / "alerts_test.yml"
+# The job the example config scrapes the gateway as, which GatewayTargetDown selects on.
+(GATEWAY_JOB,) = [
+    c["job_name"] for c in yaml.safe_load(EXAMPLE_CONFIG.read_text())["scrape_configs"]
+]
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# Grafana's variables, as the test fills them in: every server, and a range that covers the
-# whole test (Prometheus scrapes from the start of it), so rates see all its traffic.
+# Grafana's variables, as the test fills them in: every job, process and server, and a range
+# that covers the whole test (Prometheus scrapes from the start of it), so rates see all its
+# traffic.
 GRAFANA_VARIABLES = {
+    "${job}": ".*",
+    "$job": ".*",
+    "${instance}": ".*",
+    "$instance": ".*",
     "${server}": ".*",
     "$server": ".*",
     "$__rate_interval": "1m",
     "$__interval": "1m",
     "$__range": "1m",
 }
-# 2 slots on each of 2 instances, no queue beyond them: a burst of 10 streams is refused in part.
+# 2 slots on each of 2 instances, none waiting at them, 4 places in the gateway queue: of a
+# burst of 10 streams 4 run, 4 wait in the queue (its wait panel) and 2 are refused.
 SIM = SimConfig(max_num_seqs=2, decode_s_per_token=0.005, prefill_tokens_per_s=1e6)
 SECTIONS: dict[str, dict[str, Any]] = {
-    "dispatch": {"max_num_seqs": 2, "max_queue_per_instance": 0, "gateway_queue_size": 0},
+    "dispatch": {"max_num_seqs": 2, "max_queue_per_instance": 0, "gateway_queue_size": 4},
     "prefill": {"long_input_threshold": 100},
 }
 
@@ -195,7 +210,7 @@ async def prometheus_scraping(gw: Gateway, folder: Path) -> AsyncIterator[Promet
         "rule_files": [str(ALERTS)],
         "scrape_configs": [
             {
-                "job_name": "gateway",
+                "job_name": GATEWAY_JOB,
                 "scrape_interval": "1s",
                 "static_configs": [{"targets": [gw.url.removeprefix("http://")]}],
             }
@@ -270,6 +285,23 @@ async def drive_traffic(gw: Gateway) -> None:
         assert 200 in burst, burst
 
 
+async def refuse_a_peer(gw: Gateway, redis_url: str) -> None:
+    """A malformed entry listed as a peer in Redis: every round refuses it and counts it in
+    gateway_shared_state_errors_total{reason="malformed"}, which exists only after a failure,
+    while the view stays shared (GatewaySharedStateErrors' case)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.set("gateway:process:broken", b"{not json")
+        await client.sadd("gateway:processes", "broken")
+    finally:
+        await client.aclose()
+
+    async def refused() -> bool:
+        return gw.app[SHARED].errors.get("malformed", 0) > 0
+
+    await wait_for(refused, "the broken peer to be refused")
+
+
 async def test_every_dashboard_and_alert_expression_returns_data_from_prometheus(
     tmp_path: Path,
 ) -> None:
@@ -283,6 +315,7 @@ async def test_every_dashboard_and_alert_expression_returns_data_from_prometheus
             gateway_with(sims, sections=sections) as gw,
             prometheus_scraping(gw, tmp_path) as prom,
         ):
+            await refuse_a_peer(gw, redis.url)
             await scrape_traffic_and_evaluate(gw, prom, tmp_path)
 
 
@@ -320,27 +353,55 @@ async def scrape_traffic_and_evaluate(gw: Gateway, prom: Prometheus, folder: Pat
     data = await prom.get("/api/v1/rules")
     assert {g["name"] for g in data["groups"]} == {r["group"] for r in rules}
     assert {r["name"] for g in data["groups"] for r in g["rules"]} == {r["alert"] for r in rules}
-    # The dashboard's server variable: label_values(gateway_instance_up, server).
+    # The dashboard's variables: label_values(gateway_build_info, job), then instance, then
+    # label_values(gateway_instance_up{...}, server).
+    jobs = await prom.get("/api/v1/label/job/values", **{"match[]": "gateway_build_info"})
+    assert jobs == [GATEWAY_JOB]
+    processes = await prom.get("/api/v1/label/instance/values", **{"match[]": "gateway_build_info"})
+    assert processes == [gw.url.removeprefix("http://")]
     servers = await prom.get("/api/v1/label/server/values", **{"match[]": "gateway_instance_up"})
     assert sorted(servers) == sorted(gw.names())
 
     # What the panels show is the traffic that went through.
-    def by(label: str, expr: str) -> dict[str, float]:
-        return {r["metric"][label]: float(r["value"][1]) for r in results[expr]}
+    def panel(title: str, has: str = "") -> dict[str, list[dict[str, Any]]]:
+        """The results of the panel's queries (those whose expression holds `has`)."""
+        found = {e: results[e] for t, e in targets if t == title and has in e}
+        assert found, (title, has)
+        return found
 
-    statuses = by("status", "sum by (status) (rate(gateway_requests_total[$__rate_interval]))")
+    def by(label: str, title: str, has: str = "") -> dict[str, float]:
+        ((_, result),) = panel(title, has).items()
+        return {r["metric"][label]: float(r["value"][1]) for r in result}
+
+    statuses = by("status", "Request rate by status")
     for status in ("200", "401", "404", "429"):
         assert statuses.get(status, 0) > 0, (status, statuses)
-    ttft_p99 = (
-        "histogram_quantile(0.99, sum by (lane, le) "
-        '(rate(gateway_ttft_seconds_bucket{server=~"$server"}[$__rate_interval])))'
-    )
-    ttft_by_lane = by("lane", ttft_p99)
+    ttft_by_lane = by("lane", "TTFT p50 / p99 per lane", "0.99")
     assert set(ttft_by_lane) == {"short", "prefill"}
     assert all(0 < v <= 2 for v in ttft_by_lane.values()), ttft_by_lane
-    goodput = next(e for t, e in targets if t == "Goodput share per lane")
-    assert by("lane", goodput)["short"] > 0.5
-    refused = by("reason", "sum by (reason) (rate(gateway_rejections_total[$__rate_interval]))")
+    assert by("lane", "Goodput share per lane")["short"] > 0.5
+    refused = by("reason", "Rejections by reason")
     assert sum(refused.values()) > 0, refused
+    # Request duration and queue wait: both lanes reached an instance; the burst queued.
+    durations = by("lane", "Request duration p50 / p99 per lane", "0.99")
+    assert set(durations) == {"short", "prefill"}
+    assert all(0 < v <= 5 for v in durations.values()), durations
+    assert 0 < by("lane", "Queue wait p50 / p99 per lane", "0.99")["short"] <= 2
+    kv_cache = by("server", "KV cache use per server")
+    assert sorted(kv_cache) == sorted(gw.names())
+    assert all(0 <= v <= 1 for v in kv_cache.values()), kv_cache
+    slots = by("server", "Running slots per server")
+    assert slots == dict.fromkeys(gw.names(), 2.0)
+    # One process, one configuration: its digest, a count of 1, and no failed reload.
+    ((_, digests),) = panel("Configuration digest per process").items()
+    assert [r["metric"]["hash"] for r in digests] == [gw.config.digest()]
+    assert by("job", "Configurations and reloads", "count by (job)") == {GATEWAY_JOB: 1}
+    last_reload = by("instance", "Configurations and reloads", "last_reload_successful")
+    assert list(last_reload.values()) == [1]
+    errors = by("reason", "Shared state errors by reason")
+    assert errors.get("malformed", 0) > 0, errors
+    # The broken peer holds GatewaySharedStateErrors' condition (pending, `for:` to go).
+    (rule,) = [r for r in rules if r["alert"] == "GatewaySharedStateErrors"]
+    assert [r["metric"]["reason"] for r in await prom.query(rule["expr"])] == ["malformed"]
     assert await prom.value("sum(max by (server) (gateway_instance_up))") == 2
     assert await prom.value("min by (instance) (gateway_shared_state_up)") == 1
