@@ -174,7 +174,7 @@ def test_check_warns_about_a_weak_key_without_quoting_it(
     key: str,
     why: str,
 ) -> None:
-    """The Secret's shipped `change-me` or a one-letter key passes `--check` with a warning."""
+    """A placeholder such as `change-me` or a one-letter key passes `--check` with a warning."""
     monkeypatch.setenv("GATEWAY_API_KEY", key)
     assert main(["--config", str(write(tmp_path)), "--check"]) == 0
     err = capsys.readouterr().err
