@@ -13,6 +13,7 @@ spliced: from `splice(sink)` on, a task of its own pushes the items left to the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class FakeResponse:
         self._reading = asyncio.Event()
         self._reading.set()
         self._pusher: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
 
     @property
     def content_type(self) -> str:
@@ -80,9 +82,13 @@ class FakeResponse:
 
     async def _next(self) -> bytes:
         while self._items:
+            if self.closed:  # as connection.py's: a reader still waiting is told it broke
+                raise AttemptFailed("connect", "closed by the gateway before it ended")
             item = self._items.popleft()
             if isinstance(item, Pause):
-                await asyncio.sleep(item.seconds)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(item.seconds):
+                        await self._closing.wait()
             elif isinstance(item, AttemptFailed):
                 raise item
             elif item:
@@ -116,6 +122,7 @@ class FakeResponse:
 
     def close(self) -> None:
         self.closed = True
+        self._closing.set()
         if self._pusher is not None:
             self._pusher.cancel()  # the instance sees its client leave
 

@@ -71,12 +71,15 @@ class Lease:
         None: it committed, and nothing takes it back any more."""
         self._on_evict = abort
 
-    def evict(self) -> None:
-        """Take the place back: the attempt is aborted and ends as `evicted`."""
+    def evict(self) -> bool:
+        """Take the place back: the attempt is aborted and ends as taken back. False if it
+        cannot be now (its answer's head has not come, or it committed)."""
         abort, self._on_evict = self._on_evict, None
-        if abort is not None and not self.released:
-            self.evicted = True
-            abort()
+        if abort is None or self.released:
+            return False
+        self.evicted = True
+        abort()
+        return True
 
     def prefill_done(self, at: float, ttft: float | None) -> None:
         """The first token reached the client at `at`; `ttft` teaches least_time (or None)."""
@@ -292,9 +295,8 @@ class Dispatcher:
 
     def _take_back(self, name: str) -> None:
         """Abort our attempts that `name` cannot hold (see Scheduler.overbooked)."""
-        taken = [self._leases[t] for t in self.scheduler.overbooked(name) if t in self._leases]
-        for lease in taken:
-            lease.evict()
+        held = (self._leases.get(t) for t in self.scheduler.overbooked(name))
+        taken = [lease for lease in held if lease is not None and lease.evict()]
         if taken:
             self.metrics.taken_back.labels(name).inc(len(taken))
             _log.warning("requests_taken_back", server=name, requests=len(taken))

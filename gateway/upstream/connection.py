@@ -148,11 +148,13 @@ class Response:
 
     def close(self) -> None:
         """Done with the answer: its connection goes back to the pool if it ended cleanly,
-        else it is dropped (the instance sees its client leave). Idempotent."""
+        else it is dropped (the instance sees its client leave), and a reader still waiting
+        for its body is told it broke. Idempotent."""
         conn, self._conn = self._conn, None
         self._sink = None
         if conn is not None:
             conn.finished(self)
+        self._end("closed by the gateway before it ended")
 
     release = close
 

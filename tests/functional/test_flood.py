@@ -59,6 +59,9 @@ async def test_a_flood_is_served_within_capacity_and_the_rest_refused_fast() -> 
         assert len(served) + len(refused) == FLOOD, sorted({r[0] for r in results})
         assert all(r[3] is not None for r in refused)
         assert statistics.median(r[1] for r in refused) < 5.0
+        assert max(r[1] for r in refused) < 20.0  # none waited for its deadline
+        taken = sum(gw.metrics.taken_back.labels(name)._value.get() for name in gw.names())
+        assert taken > 0  # what the instances could not start was taken back
         learned = [i.learned_slots for i in gw.dispatcher.snapshot().instances]
         assert learned == [1, 1]  # each showed it runs one at a time
         print(  # the figures of the closing note: pytest -s shows them
