@@ -144,6 +144,7 @@ async def test_a_cancellation_swallowed_inside_a_round_still_stops_the_loop() ->
     shared = Swallowing.__new__(Swallowing)
     shared.interval = 0.01
     shared.push_interval = 0  # the rounds alone: the loop under test
+    shared.strict_caps = False
     task = asyncio.create_task(shared.run_forever())
     await asyncio.sleep(0.05)
     task.cancel()
@@ -188,3 +189,15 @@ def test_instances_the_reader_does_not_serve_are_skipped() -> None:
     entry = decode(body, known={"a"})
     assert set(entry.share.loads) == {"a"}
     assert entry.share.loads["a"] == PeerLoad(2, 10, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "speeds", ['{"a":[null,0,0,5]}', '{"a":[0,3,null,0]}', '{"a":[-1,3,null,0]}']
+)
+def test_a_speed_that_is_not_positive_refuses_the_entry(speeds: str) -> None:
+    """A zero or negative learned speed (a division by zero in the health round, before)
+    refuses the entry at the seam."""
+    body = _entry("[1,0,0,0]").replace(b'"speeds":{}', b'"speeds":' + speeds.encode())
+    with pytest.raises(Refused) as refused:
+        decode(body)
+    assert refused.value.reason == "out_of_bounds"

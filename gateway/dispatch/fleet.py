@@ -38,6 +38,9 @@ from .model import (
 )
 from .speed import update_slow_flags
 
+# A prompt longer than this is no model's context today: a peer's prefill work beyond it
+# per request is not believed (Fleet._believable).
+MAX_PROMPT_TOKENS = 1 << 20
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
@@ -178,10 +181,11 @@ class Fleet:
         return self.state(name).slots + self.limits.max_queue_per_instance
 
     def note_full(self, name: str) -> None:
-        """The shared store says `name` is full: count it full until the next view says
+        """The shared store refused one of our requests a place on `name`: count it full,
+        that request's place included (it is handed back next), until the next view says
         otherwise (the others' places there are taken, whoever took them)."""
         state = self.state(name)
-        taken = max(state.peers.inflight, self.room(name) - state.inflight)
+        taken = max(state.peers.inflight, self.room(name) - state.inflight + 1)
         state.peers = dataclasses.replace(state.peers, inflight=taken)
 
     def _believable(self, state: InstanceState, claim: PeerLoad, now: float) -> PeerLoad:
@@ -196,14 +200,20 @@ class Fleet:
         """
         room = state.slots + self.limits.max_queue_per_instance
         report = state.fresh_report(now, self.limits.metrics_stale_after)
-        if report is not None:
-            seen = max(0, report.running + report.waiting - state.inflight_at_report)
+        if report is not None:  # what it holds that is not ours: the peers' and others'
+            seen = max(0, report.running + report.waiting - state.own_at_report)
             room = min(room, math.ceil(seen) + state.slots)
-        if claim.inflight <= room and claim.long_prefilling <= room:
+        # Prefill work: at most a context's worth per request it may hold.
+        tokens = room * MAX_PROMPT_TOKENS
+        if (
+            claim.inflight <= room
+            and claim.long_prefilling <= room
+            and claim.pending_prefill_tokens <= tokens
+        ):
             return claim
         return PeerLoad(
             min(claim.inflight, room),
-            claim.pending_prefill_tokens,
+            min(claim.pending_prefill_tokens, tokens),
             min(claim.long_prefilling, room),
             min(claim.long_running, room),
         )
@@ -269,6 +279,7 @@ class Fleet:
         state.running_seen = max(state.running_seen, report.running)
         state.report = report
         state.inflight_at_report = state.fleet_inflight
+        state.own_at_report = state.inflight
 
     def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
         """Where `ticket` may go now: the instances of its pool up for it and with room, and

@@ -203,6 +203,7 @@ class InstanceState:
     # gateways' share (ours and the peers') from it.
     report: LoadReport | None = None
     inflight_at_report: int = 0
+    own_at_report: int = 0  # ours alone then: what the report holds of the peers' is theirs
     # Running slots the instance showed it has, when fewer than configured: it ran this
     # many while requests waited there in two scrapes in a row (its --max-num-seqs, or
     # what its KV cache admits now). None: no sign of fewer than `spec.slots`.

@@ -18,6 +18,7 @@ strategies' costs, and only the rest as prefill work.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
@@ -264,6 +265,11 @@ class Scheduler(Fleet):
         every process judges a slow card alike. An empty view is the local view alone.
         With `drain` False, queued requests wait for the shell's `drain` call.
         """
+        # Each peer's queue is bounded as ours is: more than that is not believed.
+        bound = self.limits.gateway_queue_size * max(1, view.peers)
+        if any(n > bound for n in view.queued.values()):
+            queued = {lane: min(n, bound) for lane, n in view.queued.items()}
+            view = dataclasses.replace(view, queued=queued)
         self._shared = view
         self._drained.peers = view.rates
         self.hear_peers(view, now)

@@ -143,7 +143,7 @@ def relative_speed(speed: Speed, prefill_median: float | None, tpot_median: floa
     prefill, tpot = speed.prefill_rate, speed.tpot_value
     if prefill is not None and prefill_median:
         ratios.append(prefill / prefill_median)
-    if tpot is not None and tpot_median:
+    if tpot and tpot_median:
         ratios.append(tpot_median / tpot)
     return min(ratios)
 

@@ -182,12 +182,19 @@ class Dispatcher:
             except BaseException:  # the client left while we asked: the place goes back
                 self.release(ticket.id, Outcome.NEUTRAL)
                 raise
-            if claimed is not False:
+            if not self.scheduler.has(instance):  # a reload removed it meanwhile
+                if claimed and self.unclaim is not None:
+                    self.unclaim(instance, ticket.id)
+                claimed = False
+            elif claimed is not False:
                 if claimed:
                     self._claimed[ticket.id] = instance
                 break
+            else:
+                # Full first, then the place back: else the queue's next request would be
+                # put into it, only to be refused by the store in turn.
+                self.scheduler.note_full(instance)
             self.release(ticket.id, Outcome.NEUTRAL)
-            self.scheduler.note_full(instance)
             ticket = self.retry_ticket(ticket, ticket.exclude)
             instance = await self.acquire(ticket)
         lease = Lease(self, ticket.id, instance)

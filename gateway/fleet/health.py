@@ -165,7 +165,10 @@ class HealthChecker:
                     async with asyncio.timeout(self.interval * self.rng.uniform(0.9, 1.1)):
                         await self._wake.wait()
                 self._wake.clear()
-                await self.run_round()
+                try:
+                    await self.run_round()
+                except Exception as exc:  # a bad round must not end health checking for good
+                    _log.error("health_round_failed", error=f"{type(exc).__name__}: {exc}")
         finally:
             for look in self._looks.values():
                 look.cancel()

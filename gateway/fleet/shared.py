@@ -202,7 +202,8 @@ class SharedState:
         try:
             await self._rounds_forever()
         finally:
-            self.dispatcher.claim = self.dispatcher.unclaim = None
+            if self.strict_caps:
+                self.dispatcher.claim = self.dispatcher.unclaim = None
             if helpers:
                 self.dispatcher.on_change = None
             for helper in helpers:
@@ -246,6 +247,8 @@ class SharedState:
     async def claim(self, instance: str, ticket: int, cap: int) -> bool | None:
         """Take one of `cap` places on `instance` in Redis: True if ours, False if all are
         taken, None if Redis did not answer in time (the local view decides)."""
+        if self.up is not True:
+            return None  # Redis is away: no request waits for it (the local view decides)
         member = f"{self.process_id}:{ticket}"
         try:
             async with asyncio.timeout(CLAIM_TIMEOUT_S):
@@ -256,6 +259,7 @@ class SharedState:
             self.unclaim(instance, ticket)  # it may have gone through: give it back
             raise
         except (RedisError, OSError, TimeoutError) as exc:
+            self.unclaim(instance, ticket)  # a timed-out script may have taken the place
             self.failed("redis", exc)
             return None
         if got:

@@ -105,8 +105,14 @@ def _real(value: Any, bound: float = MAX_RATE) -> float:
     return float(value)
 
 
-def _maybe_real(value: Any) -> float | None:
-    return None if value is None else _real(value)
+def _speed(value: Any) -> float | None:
+    """A learned speed (tokens/s, seconds a token): unknown, or positive."""
+    if value is None:
+        return None
+    speed = _real(value)
+    if speed <= 0:
+        raise Refused("out_of_bounds", f"{value!r} is not a speed")
+    return speed
 
 
 def _decode(body: dict[str, Any], known: Collection[str] | None) -> PeerEntry:
@@ -122,7 +128,7 @@ def _decode(body: dict[str, Any], known: Collection[str] | None) -> PeerEntry:
         for name, v in ours(body["loads"])
     }
     speeds = {
-        name: PeerSpeed(_maybe_real(v[0]), _count(v[1]), _maybe_real(v[2]), _count(v[3]))
+        name: PeerSpeed(_speed(v[0]), _count(v[1]), _speed(v[2]), _count(v[3]))
         for name, v in ours(body["speeds"])
     }
     queued = {Lane(lane): _count(n) for lane, n in body["queued"].items()}

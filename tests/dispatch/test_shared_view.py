@@ -241,3 +241,23 @@ def test_a_peers_claim_fills_an_instance_at_most_and_not_past_what_it_reports() 
     sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=500)}, peers=1), 1.0, rng)
     assert sched.state("a").peers.inflight == 4
     assert isinstance(sched.submit(Ticket(2, Lane.SHORT, FAR), 1.0, rng), Assigned)
+
+
+def test_an_instance_the_store_says_is_full_takes_no_queued_request_when_ours_leaves() -> None:
+    """Strict caps refused our place: counted full first, so handing it back places nothing."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0)
+    assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng), Assigned)
+    assert isinstance(sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng), Queued)
+    sched.note_full("a")
+    assert sched.release(1, Outcome.NEUTRAL, 0.0, rng) == []  # ticket 2 stays queued
+    assert sched.queue_length(Lane.SHORT) == 1
+
+
+def test_a_peers_queue_beyond_what_a_gateway_may_queue_is_not_believed() -> None:
+    """A claim of a million queued counts as full queues, not as a wall past them."""
+    rng = random.Random(0)
+    sched = make(InstanceSpec("a", slots=1), gateway_queue_size=4, max_queue_per_instance=0)
+    view = SharedView(queued={Lane.SHORT: 1_000_000}, peers=1)
+    sched.apply_shared(view, 0.0, rng)
+    assert sched.ahead(Lane.SHORT) <= 4 + 1

@@ -472,6 +472,17 @@ async def test_without_strict_caps_a_cold_burst_overshoots_by_one_place_per_repl
         assert max(await _burst(redis, strict=False)) <= 3
 
 
+async def test_a_claim_while_redis_is_away_waits_for_nothing() -> None:
+    """Strict caps with the view down: the claim is decided locally at once (None)."""
+    with redis_server() as redis:
+        shared = shared_module.SharedState(redis.url, _Clock(), None, strict_caps=True)  # type: ignore[arg-type]
+        shared.up = False
+        try:
+            assert await asyncio.wait_for(shared.claim("x", 1, cap=1), 0.05) is None
+        finally:
+            await shared.close()
+
+
 async def test_a_lease_comes_back_when_its_process_stops_renewing_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -483,6 +494,7 @@ async def test_a_lease_comes_back_when_its_process_stops_renewing_it(
             shared_module.SharedState(redis.url, _Clock(), None, strict_caps=True)  # type: ignore[arg-type]
             for _ in range(2)
         )
+        holder.up = other.up = True  # as after a first round: claims go to Redis
         try:
             assert await holder.claim("x", 1, cap=1) is True
             assert await other.claim("x", 2, cap=1) is False
