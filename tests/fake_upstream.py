@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.upstream.client import Upstream
 from gateway.upstream.connection import Sink
 from gateway.upstream.response import AttemptFailed
 
@@ -169,8 +168,21 @@ class FakeUpstream:
             raise answer
         return answer
 
-    # The real one, on the scripted `open`: a small exchange is open, read whole, release.
-    fetch = Upstream.fetch
+    async def fetch(
+        self,
+        url: str,
+        *,
+        method: str = "GET",
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float,
+    ) -> tuple[int, bytes]:
+        """As the real one (open, read whole, release), on the scripted answers."""
+        response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
+        try:
+            return response.status, await response.read(timeout)
+        finally:
+            response.release()
 
     def __repr__(self) -> str:
         return f"<FakeUpstream sent={len(self.sent)} left={len(self.answers)}>"

@@ -144,10 +144,12 @@ class Network:
         self.refuse: OSError | None = None  # raised instead of connecting, when set
         self.made = asyncio.Event()  # set on each connection made; the test clears it
         self.gate: asyncio.Event | None = None  # when set, a connect waits for it (in progress)
+        self.connects: list[tuple[str, int, dict[str, Any]]] = []  # each connect's arguments
 
     async def create_connection(
-        self, factory: Callable[[], asyncio.Protocol], host: str, port: int, **_: Any
+        self, factory: Callable[[], asyncio.Protocol], host: str, port: int, **options: Any
     ) -> tuple[MockTransport, asyncio.Protocol]:
+        self.connects.append((host, port, options))
         if self.refuse is not None:
             raise self.refuse
         if self.gate is not None:

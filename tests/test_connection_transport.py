@@ -9,6 +9,7 @@ place of the loop's. `tests/test_h1.py` keeps what needs a real socket.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import cast
 
 import pytest
@@ -73,7 +74,7 @@ class Collect:
 
 def opened() -> tuple[h1.H1Connection, MockTransport, Owner]:
     owner = Owner()
-    conn = h1.H1Connection(owner, ("10.0.0.1", 8000))
+    conn = h1.H1Connection(owner, ("10.0.0.1", 8000, False))
     return conn, connect(conn), owner
 
 
@@ -583,7 +584,7 @@ async def test_no_head_in_time_is_a_timeout_and_drops_the_connection(network: Ne
 
 
 async def test_a_refused_connect_or_a_foreign_url_is_a_connect_failure(network: Network) -> None:
-    """A connection refused, or a URL that is not http://, fails the attempt with "connect"."""
+    """A connection refused, or a URL that is not http(s)://, fails the attempt with "connect"."""
     pool = h1_pool.Pool(4, 1.0)
     network.refuse = ConnectionRefusedError("refused")
     with pytest.raises(AttemptFailed) as refused:
@@ -591,9 +592,30 @@ async def test_a_refused_connect_or_a_foreign_url_is_a_connect_failure(network: 
     assert refused.value.kind == "connect"
     assert "cannot connect" in refused.value.detail
     with pytest.raises(AttemptFailed) as foreign:
-        await request(pool, "https://a/v1")
+        await request(pool, "ftp://a/v1")
     assert foreign.value.kind == "connect"
     assert "open=0/4" in repr(pool)
+
+
+async def test_an_https_instance_is_reached_over_tls_with_its_name_checked(
+    network: Network,
+) -> None:
+    """https:// connects on 443 by default with the system's trust and the host's name, and
+    never shares a connection with the same host over plain http."""
+    pool = h1_pool.Pool(4, 1.0)
+    for url in ("https://gpu.example/v1/chat/completions", "http://gpu.example/v1/x"):
+        pending = request(pool, url)
+        await settle()
+        network.last.feed(fixed(b"ok"))
+        response = await pending
+        assert await response.read(1.0) == b"ok"
+        response.close()
+    (host, port, tls), (_, plain_port, plain) = network.connects
+    assert (host, port, plain_port) == ("gpu.example", 443, 80)
+    assert isinstance(tls["ssl"], ssl.SSLContext)
+    assert tls["ssl"].check_hostname
+    assert tls["server_hostname"] == "gpu.example"
+    assert plain["ssl"] is None
 
 
 async def test_a_connection_out_of_step_gives_its_place_in_the_pool_up(network: Network) -> None:

@@ -1,9 +1,10 @@
 """The one seam to the network, `Upstream`: every call to an instance goes through it.
 
-Streamed answers, whole answers, health probes, metric scrapes and model lists all go
-through one pool of our HTTP/1.1 client (connection.py, on httptools) sized by
-`max_connections`: one connection budget and one set of rules for every upstream call (a
-message is a boundary; a stale kept-alive socket is retried once on a new one). `open()`
+Streamed and whole answers go through one pool of our HTTP/1.1 client (connection.py, on
+httptools) sized by `max_connections`, and health probes, metric scrapes and model lists
+(`fetch`) through a small one of their own (`CONTROL_CONNECTIONS`), so a fleet saturated
+with requests is still probed on time: one client, one set of rules for every upstream
+call (a message is a boundary; a stale kept-alive socket is retried once on a new one). `open()`
 returns the answer once its head arrived: a `Response` whose body is read whole
 (`read`), pulled (`next_chunk`) or, once a stream is committed, spliced to the client
 (`splice`, see relay/splice.py). Every failure is mapped where it enters to
@@ -24,6 +25,9 @@ from gateway.upstream.response import AttemptFailed
 # vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids sending a
 # request down a socket the instance is closing.
 KEEPALIVE_S = 4.0
+# Probes and scrapes: a round sends three calls to each instance at once; eight is plenty
+# for a fleet checked every few seconds, and small next to max_connections.
+CONTROL_CONNECTIONS = 8
 
 
 class Upstream:
@@ -32,15 +36,18 @@ class Upstream:
         self.timeouts = timeouts
         self.pooled = pooled  # False: one connection per request, closed after it
         self._pool: Pool | None = None
+        self._control: Pool | None = None
 
     async def start(self) -> None:
         keepalive = KEEPALIVE_S if self.pooled else 0.0
         self._pool = Pool(self.max_connections, self.timeouts.connect, keepalive)
+        self._control = Pool(CONTROL_CONNECTIONS, self.timeouts.connect, keepalive)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        for pool in (self._pool, self._control):
+            if pool is not None:
+                pool.close()
+        self._pool = self._control = None
 
     @property
     def pool(self) -> Pool | None:
@@ -62,13 +69,22 @@ class Upstream:
         On timeout or cancellation the connection is closed, so the instance sees its
         client leave and aborts.
         """
-        if self._pool is None:
+        return await self._send(self._pool, method, url, body, headers, timeout)
+
+    async def _send(
+        self,
+        pool: Pool | None,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> Response:
+        if pool is None:
             raise RuntimeError("Upstream.start() was not awaited")
-        self._pool.connect_timeout = self.timeouts.connect  # a reload may change it
+        pool.connect_timeout = self.timeouts.connect  # a reload may change it
         try:
-            return await self._pool.request(
-                method, url, body=body, headers=headers, timeout=timeout
-            )
+            return await pool.request(method, url, body=body, headers=headers, timeout=timeout)
         except ValueError as exc:  # a header that cannot be sent
             raise AttemptFailed("connect", str(exc)) from None
 
@@ -81,8 +97,9 @@ class Upstream:
         headers: dict[str, str] | None = None,
         timeout: float,
     ) -> tuple[int, bytes]:
-        """A small exchange (health, metrics, models, tokenize): status and whole body."""
-        response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
+        """A small exchange (health, metrics, models, tokenize): status and whole body, on
+        the control pool."""
+        response = await self._send(self._control, method, url, body, headers or {}, timeout)
         try:
             return response.status, await response.read(timeout)
         finally:

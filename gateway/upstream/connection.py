@@ -31,6 +31,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.upstream.response import AttemptFailed
 
+Key = tuple[str, int, bool]  # host, port, TLS: the connections that can serve one another
 _MAX_HEAD = 64 * 1024  # an answer head longer than this is no vLLM's
 _MAX_LINE = 8190  # per header line: aiohttp's limit, so both clients refuse the same heads
 _HIGH_WATER = 64 * 1024  # bytes queued unread before the socket read pauses (uvicorn's)
@@ -204,7 +205,7 @@ class _AfterTheEnd(Exception):
 class H1Connection(asyncio.Protocol):
     """One keep-alive connection to an instance: parses answers as their bytes arrive."""
 
-    def __init__(self, pool: _Owner, key: tuple[str, int]) -> None:
+    def __init__(self, pool: _Owner, key: Key) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -223,7 +224,7 @@ class H1Connection(asyncio.Protocol):
         self._heard = False  # a byte of the answer arrived (else a reused socket was stale)
 
     def __repr__(self) -> str:
-        host, port = self.key
+        host, port, _ = self.key
         state = (
             "closed" if self.transport is None else "busy" if self.head or self.response else "idle"
         )

@@ -14,11 +14,12 @@ on, as httpcore's pool does, so no place sits idle while others wait.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from gateway.upstream.connection import H1Connection, Response
+from gateway.upstream.connection import H1Connection, Key, Response
 from gateway.upstream.response import AttemptFailed
 
 
@@ -32,12 +33,14 @@ class Pool:
         # sending a request down a socket the instance is closing.
         self.keepalive = keepalive
         self.opened = 0  # connections made, for tests and metrics
-        self._idle: dict[tuple[str, int], list[H1Connection]] = {}
+        self._idle: dict[Key, list[H1Connection]] = {}
         self._all: set[H1Connection] = set()
         self._connecting = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._targets: dict[str, tuple[tuple[str, int], str, bytes]] = {}
+        self._targets: dict[str, tuple[Key, str, bytes]] = {}
         self._reaper: asyncio.TimerHandle | None = None
+        self._tls: ssl.SSLContext | None = None  # made at the first https:// instance
+        self.closed = False
 
     def __repr__(self) -> str:
         idle = sum(len(v) for v in self._idle.values())
@@ -93,25 +96,29 @@ class Pool:
         conn.send(message, waiter)
         return await waiter
 
-    def _target(self, url: str) -> tuple[tuple[str, int], str, bytes]:
+    def _target(self, url: str) -> tuple[Key, str, bytes]:
         known = self._targets.get(url)
         if known is None:
             parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise AttemptFailed("connect", f"only http:// URLs are spliced, got {url[:80]!r}")
-            port = parts.port or 80
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise AttemptFailed("connect", f"not an http(s):// URL: {url[:80]!r}")
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
             path = parts.path or "/"
             if parts.query:
                 path += "?" + parts.query
-            known = ((parts.hostname, port), path, parts.netloc.encode("ascii"))
+            host = parts.netloc.rpartition("@")[2]  # never a URL's credentials in Host
+            known = ((parts.hostname, port, tls), path, host.encode("ascii"))
             if len(self._targets) < 4096:  # instances times routes; a bound, not a cache policy
                 self._targets[url] = known
         return known
 
     async def _acquire(
-        self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, *, fresh: bool = False
+        self, key: Key, loop: asyncio.AbstractEventLoop, *, fresh: bool = False
     ) -> H1Connection:
         while True:
+            if self.closed:
+                raise AttemptFailed("connect", "the gateway is shutting down its connections")
             idle = None if fresh else self._idle.get(key)
             now = loop.time()
             while idle:
@@ -133,12 +140,17 @@ class Pool:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
 
-    async def _connect(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> H1Connection:
+    async def _connect(self, key: Key, loop: asyncio.AbstractEventLoop) -> H1Connection:
         self._connecting += 1
         try:
             async with asyncio.timeout(self.connect_timeout):
+                host, port, tls = key
                 _, protocol = await loop.create_connection(
-                    lambda: H1Connection(self, key), key[0], key[1]
+                    lambda: H1Connection(self, key),
+                    host,
+                    port,
+                    ssl=self._context() if tls else None,
+                    server_hostname=host if tls else None,
                 )
         except TimeoutError:
             self._connecting -= 1
@@ -162,6 +174,12 @@ class Pool:
             raise AttemptFailed("connect", "the connection closed as it opened")
         return protocol
 
+    def _context(self) -> ssl.SSLContext:
+        """The system's trust store and hostname checks, as for any https client."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
     def _evict_idle(self) -> bool:
         """Close the longest idle connection to any instance, to make room for one."""
         oldest: H1Connection | None = None
@@ -183,6 +201,9 @@ class Pool:
         conn.abort()
 
     def give_back(self, conn: H1Connection) -> None:
+        if self.closed:
+            self._drop(conn)
+            return
         loop = asyncio.get_running_loop()
         conn.idle_since = loop.time()
         self._idle.setdefault(conn.key, []).append(conn)
@@ -216,7 +237,8 @@ class Pool:
                 return
 
     def close(self) -> None:
-        """Drop every connection, idle or busy."""
+        """Drop every connection, idle or busy; open no new one."""
+        self.closed = True
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
