@@ -7,8 +7,9 @@ per request changes from the next request on) and the instance list, limits and 
 policy to the scheduler, which keeps the state of instances that stay.
 
 Under `--workers` the supervisor reads and validates the files, once, and hands each
-worker what it read through a pipe before it forwards SIGHUP (`source`): every worker,
-and every worker it restarts later, serves the one configuration the supervisor holds.
+worker what it read through a pipe, which the worker applies as it arrives (`reload_from`):
+every worker, and every worker it restarts later, serves the one configuration the
+supervisor holds; a worker's own SIGHUP reads nothing behind the supervisor's back.
 
 Some settings are fixed at start (the listening socket, the app's body limit, the
 upstream pool, the strategy and its clock, metric names): a change to one of those is
@@ -17,7 +18,9 @@ logged as `reload_needs_restart` and the running value stays.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from aiohttp import web
@@ -156,25 +159,27 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
     return True
 
 
-def reload_on_signal(
-    app: web.Application, source: Callable[[], Pushed | None] | None = None
-) -> Callable[[], None]:
-    """The SIGHUP handler: a reload runs on the event loop, between two requests' steps.
-
-    `source` (a worker's): what the supervisor pushed; None when nothing came, and then
-    the signal is not the supervisor's and the files are not read behind its back.
-    """
+def reload_on_signal(app: web.Application) -> Callable[[], None]:
+    """The SIGHUP handler: a reload runs on the event loop, between two requests' steps."""
 
     def handler() -> None:
-        if source is None:
-            reload(app)
-            return
-        pushed = source()
-        if pushed is None:
-            _log.warning(
-                "reload_skipped", reason="SIGHUP with no configuration from the supervisor"
-            )
-            return
-        reload(app, pushed)
+        reload(app)
 
     return handler
+
+
+def reload_from(app: web.Application, inbox: Connection) -> Callable[[], None]:
+    """A worker's reloads: whatever the supervisor pushed down `inbox`, applied on arrival
+    (the newest, if several came); EOF (the supervisor is gone) stops listening."""
+
+    def on_message() -> None:
+        newest: Pushed | None = None
+        try:
+            while inbox.poll():
+                newest = inbox.recv()
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(inbox.fileno())
+        if newest is not None:
+            reload(app, newest)
+
+    return on_message

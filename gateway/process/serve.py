@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -21,7 +22,7 @@ from aiohttp import web
 from gateway.config.load import Config
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log
-from gateway.process.reload import Pushed, reload_on_signal
+from gateway.process.reload import reload_from, reload_on_signal
 from gateway.server.app import DISPATCHER, PROXY, build_app
 from gateway.server.runner import GatewayRunner, make_runner
 
@@ -52,6 +53,10 @@ async def start_simulated(config: Config) -> list[object]:
     return list(await start_fleet(configs, ports=ports))
 
 
+def _a_workers_sighup() -> None:
+    _log.info("reload_skipped", reason="a worker applies what the supervisor hands it")
+
+
 def _too_early() -> None:
     _log.warning("reload_skipped", reason="SIGHUP before the gateway finished starting")
 
@@ -62,9 +67,9 @@ async def serve(
     simulate: bool = False,
     on_ready: Callable[[str], None] | None = None,
     lifecycle: Lifecycle | None = None,
-    pushed: Callable[[], Pushed | None] | None = None,
+    inbox: Connection | None = None,
 ) -> None:
-    """Serve until a stop signal; `pushed` (a worker's): the supervisor's reloads."""
+    """Serve until a stop signal; `inbox` (a worker's): the supervisor's reloads."""
     lifecycle = lifecycle or Lifecycle()
     # SIGHUP's default action kills the process: handle it from the start, and reload
     # once there is something to reload.
@@ -76,7 +81,13 @@ async def serve(
         app = build_app(config, lifecycle)
         runner = make_runner(app, config.gateway.drain_timeout)
         await runner.setup()
-        on_hup[0] = reload_on_signal(app, pushed)
+        if inbox is None:
+            on_hup[0] = reload_on_signal(app)
+        else:
+            on_hup[0] = _a_workers_sighup
+            apply = reload_from(app, inbox)
+            asyncio.get_running_loop().add_reader(inbox.fileno(), apply)
+            apply()  # what came while this worker was starting
         try:
             host, port = await runner.listen(
                 config.gateway.host, config.gateway.port, reuse_port=config.gateway.workers > 1
@@ -131,10 +142,10 @@ def serve_here(
     config: Config,
     *,
     simulate: bool = False,
-    pushed: Callable[[], Pushed | None] | None = None,
+    inbox: Connection | None = None,
 ) -> int:
     """Serve in this process until a stop signal; the process's exit status."""
-    main = serve(config, simulate=simulate, pushed=pushed)
+    main = serve(config, simulate=simulate, inbox=inbox)
     try:
         import uvloop
 

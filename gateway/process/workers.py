@@ -28,9 +28,9 @@ Like uvicorn's and gunicorn's workers:
   access lines, exit 0); only `drain_timeout` + `KILL_GRACE` seconds without all of them
   gone sends SIGKILL.
 - SIGHUP: the parent reads and validates both files once, keeps the result as the
-  configuration it owns, hands it to every worker through that worker's pipe, then
-  forwards SIGHUP; each worker applies what it was handed as a single process applies a
-  reload (reload.py). A worker restarted later starts from the configuration the parent
+  configuration it owns and hands what it read to every worker through that worker's
+  pipe; each worker applies it as it arrives, as a single process applies a reload
+  (reload.py), and a worker that was starting applies it once it serves. A worker restarted later starts from the configuration the parent
   owns now, never from an older one. Each worker exports `gateway_config_info{hash}`, so
   workers that serve different configurations show it.
 
@@ -136,15 +136,7 @@ def _worker_main(
     structlog.configure(processors=[_add_worker_pid, *processors])
     from gateway.process.serve import serve_here
 
-    sys.exit(serve_here(config, pushed=lambda: _newest(inbox)))
-
-
-def _newest(inbox: Connection) -> Pushed | None:
-    """The last of what the supervisor pushed since the last look; None if nothing came."""
-    newest: Pushed | None = None
-    while inbox.poll():
-        newest = inbox.recv()
-    return newest
+    sys.exit(serve_here(config, inbox=inbox))
 
 
 def _add_worker_pid(logger: object, method: str, event: MutableMapping[str, Any]) -> Any:
@@ -279,7 +271,7 @@ class Supervisor:
         while self._signals:
             signum = self._signals.pop(0)
             if signum == getattr(signal, "SIGHUP", None):
-                self._reload(signum)
+                self._reload()
             elif not self.stopping:
                 self.stopping = True
                 self.kill_at = time.monotonic() + self.config.gateway.drain_timeout + KILL_GRACE
@@ -290,21 +282,22 @@ class Supervisor:
                 _log.warning("workers_forced", reason="second stop signal")
                 self._send_all(signal.SIGTERM)
 
-    def _reload(self, signum: int) -> None:
+    def _reload(self) -> None:
         """SIGHUP: the files read and validated once, here; every worker gets the result."""
         pushed: Pushed
         try:
-            config, _, _ = merge(self.config, read_again(self.config))
+            pushed = read_again(self.config)
+            # What a worker restarted from now on starts with. The workers get the files
+            # as read, and merge them as a single process does: each then logs, counts and
+            # shows (/admin/config) what waits for a restart.
+            self.config, _, _ = merge(self.config, pushed)
         except (ConfigError, ValueError) as exc:
             pushed = str(exc)  # each worker logs and counts the failure; all keep theirs
-        else:
-            self.config = pushed = config  # what a worker restarted from now on starts with
         for slot in self.slots:
             if slot.inbox is not None and slot.process is not None:
                 with contextlib.suppress(OSError):  # a worker that just died
                     slot.inbox.send(pushed)
         _log.info("sighup_forwarded", workers=len(self._alive()), digest=self.config.digest())
-        self._send_all(signum)
 
     def _start(
         self, slot: Slot, context: multiprocessing.context.SpawnContext, ports: list[int]
