@@ -95,6 +95,8 @@ class GatewaySection(Frozen):
     def _admin_port_fixed_for_workers(self) -> GatewaySection:
         if self.admin_port == 0 and self.workers > 1:
             raise ValueError("admin_port: every worker must listen on one admin port, not 0")
+        if self.admin_port and self.admin_port == self.port:
+            raise ValueError(f"admin_port: {self.admin_port} is the API's port too")
         return self
 
     @field_validator("trusted_proxies")

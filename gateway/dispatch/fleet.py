@@ -363,5 +363,6 @@ def learned_slots(state: InstanceState, last: LoadReport | None, report: LoadRep
             return seen if seen < state.spec.slots else None
         return known
     if known is not None and report.running > known:
-        return None if report.waiting < 1 else round(report.running)
+        seen = round(report.running)
+        return None if report.waiting < 1 or seen >= state.spec.slots else seen
     return known

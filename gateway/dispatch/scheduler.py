@@ -289,8 +289,10 @@ class Scheduler(Fleet):
         if state.learned_slots is None:
             return []
         excess = state.fleet_inflight - (state.slots + self.limits.max_queue_per_instance)
-        if excess <= 0:
+        if excess <= 0 or not state.inflight:
             return []
+        # Our share of it: every gateway process takes back its own part, not the whole.
+        excess = -(-excess * state.inflight // state.fleet_inflight)
         waiting = [
             ticket
             for ticket, held in reversed(self._holding.items())

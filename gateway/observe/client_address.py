@@ -1,13 +1,15 @@
 """Who sent a request, behind load balancers: the address the access log calls `client`.
 
 The peer of a connection is the client unless it is a proxy we trust (`[gateway]
-trusted_proxies`, CIDRs). Then the client is named by `Forwarded` (RFC 7239) or, without
-it, `X-Forwarded-For`: each proxy appends the address it got the request from, so the
-list is read from the right, skipping the proxies we trust, and the first address that is
-not one is the client (anything to its left was written by the client itself and proves
-nothing). A value that is not an address (`unknown`, an obfuscated `_node`) stops the
-walk there: the client is then the last trusted hop's peer, as nginx's realip does.
-Pure: strings in, a string out.
+trusted_proxies`, CIDRs). Then the client is named by `X-Forwarded-For` or, without it,
+`Forwarded` (RFC 7239): X-Forwarded-For first, because it is what load balancers append
+(nginx, Envoy, cloud balancers) while most pass a client's own `Forwarded` through
+untouched, which would let the client name itself. Each proxy appends the address it got
+the request from, so the list is read from the right, skipping the proxies we trust, and
+the first address that is not one is the client (anything to its left was written by the
+client itself and proves nothing). A value that is not an address (`unknown`, an
+obfuscated `_node`) stops the walk there: the client is then the last trusted hop's
+peer, as nginx's realip does. Pure: strings in, a string out.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def _address(token: str) -> Address | None:
 
 def _hops(forwarded: str | None, x_forwarded_for: str | None) -> list[str]:
     """The addresses the proxies recorded, oldest first."""
+    if x_forwarded_for:
+        return [part for part in x_forwarded_for.split(",") if part.strip()]
     if forwarded:
         hops = []
         for element in forwarded.split(","):
@@ -46,7 +50,7 @@ def _hops(forwarded: str | None, x_forwarded_for: str | None) -> list[str]:
                 if name.lower() == "for":
                     hops.append(value)
         return hops
-    return [part for part in (x_forwarded_for or "").split(",") if part.strip()]
+    return []
 
 
 def client_of(

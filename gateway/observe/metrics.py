@@ -443,7 +443,8 @@ class StateCollector(Collector):
             kv = report.kv_usage if report else None
             families["kv"].add_metric(name, nan if kv is None else kv)
             learned = state.learned_slots
-            families["slots"].add_metric(name, state.slots if learned is None else learned)
+            slots = state.slots if learned is None else min(learned, state.slots)
+            families["slots"].add_metric(name, slots)
             ejections.add_metric(name, state.ejections_total)
             for lane in Lane:
                 on = state.lane in (lane.value, "any")

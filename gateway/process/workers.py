@@ -30,9 +30,10 @@ Like uvicorn's and gunicorn's workers:
 - SIGHUP: the parent reads and validates both files once, keeps the result as the
   configuration it owns and hands what it read to every worker through that worker's
   pipe; each worker applies it as it arrives, as a single process applies a reload
-  (reload.py), and a worker that was starting applies it once it serves. A worker restarted later starts from the configuration the parent
-  owns now, never from an older one. Each worker exports `gateway_config_info{hash}`, so
-  workers that serve different configurations show it.
+  (reload.py), and a worker that was starting applies it once it serves. A worker
+  restarted later starts from the configuration the parent owns now, never from an older
+  one. Each worker exports `gateway_config_info{hash}`, so workers that serve different
+  configurations show it.
 
 Workers share dispatch state only through `[shared] redis_url` (shared.py). Without it
 each worker dispatches on its own view (its own in-flight counts, its own queue and

@@ -315,8 +315,10 @@ async def _admin_config(request: web.Request) -> web.StreamResponse:
         "settings_path": config.settings_path,
         "waiting_for_restart": proxy.waiting_for_restart,
         "keys": len(config.api_keys),
-        "config": config.file.model_dump(mode="json"),
-        "settings": _redacted_settings(config.settings.model_dump(mode="json")),
+        "config": _without_credentials(config.file.model_dump(mode="json")),
+        "settings": _without_credentials(
+            _redacted_settings(config.settings.model_dump(mode="json"))
+        ),
     }
     return web.json_response(body)
 
@@ -326,6 +328,19 @@ def _redacted_settings(settings: dict[str, Any]) -> dict[str, Any]:
     channel = settings.get("channel") or {}
     channel["headers"] = dict.fromkeys(channel.get("headers") or {}, "**********")
     return settings
+
+
+def _without_credentials(value: Any) -> Any:
+    """Every URL in a dumped configuration without its user and password."""
+    if isinstance(value, dict):
+        return {k: _without_credentials(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_credentials(v) for v in value]
+    if isinstance(value, str) and "://" in value and "@" in value:
+        scheme, _, rest = value.partition("://")
+        netloc, slash, path = rest.partition("/")
+        return f"{scheme}://**********@{netloc.rpartition('@')[2]}{slash}{path}"
+    return value
 
 
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
