@@ -1,13 +1,13 @@
-"""A small HTTP/1.1 client for streamed answers: httptools (llhttp) on pooled connections.
+"""A small HTTP/1.1 client: httptools (llhttp) on pooled connections, for every call to an
+instance.
 
-aiohttp's client hands each read of a stream to an awaiting task (a future and a task
-step per chunk). Here the connection's own `asyncio.Protocol` parses the answer with
-httptools, the parser aiohttp and uvicorn use, and hands each body chunk on from
-`data_received`: queued for `next_chunk()` until the stream is committed, then pushed to a
-`Sink` (splice.py) with no await per chunk. `upstream/client.py` is the seam that decides when it is
-used; failures are its `AttemptFailed`, raised here where they enter.
+The connection's own `asyncio.Protocol` parses the answer with httptools, the parser
+aiohttp and uvicorn use, and hands each body chunk on from `data_received`: queued for
+`next_chunk()` (and `read()`) until a stream is committed, then pushed to a `Sink`
+(relay/splice.py) with no await per chunk, where a general client would hand each read
+to an awaiting task. Failures are `AttemptFailed`, raised here where they enter.
 
-`h1_pool.Pool` keeps the connections: keep-alive per instance, `limit` open in all. A
+`pool.Pool` keeps the connections: keep-alive per instance, `limit` open in all. A
 connection goes back to it only when its answer ended cleanly (the parser saw the whole
 message and the instance did not say close) and nothing followed it: as in h11, a message
 is a boundary, and any byte after the end of the answer (a second, unrequested answer, or
@@ -33,12 +33,12 @@ from gateway.upstream.response import AttemptFailed
 
 Key = tuple[str, int, bool]  # host, port, TLS: the connections that can serve one another
 _MAX_HEAD = 64 * 1024  # an answer head longer than this is no vLLM's
-_MAX_LINE = 8190  # per header line: aiohttp's limit, so both clients refuse the same heads
+_MAX_LINE = 8190  # per header line: aiohttp's and nginx's default limit
 _HIGH_WATER = 64 * 1024  # bytes queued unread before the socket read pauses (uvicorn's)
 
 
 class _Owner(Protocol):
-    """The pool a connection reports to (h1_pool.Pool): back when clean, or gone."""
+    """The pool a connection reports to (pool.Pool): back when clean, or gone."""
 
     def give_back(self, conn: H1Connection) -> None: ...
 
@@ -191,7 +191,7 @@ class Response:
     def __repr__(self) -> str:
         state = "complete" if self.complete else "broken" if self.broken else "open"
         mode = "spliced" if self._sink is not None else f"queued={self._queued}"
-        return f"<h1.Response {self.status} {state} {mode}>"
+        return f"<Response {self.status} {state} {mode}>"
 
 
 class _HeadTooLarge(Exception):
@@ -228,7 +228,7 @@ class H1Connection(asyncio.Protocol):
         state = (
             "closed" if self.transport is None else "busy" if self.head or self.response else "idle"
         )
-        return f"<h1.H1Connection {host}:{port} {state} used={self.used}>"
+        return f"<H1Connection {host}:{port} {state} used={self.used}>"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)

@@ -46,7 +46,7 @@ class Pool:
         idle = sum(len(v) for v in self._idle.values())
         paused = sum(c.paused for c in self._all)  # answers not read while their client is behind
         return (
-            f"<h1_pool.Pool open={len(self._all)}/{self.limit} idle={idle} paused={paused} "
+            f"<Pool open={len(self._all)}/{self.limit} idle={idle} paused={paused} "
             f"opened={self.opened}>"
         )
 

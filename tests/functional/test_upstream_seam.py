@@ -1,8 +1,8 @@
 """The network seam's contract, against a real server on loopback.
 
-`Upstream.open` returns our `UpstreamResponse`, and every failure of aiohttp's client
-surfaces as `AttemptFailed` with the kind the retry policy reads: nothing of aiohttp's
-reaches the caller. `tests/fake_upstream.py` stands in for this in cheap tests, so these
+`Upstream.open` returns our `UpstreamResponse`, and every failure of the connection
+surfaces as `AttemptFailed` with the kind the retry policy reads: no transport's own
+exception reaches the caller. `tests/fake_upstream.py` stands in for this in cheap tests, so these
 pin what it imitates.
 """
 
