@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from gateway.config.schema import Timeouts
 from gateway.upstream.connection import Response
-from gateway.upstream.pool import Pool
+from gateway.upstream.pool import KEEPALIVE_S, Pool
 from gateway.upstream.response import AttemptFailed
 
-# vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids sending a
-# request down a socket the instance is closing.
-KEEPALIVE_S = 4.0
 # Probes and scrapes: a round sends three calls to each instance at once; eight is plenty
 # for a fleet checked every few seconds, and small next to max_connections.
 CONTROL_CONNECTIONS = 8

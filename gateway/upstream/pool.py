@@ -22,15 +22,17 @@ from urllib.parse import urlsplit
 from gateway.upstream.connection import H1Connection, Key, Response
 from gateway.upstream.response import AttemptFailed
 
+# vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids sending a
+# request down a socket the instance is closing.
+KEEPALIVE_S = 4.0
+
 
 class Pool:
     """Keep-alive connections per instance, at most `limit` open in all."""
 
-    def __init__(self, limit: int, connect_timeout: float, keepalive: float = 4.0) -> None:
+    def __init__(self, limit: int, connect_timeout: float, keepalive: float = KEEPALIVE_S) -> None:
         self.limit = limit
         self.connect_timeout = connect_timeout
-        # vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids
-        # sending a request down a socket the instance is closing.
         self.keepalive = keepalive
         self.opened = 0  # connections made, for tests and metrics
         self._idle: dict[Key, list[H1Connection]] = {}
