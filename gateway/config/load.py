@@ -328,5 +328,9 @@ def _dotted(loc: tuple[str | int, ...]) -> str:
 
 
 def _show(value: Any) -> str:
+    """A bad value as an error quotes it: short, and a URL without its user and password."""
+    if isinstance(value, str) and "://" in value and "@" in value:
+        scheme, _, rest = value.partition("://")
+        value = f"{scheme}://***@{rest.rpartition('@')[2]}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

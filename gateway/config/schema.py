@@ -41,15 +41,17 @@ class Frozen(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_string_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if type(value) is str and info.field_name is not None:
-            annotation = cls.model_fields[info.field_name].annotation
-            kinds = set(get_args(annotation)) or {annotation}
-            if str not in kinds and kinds & {int, float, bool}:
-                raise ValueError("expected a number or a boolean, not a string")
-        if isinstance(value, bool) and info.field_name is not None:
-            annotation = cls.model_fields[info.field_name].annotation
-            if bool not in (set(get_args(annotation)) or {annotation}):
-                raise ValueError("expected a number, not a boolean")  # lax int takes true as 1
+        if info.field_name is None or not isinstance(value, str | bool):
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        kinds = set(get_args(annotation)) or {annotation}
+        if type(value) is str and str not in kinds:
+            if bool in kinds:
+                raise ValueError("expected true or false, not a string")
+            if kinds & {int, float}:
+                raise ValueError("expected a number, not a string")
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError("expected a number, not a boolean")  # lax int takes true as 1
         return value
 
 
@@ -215,9 +217,7 @@ class SharedSection(Frozen):
         if value is not None:
             scheme = value.get_secret_value().partition("://")[0]
             if scheme not in ("redis", "rediss", "unix"):
-                raise ValueError(
-                    f"expected a redis://, rediss:// or unix:// URL, got {scheme!r}://"
-                )
+                raise ValueError("expected a redis://, rediss:// or unix:// URL")
         return value
 
 

@@ -218,6 +218,12 @@ class Fleet:
             min(claim.long_running, room),
         )
 
+    def observe_error(self, name: str, error: str) -> None:
+        """A failure that is no verdict (a scrape's): kept among the instance's recent ones."""
+        state = self._by_name.get(name)
+        if state is not None:
+            note_error(state, error)
+
     def observe_probe(self, name: str, ok: bool, error: str | None = None) -> bool | None:
         """An active health probe answered (or failed, `error` says why): whether `name`'s
         up/down verdict changed; None for an instance no longer in the fleet."""

@@ -132,6 +132,7 @@ class HealthChecker:
         self.rounds = 0
         self._wake = asyncio.Event()
         self._looks: dict[str, asyncio.Task[None]] = {}  # early readings under way
+        self._scrape_failing: set[str] = set()  # whose last scrape failed (logged once)
         dispatcher.on_unconfirmed = self.scrape_soon
 
     def reconfigure(self, targets: list[ProbeTarget], probe_timeout: float) -> None:
@@ -231,10 +232,16 @@ class HealthChecker:
             failed = "parse"
         if failed is not None:
             # An unknown load counts as the busiest fleet's, so a scrape that keeps failing
-            # changes dispatch: say so, at debug per scrape and in a counter always.
+            # changes dispatch: counted always, logged when it starts, kept for the operator.
             self.dispatcher.metrics.probe_failures.labels(target.name, "scrape", failed).inc()
-            _log.debug("scrape_failed", server=target.name, reason=failed)
+            self.dispatcher.scheduler.observe_error(target.name, f"scrape: {failed}")
+            if target.name not in self._scrape_failing:
+                self._scrape_failing.add(target.name)
+                _log.warning("scrape_failed", server=target.name, reason=failed)
             return
+        if target.name in self._scrape_failing:
+            self._scrape_failing.discard(target.name)
+            _log.info("scrape_recovered", server=target.name)
         assert load is not None
         self.dispatcher.report_load(
             target.name,

@@ -182,7 +182,10 @@ class Recorder:
         client = peer
         if self.trusted:  # the peer may be a load balancer naming the client
             headers = request.headers
-            forwarded, xff = headers.get("Forwarded"), headers.get("X-Forwarded-For")
+            # Every line of each: a balancer may add its own X-Forwarded-For line beside
+            # the client's rather than append to it.
+            forwarded = ", ".join(headers.getall("Forwarded", ())) or None
+            xff = ", ".join(headers.getall("X-Forwarded-For", ())) or None
             client = client_of(peer, self.trusted, forwarded, xff)
         ex = Exchange(
             route,

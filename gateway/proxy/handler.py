@@ -171,7 +171,11 @@ class Proxy:
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
-            model = self.intake.served_model(payload)
+            try:
+                model = self.intake.served_model(payload)
+            except errors.ModelNotFound:
+                ex.model = "other"  # counted with the models the fleet does not list
+                raise
             if model is not None:
                 ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
             ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
@@ -203,6 +207,7 @@ class Proxy:
                 return error.response(headers)
             if ex.status == 200:
                 self.metrics.stream_aborts.labels("client").inc()
+                ex.cut = "client"
             ex.status = 499  # the client closed the connection (nginx's code for it)
             raise
         finally:

@@ -98,13 +98,23 @@ class ClientConnections:
         )
 
     def protocol_factory(
-        self, make_handler: Callable[[], asyncio.Protocol]
+        self, make_handler: Callable[[], asyncio.Protocol], *, limit: int | None = None
     ) -> Callable[[], asyncio.Protocol]:
-        """The factory for `loop.create_server`: aiohttp's protocol inside ours, or a refusal."""
+        """The factory for `loop.create_server`: aiohttp's protocol inside ours, or a refusal.
+
+        `limit`: the connections this listener's own may add beyond `max_open` (the admin
+        listener's: probes and scrapes must get in when the API's clients fill it up).
+        """
+        extra = [0]  # connections of this listener open beyond max_open
 
         def factory() -> asyncio.Protocol:
             if len(self.open) >= self.limits.max_open:
-                return _Refusal(self)
+                if limit is None or extra[0] >= limit:
+                    return _Refusal(self)
+                extra[0] += 1
+                connection = _Connection(make_handler(), self)
+                connection.on_close = lambda: extra.__setitem__(0, extra[0] - 1)
+                return connection
             return _Connection(make_handler(), self)
 
         return factory
@@ -153,6 +163,7 @@ class _Connection(asyncio.Protocol):
         self._got_bytes = False  # of the request whose head is awaited
         self._writing_paused = False  # the transport's buffer is over its high-water mark
         self._on_writing: Callable[[bool], None] | None = None  # a spliced stream (splice.py)
+        self.on_close: Callable[[], None] | None = None  # its listener's count, if any
         # Counted from here, not connection_made: one accept burst makes many protocols
         # before any is connected, and the cap must see each of them.
         owner.open.add(self)
@@ -203,6 +214,8 @@ class _Connection(asyncio.Protocol):
         if self in self.owner.open:
             self.owner.open.discard(self)
             self.owner.metrics.client_connections.dec()
+            if self.on_close is not None:
+                self.on_close()
         self.transport = None
         self.inner.connection_lost(exc)
 

@@ -59,6 +59,11 @@ class _OpenAIErrorsHandler(web.RequestHandler):
         return response
 
 
+# Connections the admin listener may open when the API's clients hold every one of
+# `max_client_connections`: probes and scrapes still get in during an overload.
+ADMIN_CONNECTIONS = 16
+
+
 class GatewayRunner(web.AppRunner):
     """An AppRunner that listens itself, with bounded connections answering in OpenAI's shape."""
 
@@ -102,12 +107,14 @@ class GatewayRunner(web.AppRunner):
     ) -> tuple[str, int]:
         """The admin listener (`[gateway] admin_port`): the same app and connection limits;
         it stays open through the drain, so probes and scrapes still see the gateway."""
-        self._admin = await self._serve(host, port, reuse_port)
+        self._admin = await self._serve(host, port, reuse_port, beyond_limit=ADMIN_CONNECTIONS)
         bound = _bound(self._admin)
         self.app[ADMIN].port = bound[1]
         return bound
 
-    async def _serve(self, host: str, port: int, reuse_port: bool) -> asyncio.AbstractServer:
+    async def _serve(
+        self, host: str, port: int, reuse_port: bool, beyond_limit: int | None = None
+    ) -> asyncio.AbstractServer:
         server, connections = self.server, self.connections
         assert server is not None, "call setup() first"
         assert connections is not None
@@ -126,7 +133,7 @@ class GatewayRunner(web.AppRunner):
             )
 
         listener = await loop.create_server(
-            connections.protocol_factory(make_handler),
+            connections.protocol_factory(make_handler, limit=beyond_limit),
             host,
             port,
             backlog=128,

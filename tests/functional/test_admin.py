@@ -155,3 +155,46 @@ async def until_down(app: web.Application) -> None:
     async with asyncio.timeout(10):
         while any(s.up for s in app[DISPATCHER].scheduler.states):
             await asyncio.sleep(0.05)
+
+
+async def test_probes_get_in_when_the_api_clients_hold_every_connection() -> None:
+    """With max_client_connections held by idle API clients, the admin port still answers."""
+    async with (
+        fleet(SimConfig(instant=True)) as sims,
+        two_listeners(sims, {"admin_port": 0, "max_client_connections": 3}) as (api, admin, _),
+    ):
+        host, port = api.removeprefix("http://").split(":")
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+        try:
+            await asyncio.sleep(0.1)
+            async with aiohttp.ClientSession() as session, session.get(admin + "/readyz") as r:
+                assert r.status == 200
+        finally:
+            for _, writer in held:
+                writer.close()
+
+
+async def test_a_model_nobody_serves_is_counted_as_other_and_split_xff_is_joined() -> None:
+    """A 404 model_not_found counts as model="other"; a client's own X-Forwarded-For line
+    beside the balancer's does not name the client."""
+    trusted = {"admin_port": 0, "trusted_proxies": ["127.0.0.0/8"]}
+    async with (
+        fleet(SimConfig(instant=True)) as sims,
+        two_listeners(sims, trusted) as (api, admin, _),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {**CHAT, "model": "no-such-model"}
+        headers = [
+            *AUTH.items(),
+            ("X-Forwarded-For", "6.6.6.6"),
+            ("X-Forwarded-For", "198.51.100.7"),
+        ]
+        with structlog.testing.capture_logs() as events:
+            async with session.post(api + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 404
+        async with session.get(admin + "/metrics") as resp:
+            metrics = await resp.text()
+    line = next(e for e in events if e["event"] == "request")
+    assert line["model"] == "other"
+    assert line["client"] == "198.51.100.7"
+    assert 'model="other",route="chat.completions",status="404"' in metrics

@@ -10,6 +10,7 @@ import socket
 from typing import Any
 
 import aiohttp
+import structlog
 from aiohttp import web
 from fakes import KEY, Gateway, fleet, gateway_with
 from faultproxy import eventually
@@ -108,28 +109,37 @@ async def test_a_client_behind_pauses_the_instance_read_and_then_gets_every_even
 
 async def test_a_client_that_leaves_closes_the_instance_connection_at_once() -> None:
     """A client that closes mid-stream makes the gateway close the instance's connection
-    right away: the instance cancels the request unfinished and the slot is free again."""
+    right away: the instance cancels the request unfinished, the slot is free again, and
+    the access line says the client cut it."""
     paced = SimConfig(decode_s_per_token=0.002, prefill_tokens_per_s=1e6)
-    async with fleet(paced) as sims, gateway_with(sims) as gw:
-        sim = sims[0]
-        body = {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 5000}
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                gw.base_url + "/chat/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {KEY}"},
-            ) as resp,
-        ):
-            assert resp.status == 200
-            await resp.content.readuntil(b"\n\n")
-            assert busy(gw) == 1
-        # Leaving the block closed the client's connection with the stream unread.
-        took = await eventually(lambda: sim.stats.cancelled == 1, 3, "the instance cancelled")
-        assert took < 1.0
-        await eventually(lambda: gw.dispatcher.scheduler.inflight == 0, 2, "in-flight 0")
-        assert sim.stats.completed == 0
-        assert gw.metrics.stream_aborts.labels("client")._value.get() == 1
+    with structlog.testing.capture_logs() as events:
+        async with fleet(paced) as sims, gateway_with(sims) as gw:
+            sim = sims[0]
+            body = {
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "max_tokens": 5000,
+            }
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    gw.base_url + "/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {KEY}"},
+                ) as resp,
+            ):
+                assert resp.status == 200
+                await resp.content.readuntil(b"\n\n")
+                assert busy(gw) == 1
+            # Leaving the block closed the client's connection with the stream unread.
+            took = await eventually(lambda: sim.stats.cancelled == 1, 3, "the instance cancelled")
+            assert took < 1.0
+            await eventually(lambda: gw.dispatcher.scheduler.inflight == 0, 2, "in-flight 0")
+            assert sim.stats.completed == 0
+            assert gw.metrics.stream_aborts.labels("client")._value.get() == 1
+            await eventually(lambda: any(e["event"] == "request" for e in events), 2, "logged")
+    line = next(e for e in events if e["event"] == "request")
+    assert (line["status"], line["cut"]) == (499, "client")
 
 
 async def test_an_error_after_the_commit_is_one_whole_event_after_whole_events() -> None:
