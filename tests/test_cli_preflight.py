@@ -180,3 +180,13 @@ def test_check_warns_about_a_weak_key_without_quoting_it(
     err = capsys.readouterr().err
     assert f"the unified key #1 is weak ({why}" in err
     assert f"'{key}'" not in err
+
+
+@pytest.mark.usefixtures("keyed")
+def test_check_fails_on_an_admin_host_that_cannot_be_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An admin listener on an address this machine does not have fails --check, named."""
+    config = write(tmp_path, '[gateway]\nadmin_port = 18081\nadmin_host = "192.0.2.77"\n')
+    assert main(["--config", str(config), "--check"]) == 2
+    assert "[gateway] admin_host: cannot listen on '192.0.2.77'" in capsys.readouterr().err

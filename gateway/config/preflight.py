@@ -53,6 +53,18 @@ def check(
                 f"{port_from}: port {port} on {host!r} cannot be bound now: {problem}; "
                 "serving will fail until it is free"
             )
+    gateway = config.gateway
+    if gateway.admin_port is not None:
+        admin_host = gateway.admin_host or host
+        problem = bind_problem(admin_host, 0)
+        if problem:
+            raise ConfigError(f"[gateway] admin_host: cannot listen on {admin_host!r}: {problem}")
+        problem = bind_problem(admin_host, gateway.admin_port) if gateway.admin_port else None
+        if problem and port_from:
+            warnings.append(
+                f"[gateway] admin_port: port {gateway.admin_port} on {admin_host!r} cannot "
+                f"be bound now: {problem}; serving will fail until it is free"
+            )
     where = f"{config.settings_path}: vllm.instances"
     warnings += shared_addresses(config.instances, where, resolve_all(config.instances, resolve))
     warnings += weak_keys(config.api_keys)
