@@ -31,6 +31,7 @@ from gateway.config.schema import (
     PrefillSection,
     Settings,
 )
+from gateway.config.urls import without_credentials
 
 _M = TypeVar("_M", bound=BaseModel)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -329,8 +330,5 @@ def _dotted(loc: tuple[str | int, ...]) -> str:
 
 def _show(value: Any) -> str:
     """A bad value as an error quotes it: short, and a URL without its user and password."""
-    if isinstance(value, str) and "://" in value and "@" in value:
-        scheme, _, rest = value.partition("://")
-        value = f"{scheme}://***@{rest.rpartition('@')[2]}"
-    text = repr(value)
+    text = repr(without_credentials(value) if isinstance(value, str) else value)
     return text if len(text) <= 80 else text[:77] + "..."

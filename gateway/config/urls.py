@@ -8,6 +8,17 @@ from urllib.parse import urlsplit
 LOOPBACK = "loopback"
 
 
+def without_credentials(text: str) -> str:
+    """`text` with a URL's user and password masked (a config error, a config dump)."""
+    if "://" not in text or "@" not in text:
+        return text
+    scheme, _, rest = text.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return text
+    return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}"
+
+
 def endpoint(url: str) -> tuple[str, int]:
     """Where an http(s) URL connects: its host (as `host_key` gives it) and port.
 

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import errors
 from gateway.config.load import Config
+from gateway.config.urls import without_credentials
 from gateway.dispatch import STRATEGIES, Lane, Scheduler
 from gateway.dispatch.least_time import LeastTime
 from gateway.fleet.dispatcher import Dispatcher
@@ -336,11 +337,7 @@ def _without_credentials(value: Any) -> Any:
         return {k: _without_credentials(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_without_credentials(v) for v in value]
-    if isinstance(value, str) and "://" in value and "@" in value:
-        scheme, _, rest = value.partition("://")
-        netloc, slash, path = rest.partition("/")
-        return f"{scheme}://**********@{netloc.rpartition('@')[2]}{slash}{path}"
-    return value
+    return without_credentials(value) if isinstance(value, str) else value
 
 
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
