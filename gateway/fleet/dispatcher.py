@@ -130,8 +130,7 @@ class Dispatcher:
         # refused it (False: the instance is full fleet-wide), or not hear (None: Redis is
         # away and the local view decides); and give it back.
         self.claim: Callable[[str, int, int], Awaitable[bool | None]] | None = None
-        self.unclaim: Callable[[str, int], None] | None = None
-        self._claimed: dict[int, str] = {}  # ticket -> instance whose lease it holds
+        self.unclaim: Callable[[int], None] | None = None
         self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
 
     def snapshot(self) -> Snapshot:
@@ -182,19 +181,14 @@ class Dispatcher:
             except BaseException:  # the client left while we asked: the place goes back
                 self.release(ticket.id, Outcome.NEUTRAL)
                 raise
-            if not self.scheduler.has(instance):  # a reload removed it meanwhile
-                if claimed and self.unclaim is not None:
-                    self.unclaim(instance, ticket.id)
-                claimed = False
-            elif claimed is not False:
-                if claimed:
-                    self._claimed[ticket.id] = instance
+            removed = not self.scheduler.has(instance)  # by a reload, while we asked
+            if claimed is not False and not removed:
                 break
-            else:
+            if not removed:
                 # Full first, then the place back: else the queue's next request would be
                 # put into it, only to be refused by the store in turn.
                 self.scheduler.note_full(instance)
-            self.release(ticket.id, Outcome.NEUTRAL)
+            self.release(ticket.id, Outcome.NEUTRAL)  # and its lease, if it took one
             ticket = self.retry_ticket(ticket, ticket.exclude)
             instance = await self.acquire(ticket)
         lease = Lease(self, ticket.id, instance)
@@ -247,9 +241,8 @@ class Dispatcher:
 
     def release(self, ticket_id: int, outcome: Outcome, error: str | None = None) -> None:
         self._leases.pop(ticket_id, None)
-        claimed = self._claimed.pop(ticket_id, None)
-        if claimed is not None and self.unclaim is not None:
-            self.unclaim(claimed, ticket_id)
+        if self.unclaim is not None:  # its lease in the shared store, if it holds one
+            self.unclaim(ticket_id)
         self._settle(self.scheduler.release(ticket_id, outcome, self.clock(), self.rng, error))
         self._changed()
 

@@ -256,18 +256,24 @@ class SharedState:
                     keys=[self._leases + instance], args=[member, cap, int(LEASE_S * 1000)]
                 )
         except asyncio.CancelledError:
-            self.unclaim(instance, ticket)  # it may have gone through: give it back
+            self._give_back_lease(instance, ticket)  # it may have gone through
             raise
         except (RedisError, OSError, TimeoutError) as exc:
-            self.unclaim(instance, ticket)  # a timed-out script may have taken the place
+            self._give_back_lease(instance, ticket)  # a timed-out script may have taken it
             self.failed("redis", exc)
             return None
         if got:
             self._held[ticket] = instance
         return bool(got)
 
-    def unclaim(self, instance: str, ticket: int) -> None:
-        """Give a lease back (soon, in one pipeline with the others given back meanwhile)."""
+    def unclaim(self, ticket: int) -> None:
+        """Give back the lease `ticket` holds, if it holds one."""
+        instance = self._held.pop(ticket, None)
+        if instance is not None:
+            self._give_back_lease(instance, ticket)
+
+    def _give_back_lease(self, instance: str, ticket: int) -> None:
+        """Soon, in one pipeline with the others given back meanwhile."""
         self._held.pop(ticket, None)
         self._unheld.append((instance, ticket))
         self._give_back.set()
