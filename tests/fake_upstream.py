@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.upstream.connection import Sink
-from gateway.upstream.response import AttemptFailed
+from gateway.upstream.response import AttemptFailed, read_whole
 
 
 @dataclass(frozen=True)
@@ -179,10 +179,7 @@ class FakeUpstream:
     ) -> tuple[int, bytes]:
         """As the real one (open, read whole, release), on the scripted answers."""
         response = await self.open(method, url, body=body, headers=headers or {}, timeout=timeout)
-        try:
-            return response.status, await response.read(timeout)
-        finally:
-            response.release()
+        return await read_whole(response, timeout)
 
     def __repr__(self) -> str:
         return f"<FakeUpstream sent={len(self.sent)} left={len(self.answers)}>"

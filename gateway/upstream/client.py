@@ -20,7 +20,7 @@ from __future__ import annotations
 from gateway.config.schema import Timeouts
 from gateway.upstream.connection import Response
 from gateway.upstream.pool import KEEPALIVE_S, Pool
-from gateway.upstream.response import AttemptFailed
+from gateway.upstream.response import AttemptFailed, read_whole
 
 # Probes and scrapes: a round sends three calls to each instance at once; eight is plenty
 # for a fleet checked every few seconds, and small next to max_connections.
@@ -97,10 +97,7 @@ class Upstream:
         """A small exchange (health, metrics, models, tokenize): status and whole body, on
         the control pool."""
         response = await self._send(self._control, method, url, body, headers or {}, timeout)
-        try:
-            return response.status, await response.read(timeout)
-        finally:
-            response.release()
+        return await read_whole(response, timeout)
 
     def __repr__(self) -> str:
         return f"<Upstream {self._pool!r}>"

@@ -48,3 +48,11 @@ class UpstreamResponse(Protocol):
     def release(self) -> None:
         """Hand a fully read connection back to the pool (idempotent)."""
         ...
+
+
+async def read_whole(response: UpstreamResponse, timeout: float) -> tuple[int, bytes]:
+    """A small exchange's status and body read whole; the connection released after."""
+    try:
+        return response.status, await response.read(timeout)
+    finally:
+        response.release()
