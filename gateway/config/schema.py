@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from gateway.config.urls import LOOPBACK, check_http_url, endpoint
-from gateway.dispatch.model import InstanceLane
+from gateway.dispatch.model import InstanceLane, Role
 from gateway.dispatch.strategies import STRATEGIES
 
 # RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.
@@ -304,6 +304,9 @@ class InstanceConfig(Frozen):
     # The models (and LoRA adapters) it serves, for instances that hide /v1/models;
     # without it they are learned from /v1/models every health round.
     models: list[str] | None = Field(None, min_length=1)
+    # Prefill/decode disaggregation (vLLM's KV connector on both): "prefill" takes only
+    # the prompts worth a second hop, "decode" the answers (and short prompts whole).
+    role: Role = "both"
 
     @field_validator("url")
     @classmethod
@@ -367,6 +370,18 @@ class VllmSection(Frozen):
                 raise ValueError(
                     f"instance name {spec.label!r} is used twice ([{first}] and [{index}])"
                 )
+        return value
+
+    @field_validator("instances")
+    @classmethod
+    def _someone_decodes(cls, value: list[InstanceConfig]) -> list[InstanceConfig]:
+        # A prefill instance computes a prompt and answers one token: without an instance
+        # to decode, no request could ever be answered.
+        if all(spec.role == "prefill" for spec in value):
+            raise ValueError(
+                'every instance has role "prefill": give at least one role "decode" or '
+                '"both" (a prefill instance answers only the first token)'
+            )
         return value
 
 

@@ -26,6 +26,7 @@ from .affinity import BLOCK_TOKENS, PrefixIndex
 from .health import apply_probe, note_error
 from .model import (
     HealthPolicy,
+    Hop,
     InstanceSpec,
     InstanceState,
     Lane,
@@ -87,8 +88,14 @@ class Fleet:
         self.limits = limits
         self.health_policy = health_policy
         self._by_name = {s.name: s for s in states}
-        # Where a lane has no dedicated or shared instance, it may use any.
-        self._pool = {lane: [s for s in states if s.serves(lane)] or states for lane in Lane}
+        # Each hop goes to the instances whose role takes it; of those, where a lane has
+        # no dedicated or shared instance, it may use any.
+        self.has_prefill_role = any(s.spec.role == "prefill" for s in states)
+        self._pool: dict[tuple[Lane, Hop], list[InstanceState]] = {}
+        for hop in Hop:
+            takers = [s for s in states if s.takes(hop)]
+            for lane in Lane:
+                self._pool[lane, hop] = [s for s in takers if s.serves(lane)] or takers
 
     def state(self, name: str) -> InstanceState:
         return self._by_name[name]
@@ -112,22 +119,31 @@ class Fleet:
         """Every model some instance is known to serve, sorted."""
         return sorted({m for s in self.states for m in s.models or ()})
 
-    def _alive(self, lane: Lane, model: str | None, now: float) -> bool:
-        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane])
+    def _alive(self, lane: Lane, model: str | None, now: float, hop: Hop = Hop.WHOLE) -> bool:
+        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane, hop])
+
+    def pool(self, lane: Lane, hop: Hop) -> Sequence[InstanceState]:
+        """The instances that may take `hop` of a `lane` request, up or not."""
+        return self._pool[lane, hop]
 
     # ------------------------------------------------------------ room and observations
 
     def untried_available(
-        self, lane: Lane, tried: frozenset[str], now: float, model: str | None = None
+        self,
+        lane: Lane,
+        tried: frozenset[str],
+        now: float,
+        model: str | None = None,
+        hop: Hop = Hop.WHOLE,
     ) -> bool:
         """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
         return any(
             s.available(now) and s.name not in tried and s.serves_model(model)
-            for s in self._pool[lane]
+            for s in self._pool[lane, hop]
         )
 
     def _untried_alive(self, ticket: Ticket, now: float) -> bool:
-        return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model)
+        return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model, ticket.hop)
 
     def observe_tpot(self, name: str, seconds: float) -> None:
         """A streamed answer's time per output token on `name` (if still in the fleet)."""
@@ -298,7 +314,7 @@ class Fleet:
         # exists (`untried_available`) before it retries.
         room = [
             s
-            for s in self._pool[ticket.lane]
+            for s in self._pool[ticket.lane, ticket.hop]
             if s.available(now)
             and s.serves_model(ticket.model)
             and s.name not in ticket.exclude
@@ -323,27 +339,35 @@ class Fleet:
             self._settled.append((state.name, prefix))
         cache.settle(prefix)
 
-    def _beyond_slots(self, lane: Lane, model: str | None) -> int:
+    def _beyond_slots(self, lane: Lane, model: str | None, hop: Hop = Hop.WHOLE) -> int:
         """The fleet's requests waiting at `lane`'s instances for `model` beyond their
         running slots: they start before anything the gateway still queues."""
         return sum(
-            max(0, s.fleet_inflight - s.slots) for s in self._pool[lane] if s.serves_model(model)
+            max(0, s.fleet_inflight - s.slots)
+            for s in self._pool[lane, hop]
+            if s.serves_model(model)
         )
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
         if state.fleet_inflight >= state.slots + self.limits.max_queue_per_instance:
             return False
-        if state.spec.lane == "any" and self._takes_long_place(state, ticket):
+        if self._capped_long(state) and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
             return long_prefilling < self.limits.max_long_per_instance
         return True
 
+    @staticmethod
+    def _capped_long(state: InstanceState) -> bool:
+        """`max_long_per_instance` keeps long prefills from stalling the short requests
+        decoding on an instance both lanes share; a prefill instance decodes nothing."""
+        return state.spec.lane == "any" and state.spec.role != "prefill"
+
     def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
         """A long request counts as a long prefill there, unless it is cached there enough
         that what is left to compute is short (`max_long_per_instance` binds on shared
-        instances only)."""
-        if ticket.lane is not Lane.LONG:
+        instances only). A decode hop prefills nothing: its blocks come from elsewhere."""
+        if ticket.lane is not Lane.LONG or ticket.hop is Hop.DECODE:
             return False
         # Only blocks already computed there count: a burst of long prompts sharing one
         # document would otherwise all skip the cap while the first is still prefilling.

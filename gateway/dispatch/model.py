@@ -16,11 +16,28 @@ from .affinity import BLOCK_TOKENS, DEFAULT_INDEX_BLOCKS, PrefixIndex
 from .speed import PeerSpeed, Speed
 
 InstanceLane = Literal["short", "long", "any"]
+# What an instance does in a disaggregated fleet (vLLM's KV connector moves a prompt's
+# KV blocks from the prefill instance to the decode one): "both" is every instance of
+# a fleet that does not disaggregate.
+Role = Literal["prefill", "decode", "both"]
 
 
 class Lane(enum.StrEnum):
     SHORT = "short"
     LONG = "long"
+
+
+class Hop(enum.StrEnum):
+    """Which part of a request a ticket places (disaggregation.py decides the split).
+
+    WHOLE: prefill and decode on one instance, as every request of a fleet without
+    roles. PREFILL: the prompt alone, whose KV blocks stay held for a decode instance.
+    DECODE: the answer, on an instance that reads those blocks instead of prefilling.
+    """
+
+    WHOLE = "whole"
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 class Outcome(enum.Enum):
@@ -42,6 +59,7 @@ class InstanceSpec:
     slots: int = 256
     # Models pinned in the settings; None: learned from the instance's /v1/models.
     models: frozenset[str] | None = None
+    role: Role = "both"
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,9 @@ class Limits:
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
     # Size each index from its instance's vllm:cache_config_info once it reports it.
     prefix_index_learned: bool = True
+    # The short lane's TPOT objective: a prefill longer than this on a decode instance
+    # stalls every answer decoding there past it (disaggregation.split).
+    tpot_objective: float = 0.05
 
     def max_queue_wait(self, lane: Lane) -> float:
         return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long
@@ -144,6 +165,7 @@ class Ticket:
     max_tokens: int = 0  # output tokens asked for (0: unknown)
     model: str | None = None  # None: any instance may serve it
     prefix: tuple[int, ...] = ()  # the prompt's block hashes (affinity.prompt_blocks)
+    hop: Hop = Hop.WHOLE
 
 
 @dataclass(frozen=True)
@@ -239,6 +261,12 @@ class InstanceState:
 
     def serves(self, lane: Lane) -> bool:
         return self.spec.lane == "any" or self.spec.lane == lane.value
+
+    def takes(self, hop: Hop) -> bool:
+        """Whether its role lets it take `hop`: a prefill instance only prefills; a decode
+        instance decodes, and serves whole the prompts not worth a second hop."""
+        role = self.spec.role
+        return role == "both" or (hop is Hop.PREFILL) == (role == "prefill")
 
     @property
     def models(self) -> frozenset[str] | None:

@@ -1,7 +1,8 @@
 """The gateway's own queues: what waits, in which order, and until when.
 
-A request waits in the FIFO of its lane and model: requests for one model never hold up
-those for another, which other instances serve. Retries wait apart, each for an untried
+A request waits in the FIFO of its lane, model and hop: requests for one model never
+hold up those for another, which other instances serve, nor a prompt waiting for a
+prefill instance one that a decode instance may serve whole. Retries wait apart, each for an untried
 instance (in one FIFO, one could head its lane and block requests an idle instance could
 run). Each waiting ticket has the time its wait runs out. Only the scheduler uses this.
 """
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .model import Lane, Ticket
+from .model import Hop, Lane, Ticket
 
-QueueKey = tuple[Lane, str | None]
+QueueKey = tuple[Lane, str | None, Hop]
 _RETRIES = None  # where a retry waits, in `_where`
 
 
@@ -36,7 +37,7 @@ class WaitQueues:
 
     def waiting_before(self, ticket: Ticket) -> int:
         """How many wait in the FIFO a new `ticket` would join (FIFO: none may be overtaken)."""
-        fifo = self._fifos.get((ticket.lane, ticket.model))
+        fifo = self._fifos.get((ticket.lane, ticket.model, ticket.hop))
         return len(fifo) if fifo else 0
 
     def fifo_length(self, lane: Lane) -> int:
@@ -46,10 +47,14 @@ class WaitQueues:
     def retry_count(self) -> int:
         return len(self._retries)
 
-    def length_for(self, lane: Lane, model: str | None) -> int:
-        """What waits for `lane` and `model`: its FIFO and its retries."""
-        fifo = self._fifos.get((lane, model))
-        retries = sum(1 for t in self._retries.values() if t.lane is lane and t.model == model)
+    def length_for(self, lane: Lane, model: str | None, hop: Hop = Hop.WHOLE) -> int:
+        """What waits for `lane`, `model` and `hop`: its FIFO and its retries."""
+        fifo = self._fifos.get((lane, model, hop))
+        retries = sum(
+            1
+            for t in self._retries.values()
+            if t.lane is lane and t.model == model and t.hop is hop
+        )
         return (len(fifo) if fifo else 0) + retries
 
     def length(self, lane: Lane) -> int:
@@ -62,7 +67,7 @@ class WaitQueues:
             queue, where = self._retries, _RETRIES
             self._retry_count[ticket.lane] += 1
         else:
-            where = (ticket.lane, ticket.model)
+            where = (ticket.lane, ticket.model, ticket.hop)
             queue = self._fifos.setdefault(where, {})
             self._fifo_count[ticket.lane] += 1
         queue[ticket.id] = ticket

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 
 from .admission import DrainRates, predicted_wait, refusal
+from .disaggregation import fastest_prefill, split
 from .fleet import Fleet
 from .health import apply_outcome
 from .holding import Held as _Held
@@ -32,6 +33,7 @@ from .model import (
     Assigned,
     Decision,
     HealthPolicy,
+    Hop,
     InstanceSpec,
     InstanceState,
     Lane,
@@ -71,6 +73,9 @@ class Scheduler(Fleet):
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
+        # A decode hop's time from sending to its first token, per prompt token: the KV
+        # blocks' transfer (and the decode instance's wait), what a second hop costs.
+        self._transfer = Ewma(higher_is_better=False)
 
     def reconfigure(
         self,
@@ -100,16 +105,31 @@ class Scheduler(Fleet):
     def queue_length(self, lane: Lane) -> int:
         return self._queues.length(lane)
 
-    def ahead(self, lane: Lane, model: str | None = None) -> int:
+    def ahead(self, lane: Lane, model: str | None = None, hop: Hop = Hop.WHOLE) -> int:
         """Requests that start before a new `lane` request for `model` would: queued for
         the same, and waiting at its instances beyond their running slots."""
         peers_queued = self._shared.queued.get(lane, 0)
-        at_instances = self._beyond_slots(lane, model)
-        return self._queues.length_for(lane, model) + peers_queued + at_instances
+        at_instances = self._beyond_slots(lane, model, hop)
+        return self._queues.length_for(lane, model, hop) + peers_queued + at_instances
 
-    def predicted_wait(self, lane: Lane, now: float, model: str | None = None) -> float | None:
+    def predicted_wait(
+        self, lane: Lane, now: float, model: str | None = None, hop: Hop = Hop.WHOLE
+    ) -> float | None:
         """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return predicted_wait(self.ahead(lane, model), self._drained.rate(lane, model, now))
+        return predicted_wait(self.ahead(lane, model, hop), self._drained.rate(lane, model, now))
+
+    def splits(self, ticket: Ticket, now: float) -> bool:
+        """Whether `ticket` goes in two hops: prefill on a prefill instance, then decode
+        (disaggregation.py). Never in a fleet without prefill instances."""
+        return split(
+            self.pool(ticket.lane, Hop.PREFILL),
+            self.pool(ticket.lane, Hop.DECODE),
+            ticket,
+            now,
+            tpot_objective=self.limits.tpot_objective,
+            long_input_threshold=self.limits.long_input_threshold,
+            transfer_s_per_token=self._transfer.value,
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -119,7 +139,7 @@ class Scheduler(Fleet):
             return Rejected(ticket, "shutting_down", self.limits.queue_retry_after)
         if ticket.deadline <= now:
             return Rejected(ticket, "deadline", self.limits.queue_retry_after)
-        if not self._alive(ticket.lane, ticket.model, now):
+        if not self._alive(ticket.lane, ticket.model, now, ticket.hop):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
@@ -130,11 +150,11 @@ class Scheduler(Fleet):
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
-            wait = self.predicted_wait(ticket.lane, now, ticket.model)
+            wait = self.predicted_wait(ticket.lane, now, ticket.model, ticket.hop)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
         rate = self._drained.rate(ticket.lane, ticket.model, now)
-        ahead = self.ahead(ticket.lane, ticket.model)
+        ahead = self.ahead(ticket.lane, ticket.model, ticket.hop)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
@@ -186,14 +206,18 @@ class Scheduler(Fleet):
 
         Its prompt leaves the instance's prefill work; the time teaches the prefill rate
         (on the tokens computed: a cache hit is not a fast card); a long one gives up its
-        long-prefill place.
+        long-prefill place. A decode hop computed no prompt: its time teaches what moving
+        a prompt's KV blocks costs instead.
         """
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
         self._settle_prefix(held.state, held.ticket)
-        if ttft is not None:
+        if ttft is not None and held.ticket.hop is Hop.DECODE:
+            if held.ticket.tokens:
+                self._transfer.update(ttft / held.ticket.tokens)
+        elif ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self._service_ttft[held.ticket.lane].update(ttft)
         return self._drain(now, rng) if held.long_place else []
@@ -228,9 +252,12 @@ class Scheduler(Fleet):
 
     def _depart(self, held: _Held, now: float) -> None:
         """`held` frees the place that held the next request of its lane back: a departure,
-        saturated if requests of its lane and model were waiting for it."""
-        lane, model = held.ticket.lane, held.ticket.model
-        saturated = self._queues.length_for(lane, model) > 0
+        saturated if requests of its lane and model were waiting for it. A prefill hop is
+        not one: its request departs when its decode hop does."""
+        lane, model, hop = held.ticket.lane, held.ticket.model, held.ticket.hop
+        if hop is Hop.PREFILL:
+            return
+        saturated = self._queues.length_for(lane, model, hop) > 0
         self._drained.record(lane, model, now, saturated)
 
     def holder(self, ticket_id: int) -> str | None:
@@ -334,14 +361,18 @@ class Scheduler(Fleet):
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
     ) -> Assigned:
-        state = self.strategy.choose(candidates, self.states, ticket, now, rng)
+        if ticket.hop is Hop.PREFILL:
+            state = fastest_prefill(candidates, ticket, rng)
+        else:
+            state = self.strategy.choose(candidates, self.states, ticket, now, rng)
         cached = state.cached_tokens(ticket)
         held = _Held(
             state,
             ticket,
             # The peers' prefill there is ahead too (else replicas learn too slow a rate).
             ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
-            uncached=ticket.tokens - cached,
+            # A decode hop reads its prompt's KV blocks: nothing of it to compute there.
+            uncached=0 if ticket.hop is Hop.DECODE else ticket.tokens - cached,
             long_place=self._takes_long_place(state, ticket),
         )
         self._holding[ticket.id] = held
@@ -353,8 +384,8 @@ class Scheduler(Fleet):
         """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
         out: list[Decision] = []
         after = self.limits.queue_retry_after
-        for (lane, model), tickets in self._queues.fifos():
-            if not self._alive(lane, model, now):
+        for (lane, model, hop), tickets in self._queues.fifos():
+            if not self._alive(lane, model, now, hop):
                 for ticket in tickets:
                     self._queues.remove(ticket.id)
                     out.append(Rejected(ticket, "no_instance", after))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .model import InstanceLane, InstanceState, Lane, LoadReport
+from .model import InstanceLane, InstanceState, Lane, LoadReport, Role
 from .select import score_all
 
 
@@ -22,6 +22,7 @@ class InstanceSnapshot:
     available: bool  # up by its probes and not ejected
     ejected_for: float | None  # seconds of ejection left
     lane: InstanceLane
+    role: Role
     weight: float
     slots: int  # configured
     learned_slots: int | None  # fewer running slots it showed (learned_slots in fleet.py)
@@ -80,6 +81,7 @@ def instances_at(
                 available=state.available(now),
                 ejected_for=until - now if until is not None and until > now else None,
                 lane=state.spec.lane,
+                role=state.spec.role,
                 weight=state.spec.weight,
                 slots=state.spec.slots,
                 learned_slots=state.learned_slots,

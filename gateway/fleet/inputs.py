@@ -37,6 +37,7 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
             weight=i.weight,
             slots=i.max_num_seqs or dispatch.max_num_seqs,
             models=frozenset(i.models) if i.models is not None else None,
+            role=i.role,
         )
         for i in config.instances
     ]
@@ -54,6 +55,7 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         if dispatch.prefix_index_blocks is None
         else dispatch.prefix_index_blocks,
         prefix_index_learned=dispatch.prefix_index_blocks is None,
+        tpot_objective=config.file.slo.tpot,
     )
     h = dispatch.health
     # Ejection's length and share are the core's (10 s doubling to 300 s, half the

@@ -45,6 +45,11 @@ class Exchange:
     bytes_received: int = 0  # the request body
     protocol: str = ""  # HTTP/1.1, HTTP/1.0
     cut: str | None = None  # a stream cut short by the client, a drain or the instance
+    answered: bool = False  # an instance sent a response head (the decode hop's, if two)
+    # Disaggregated: where the prompt was prefilled, and how: "two_hop", or "whole" for
+    # a prompt not worth the second hop, or the fallback's reason (proxy/disaggregate.py).
+    prefill_instance: str = ""
+    hop_path: str = ""
     trace: TraceContext | None = None
     span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets

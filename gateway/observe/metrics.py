@@ -43,6 +43,9 @@ RETRY_REASONS = (*get_args(RetryReason), "bad_response", "taken_back")
 RETRY_REFUSALS: tuple[str, ...] = get_args(get_type_hints(GiveUp)["why"])
 REJECTIONS: tuple[str, ...] = get_args(get_type_hints(Rejected)["reason"])
 STREAM_ABORT_SIDES = ("client", "upstream", "shutdown")
+HOP_PATHS = ("two_hop", "whole")
+FALLBACK_REASONS = ("prefill_failed", "unplaced", "no_params")
+HOP_PHASES = ("prefill_queue", "prefill", "decode_queue", "decode")
 # What an instance answers that the gateway acts on: success, and the retryable statuses.
 INSTANCE_STATUSES = ("200", "429", "502", "503", "504")
 # Statuses of inference requests that were placed in a lane (answered by an instance, or
@@ -176,6 +179,41 @@ class Metrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
+        # Prefill/decode disaggregation (proxy/disaggregate.py).
+        self.hops = Counter(
+            "gateway_disaggregated_requests",
+            "Chat and completion requests of a fleet with prefill instances, by path: "
+            "two_hop (prefilled on a prefill instance, decoded elsewhere) or whole (one "
+            "instance: a prompt not worth the second hop, or a fallback).",
+            ["path"],
+            registry=registry,
+        )
+        self.hop_fallbacks = Counter(
+            "gateway_prefill_fallbacks",
+            "Two-hop requests whose decode instance prefilled the prompt itself, by reason: "
+            "prefill_failed (every prefill attempt failed), unplaced (no prefill place in "
+            "time), no_params (the prefill instance answered without kv_transfer_params: "
+            "its KV connector is off).",
+            ["reason"],
+            registry=registry,
+        )
+        self.kv_unclaimed = Counter(
+            "gateway_kv_unclaimed",
+            "Prefilled prompts whose decode hop never reached an instance (the client left, "
+            "or no decode instance took it): their KV blocks stay held on the prefill "
+            "instance until its VLLM_NIXL_ABORT_REQUEST_TIMEOUT.",
+            registry=registry,
+        )
+        self.hop_seconds = Histogram(
+            "gateway_disaggregated_phase_seconds",
+            "A two-hop request's time to first token, by phase: prefill_queue and "
+            "decode_queue (in the gateway queue), prefill (sent to the prefill instance "
+            "until its answer), decode (sent to the decode instance until the first token: "
+            "the KV transfer and its wait there).",
+            ["phase"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
 
         self.client_connections = Gauge(
             "gateway_client_connections",
@@ -206,6 +244,12 @@ class Metrics:
             self.rejections.labels(reason)
         for side in STREAM_ABORT_SIDES:
             self.stream_aborts.labels(side)
+        for path in HOP_PATHS:
+            self.hops.labels(path)
+        for reason in FALLBACK_REASONS:
+            self.hop_fallbacks.labels(reason)
+        for phase in HOP_PHASES:
+            self.hop_seconds.labels(phase)
         for lane in self.lane_names.values():
             self.duration.labels(lane)
             self.queue_wait.labels(lane)

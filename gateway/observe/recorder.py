@@ -250,6 +250,8 @@ class Recorder:
             bytes_sent=ex.bytes_sent,
             cut=ex.cut,
             server=ex.instance or None,
+            prefill_server=ex.prefill_instance or None,
+            hop=ex.hop_path or None,
             attempts=ex.attempts,
             queue_wait_ms=round(ex.queue_wait * 1000, 2) if ex.lane else None,
             ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 2),

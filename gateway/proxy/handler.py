@@ -17,14 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
 from gateway import errors
 from gateway.config.load import Config
-from gateway.dispatch import GiveUp, Lane, Outcome, RetryBudget, Ticket, judge_status, plan_retry
+from gateway.dispatch import (
+    GiveUp,
+    Hop,
+    Lane,
+    Outcome,
+    RetryBudget,
+    Ticket,
+    judge_status,
+    plan_retry,
+)
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.lifecycle import Lifecycle
@@ -44,6 +53,7 @@ from gateway.proxy.attempt import (
 )
 from gateway.proxy.auth import KeyChecker
 from gateway.proxy.body import InvalidField, wants_stream
+from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay.records import Unusable, Whole
@@ -99,6 +109,7 @@ class Proxy:
         # Shutdown is the lifecycle's: it holds the requests in progress and says when
         # their drain time is up.
         self.lifecycle = lifecycle or Lifecycle()
+        self.prefill_hop = PrefillHop(dispatcher, upstream, metrics, endpoints)
         self.relay = Relay(
             metrics, config.channel.timeout.write, dispatcher.clock, lambda: self.aborting
         )
@@ -192,6 +203,8 @@ class Proxy:
                 prefix=prompt_blocks(prompt_text(payload)) if self.affinity else (),
             )
             call = Call(request, route, body, stream, lane, ticket.deadline, headers)
+            if route.timed and self.dispatcher.scheduler.has_prefill_role:
+                return await self._disaggregated(call, ex, ticket, payload)
             return await self._forward(call, ex, ticket)
         except errors.GatewayError as exc:
             ex.status = exc.status
@@ -213,6 +226,38 @@ class Proxy:
         finally:
             if task is not None:
                 self.lifecycle.done(task)
+
+    async def _disaggregated(
+        self, call: Call, ex: Exchange, ticket: Ticket, payload: dict[str, Any]
+    ) -> web.StreamResponse:
+        """A request of a fleet with prefill instances: in two hops if the core says its
+        prefill is worth moving off the decode instance (disaggregate.py), else whole."""
+        if "kv_transfer_params" in payload:
+            # They name hosts and KV blocks on the instances: only the gateway sets them.
+            raise errors.BadRequest(
+                "kv_transfer_params is set by the gateway in a disaggregated fleet; "
+                "remove it from the request",
+                param="kv_transfer_params",
+            )
+        if not self.dispatcher.scheduler.splits(ticket, self.clock()):
+            ex.hop_path = "whole"
+            self.metrics.hops.labels("whole").inc()
+            return await self._forward(call, ex, ticket)
+        allowance = self.ttft_allowance[call.lane]
+        call, ticket = await self.prefill_hop.run(call, ex, ticket, payload, allowance)
+        if ticket.hop is not Hop.DECODE:
+            return await self._forward(call, ex, ticket)
+        decode_from, waited = self.clock(), ex.queue_wait
+        try:
+            return await self._forward(call, ex, ticket)
+        finally:
+            if not ex.answered:  # its blocks wait on the prefill instance for vLLM's timeout
+                self.metrics.kv_unclaimed.inc()
+            queue = ex.queue_wait - waited
+            self.metrics.hop_seconds.labels("decode_queue").observe(queue)
+            if ex.ttft is not None:
+                first = ex.started + ex.ttft - decode_from - queue
+                self.metrics.hop_seconds.labels("decode").observe(max(0.0, first))
 
     async def _forward(self, call: Call, ex: Exchange, ticket: Ticket) -> web.StreamResponse:
         """Attempt, and attempt again elsewhere while the retry plan allows."""
@@ -241,7 +286,9 @@ class Proxy:
             now = self.clock()
             scheduler = self.dispatcher.scheduler
             plan = plan_retry(
-                untried=scheduler.untried_available(call.lane, tried, now, ticket.model),
+                untried=scheduler.untried_available(
+                    call.lane, tried, now, ticket.model, ticket.hop
+                ),
                 attempt=ex.attempts,
                 max_attempts=self.retry.max_attempts,
                 deadline=call.deadline,
@@ -284,6 +331,7 @@ class Proxy:
                 response = await self.upstream.open(
                     "POST", url, body=call.body, headers=headers, timeout=max(0.001, allowance)
                 )
+                ex.answered = True
                 lease.evictable(response.close)  # until it commits (Scheduler.overbooked)
                 if call.stream:  # the relay splices its body once committed
                     stream = response

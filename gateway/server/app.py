@@ -354,6 +354,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "available": i.available,
                 "ejected_for_s": None if i.ejected_for is None else round(i.ejected_for, 1),
                 "lane": lane_names.get(i.lane, i.lane),
+                "role": i.role,
                 "weight": i.weight,
                 "slots": i.slots,
                 "learned_slots": i.learned_slots,
