@@ -200,8 +200,10 @@ class PrefillHop:
                 outcome, error = verdict.outcome, f"status {status}"
                 _log.info("prefill_failed", reason=f"status_{status}")
                 # A client error (400, 404...) is the decode instance's to answer too:
-                # it gets the request whole and its answer goes back as usual.
-                return None, REFUSED if verdict.retry is None else FAILED
+                # it gets the request whole and its answer goes back as usual. Anything
+                # else is this instance's failure (or busyness): the prompt goes elsewhere.
+                refused = 400 <= status < 500 and status != 429
+                return None, REFUSED if refused else FAILED
             self.metrics.hop_seconds.labels("prefill").observe(took)
             lease.prefill_done(self.clock(), took)  # teaches its prefill rate
             outcome = Outcome.SUCCESS
