@@ -225,10 +225,12 @@ def gateway_files(
     gateway: dict[str, Any] | None = None,
     slo: dict[str, Any] | None = None,
     extra: dict[str, dict[str, Any]] | None = None,
+    roles: Sequence[str] | None = None,
 ) -> tuple[Path, Path]:
     """Write the config.toml and settings.json a scenario's gateway runs with.
 
-    `extra`: more sections (e.g. `shared`), written as they are.
+    `extra`: more sections (e.g. `shared`), written as they are; `roles`: each instance's
+    prefill/decode role, in order (none: every instance "both").
     """
     sections: dict[str, dict[str, Any]] = {
         "gateway": {"host": "127.0.0.1", "port": port, **(gateway or {})},
@@ -255,7 +257,12 @@ def gateway_files(
             "default_model": "sim-model",
             "headers": {"X-Request-Tag": "loadtest"},
         },
-        "vllm": {"instances": [{"url": u, "max_num_seqs": max_num_seqs} for u in instances]},
+        "vllm": {
+            "instances": [
+                {"url": u, "max_num_seqs": max_num_seqs, **({"role": r} if r else {})}
+                for u, r in zip(instances, roles or [""] * len(instances), strict=True)
+            ]
+        },
     }
     settings.write_text(json.dumps(body, indent=2))
     return config, settings
@@ -306,6 +313,7 @@ async def gateway_process(
     source: Path | None = None,
     slo: dict[str, Any] | None = None,
     extra: dict[str, dict[str, Any]] | None = None,
+    roles: Sequence[str] | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
@@ -325,6 +333,7 @@ async def gateway_process(
             gateway=gateway,
             slo=slo,
             extra=extra,
+            roles=roles,
         )
         log = folder / "gateway.log"
         env = {**os.environ, "GATEWAY_API_KEY": KEY}
