@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim.sim_kv_transfer import KvConnector, KvRegistry
 from gateway.sim.sim_vllm import SimConfig, SimInstance, SimStats, count_tokens
+from loadtest import harness
 
 PROMPT = "abcd" * 520  # 520 simulator tokens: 32 full blocks of 16, and 8 tokens more
 TOKENS = 520
@@ -340,3 +341,21 @@ def test_connector_settings_are_validated(field: str, value: float) -> None:
     """Sizes and rates of the KV connector must be positive."""
     with pytest.raises(ValueError, match=field):
         SimConfig(**{field: value})
+
+
+async def test_a_fleet_process_with_kv_transfer_disaggregates(
+    http: aiohttp.ClientSession,
+) -> None:
+    """harness.fleet_process(kv_transfer=True) passes --kv-transfer: its instances read each
+    other's blocks, as vLLM instances on one NIXL network do."""
+    async with harness.fleet_process([1.0, 1.0], max_num_seqs=4, seed=0, kv_transfer=True) as fleet:
+        prefill_url, decode_url = fleet.urls
+        async with http.post(prefill_url + "/v1/completions", json=prefill_leg(completion())) as r:
+            params = (await r.json())["kv_transfer_params"]
+        body = {**completion(), "kv_transfer_params": params}
+        async with http.post(decode_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+        async with http.get(decode_url + "/metrics") as resp:
+            text = await resp.text()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert (samples["sim:kv_transfers_total"], samples["sim:kv_fallbacks_total"]) == (1, 0)
