@@ -173,10 +173,17 @@ async def fleet_process(
     prefix_cache_blocks: int = 0,
     max_num_batched_tokens: int | None = None,
     decode_slowdown: float | None = None,
+    prefill_tokens_per_s: float | None = None,
+    decode_s_per_token: float | None = None,
+    kv_transfer: bool = False,
+    kv_bytes_per_token: int | None = None,
+    kv_link_bytes_per_s: float | None = None,
 ) -> AsyncIterator[FleetProc]:
     """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
 
     prefix_cache_blocks > 0 turns on the simulated prefix cache, that many blocks each.
+    kv_transfer runs every instance with vLLM's NixlConnector (kv_both): the instances of
+    one fleet process can read each other's KV blocks. None: the simulator's default.
     """
     args = [
         *pin_prefix(core),
@@ -200,6 +207,16 @@ async def fleet_process(
         args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if decode_slowdown is not None:
         args += ["--decode-slowdown", str(decode_slowdown)]
+    if prefill_tokens_per_s is not None:
+        args += ["--prefill-tokens-per-s", str(prefill_tokens_per_s)]
+    if decode_s_per_token is not None:
+        args += ["--decode-s-per-token", str(decode_s_per_token)]
+    if kv_transfer:
+        args.append("--kv-transfer")
+    if kv_bytes_per_token is not None:
+        args += ["--kv-bytes-per-token", str(kv_bytes_per_token)]
+    if kv_link_bytes_per_s is not None:
+        args += ["--kv-link-bytes-per-s", str(kv_link_bytes_per_s)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None

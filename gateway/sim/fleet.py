@@ -112,6 +112,18 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         help="fraction a decode step slows per extra running sequence (0: evenly paced tokens)",
     )
     parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=SimConfig.prefill_tokens_per_s,
+        help="prompt tokens a card of speed 1 prefills per second",
+    )
+    parser.add_argument(
+        "--decode-s-per-token",
+        type=float,
+        default=SimConfig.decode_s_per_token,
+        help="seconds of a decode step with one running sequence, at speed 1",
+    )
+    parser.add_argument(
         "--prefix-cache-blocks",
         type=int,
         default=0,
@@ -122,6 +134,30 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         type=int,
         default=SimConfig.block_size,
         help="tokens per KV block (vLLM's default)",
+    )
+    parser.add_argument(
+        "--kv-transfer",
+        action="store_true",
+        help="every instance runs vLLM's NixlConnector as kv_both: prefill/decode "
+        "disaggregation through kv_transfer_params (default: off)",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=SimConfig.kv_bytes_per_token,
+        help="KV cache bytes per token, for the transfer time (OPT-13B fp16)",
+    )
+    parser.add_argument(
+        "--kv-link-bytes-per-s",
+        type=float,
+        default=SimConfig.kv_link_bytes_per_s,
+        help="bytes/s a decode instance reads KV blocks at (PCIe 4.0 x16)",
+    )
+    parser.add_argument(
+        "--kv-hold-timeout",
+        type=float,
+        default=SimConfig.kv_hold_timeout_s,
+        help="seconds a prefill instance holds unread KV blocks (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
     )
     return parser
 
@@ -137,9 +173,15 @@ async def _run(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             instant=args.instant,
             decode_slowdown_per_seq=args.decode_slowdown,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_s_per_token=args.decode_s_per_token,
             seed=args.seed + index,
             prefix_cache_blocks=args.prefix_cache_blocks,
             block_size=args.block_size,
+            kv_transfer=args.kv_transfer,
+            kv_bytes_per_token=args.kv_bytes_per_token,
+            kv_link_bytes_per_s=args.kv_link_bytes_per_s,
+            kv_hold_timeout_s=args.kv_hold_timeout,
         )
         for index, speed in enumerate(args.speeds)
     ]

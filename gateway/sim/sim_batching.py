@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .sim_engine import KV_TOKENS_PER_SEQ, SimConfig, SimStats
 from .sim_prefix_cache import PrefixCache, block_hashes
@@ -56,7 +56,14 @@ class Engine:
     The step loop runs as a task only while there is work, so an idle instance costs nothing.
     """
 
-    def __init__(self, config: SimConfig, stats: SimStats) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        stats: SimStats,
+        held_kv_tokens: Callable[[], int] | None = None,
+    ) -> None:
+        """held_kv_tokens: KV tokens held outside the running requests (a prefill instance's
+        blocks waiting for a decode instance), counted in kv_cache_usage as vLLM counts them."""
         self.config = config
         self.speed = config.speed
         self._stats = stats
@@ -64,6 +71,7 @@ class Engine:
         self._running: list[EngineRequest] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._held_kv_tokens = held_kv_tokens
         self.prefix_cache = (
             PrefixCache(config.prefix_cache_blocks, config.block_size)
             if config.prefix_caching
@@ -77,14 +85,22 @@ class Engine:
     @property
     def kv_cache_usage(self) -> float:
         held = sum(r.prefilled + r.generated for r in self._running)
+        if self._held_kv_tokens is not None:
+            held += self._held_kv_tokens()
         return min(1.0, held / (self.config.max_num_seqs * KV_TOKENS_PER_SEQ))
 
     def submit(
-        self, prompt_tokens: int, max_tokens: int, token_ids: Sequence[int] | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        computed: int = 0,
     ) -> EngineRequest:
         """Queue a request; raises EngineBusy when the waiting queue is full.
 
         token_ids (the prompt's, when known) let the prefix cache skip a cached prefix.
+        computed: prompt tokens whose KV is already here (read from a prefill instance); only
+        the rest is prefilled, and at least the last token, which vLLM computes for its logits.
         """
         if self._closed:
             raise EngineBusy("engine is shut down")
@@ -93,6 +109,7 @@ class Engine:
             hashes = block_hashes(token_ids, self.config.block_size)
         # Every prompt costs at least one prefill token, so each request reaches decode.
         req = EngineRequest(max(1, prompt_tokens), max_tokens, hashes)
+        req.prefilled = max(0, min(computed, req.prompt_tokens - 1))
         # A request that finds a free slot is admitted at once rather than at the next step
         # boundary, so that admission control only counts requests that really queue.
         if not self._waiting and len(self._running) < self.config.max_num_seqs:
@@ -150,7 +167,8 @@ class Engine:
         cache = self.prefix_cache
         if cache is None or req.hashes is None:
             return
-        req.cached = req.prefilled = cache.lookup(req.hashes, req.prompt_tokens)
+        req.cached = cache.lookup(req.hashes, req.prompt_tokens)
+        req.prefilled = max(req.prefilled, req.cached)
         self._stats.prefix_cache_queries += req.prompt_tokens
         self._stats.prefix_cache_hits += req.cached
 
@@ -199,6 +217,7 @@ class Engine:
             if not req.active:
                 continue
             req.prefilled += take
+            self._stats.prefill_tokens_computed += take
             if self.prefix_cache is not None and req.hashes:
                 # vLLM caches each full block once computed; the whole chain is re-touched so
                 # that its head stays the most recently used.

@@ -53,6 +53,19 @@ class SimConfig:
     # LoRA adapters loaded beside the base model (vLLM --lora-modules): listed in
     # /v1/models with the base model as parent, and accepted as a request's `model`.
     lora_adapters: tuple[str, ...] = ()
+    # vLLM's NixlConnector (--kv-transfer-config kv_connector=NixlConnector, kv_role=kv_both):
+    # prefill/decode disaggregation through kv_transfer_params (sim_kv_transfer.py).
+    kv_transfer: bool = False
+    # KV bytes per token: 2 (K and V) x layers x hidden size x bytes per value. The default is
+    # OPT-13B in fp16 (40 layers, hidden 5120): 2 x 40 x 5120 x 2 = 819,200 bytes.
+    kv_bytes_per_token: int = 2 * 40 * 5120 * 2
+    # The link a decode instance reads a prefill instance's KV blocks over, in bytes/s: 25e9 is
+    # what a PCIe 4.0 x16 link moves in practice (32 GB/s raw per direction). Not scaled by
+    # `speed`: a slow card does not make the wire slower.
+    kv_link_bytes_per_s: float = 25e9
+    # Seconds a prefill instance holds blocks no decode instance has read before it frees them
+    # (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 by default).
+    kv_hold_timeout_s: float = 480.0
 
     def __post_init__(self) -> None:
         if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -65,6 +78,10 @@ class SimConfig:
             raise ValueError("prefix_cache_blocks must be >= 0 and block_size >= 1")
         if self.model in self.lora_adapters:
             raise ValueError("a LoRA adapter cannot share the base model's name")
+        if self.kv_bytes_per_token < 1 or self.kv_link_bytes_per_s <= 0:
+            raise ValueError("kv_bytes_per_token must be >= 1 and kv_link_bytes_per_s > 0")
+        if self.kv_hold_timeout_s <= 0:
+            raise ValueError("kv_hold_timeout_s must be > 0")
 
     @property
     def prefix_caching(self) -> bool:
@@ -91,6 +108,14 @@ class SimStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
+    prefill_tokens_computed: int = 0  # prompt tokens the engine really prefilled
+    # The KV connector (sim_kv_transfer.py), as a prefill instance (producer) ...
+    kv_produced: int = 0  # prefill legs answered with kv_transfer_params
+    kv_blocks_held: int = 0  # blocks held for decode instances, as of the last look
+    kv_blocks_expired: int = 0  # held blocks freed because no one read them in time
+    # ... and as a decode instance (consumer).
+    kv_transfers: int = 0  # decode legs that read their prompt's KV from a prefill instance
+    kv_fallbacks: int = 0  # decode legs whose params were unusable: prefilled locally
     last_headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
     last_upload: str = ""  # sha256 of the last multipart body, as it arrived
     paths: collections.Counter[str] = field(default_factory=collections.Counter)  # POSTs

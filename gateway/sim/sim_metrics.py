@@ -9,6 +9,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from .sim_batching import Engine
 from .sim_engine import SimConfig, SimStats
+from .sim_kv_transfer import KvConnector
 
 
 class Observed(Protocol):
@@ -17,6 +18,7 @@ class Observed(Protocol):
     config: SimConfig
     stats: SimStats
     engine: Engine
+    kv: KvConnector | None
 
 
 class VllmMetrics:
@@ -70,3 +72,26 @@ class VllmMetrics:
             1.0,
         )
         yield info
+        if sim.kv is not None:
+            yield from _kv_metrics(sim.kv, stats, names, values)
+
+
+def _kv_metrics(
+    kv: KvConnector, stats: SimStats, names: list[str], values: list[str]
+) -> Iterable[Metric]:
+    """The KV connector's state under `sim:` names: vLLM has no such metrics (its NIXL
+    transfer stats are another shape), so none may pass for vLLM's."""
+    held = GaugeMetricFamily(
+        "sim:kv_blocks_held", "KV blocks held for decode instances", labels=names
+    )
+    held.add_metric(values, float(kv.blocks_held()))  # frees the expired ones first
+    yield held
+    for name, help_text, total in [
+        ("sim:kv_produced", "prefill legs answered with kv_transfer_params", stats.kv_produced),
+        ("sim:kv_blocks_expired", "held KV blocks freed unread", stats.kv_blocks_expired),
+        ("sim:kv_transfers", "decode legs that read their KV remotely", stats.kv_transfers),
+        ("sim:kv_fallbacks", "decode legs prefilled locally instead", stats.kv_fallbacks),
+    ]:
+        counter = CounterMetricFamily(name, help_text, labels=names)
+        counter.add_metric(values, float(total))
+        yield counter

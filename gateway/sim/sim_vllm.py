@@ -41,6 +41,14 @@ from .sim_engine import (
     tokenize_text,
     usage_body,
 )
+from .sim_kv_transfer import (
+    PROCESS_REGISTRY,
+    KvConnector,
+    KvRegistry,
+    request_params,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from .sim_metrics import VllmMetrics
 from .sim_routes_extra import ExtraRoutes
 
@@ -69,11 +77,17 @@ class _Dropped(Exception):
 class SimInstance:
     """One simulated vLLM server; start() binds it to a loopback port."""
 
-    def __init__(self, config: SimConfig = SimConfig()) -> None:  # noqa: B008 - frozen
+    def __init__(
+        self,
+        config: SimConfig = SimConfig(),  # noqa: B008 - frozen
+        kv_registry: KvRegistry = PROCESS_REGISTRY,
+    ) -> None:
+        """kv_registry: where the KV connector (config.kv_transfer) finds other instances."""
         self.config = config
         self.faults = Faults()
         self.stats = SimStats()
-        self.engine = Engine(config, self.stats)
+        self.kv = KvConnector(config, self.stats, kv_registry) if config.kv_transfer else None
+        self.engine = self._new_engine()
         self.url = ""
         self._rng = random.Random(config.seed)
         self._runner: web.AppRunner | None = None
@@ -99,7 +113,7 @@ class SimInstance:
         if self._runner is not None:
             raise RuntimeError("already started")
         if self.engine.closed:
-            self.engine = Engine(self.config, self.stats)
+            self.engine = self._new_engine()
         # handler_cancellation: a client that leaves cancels its handler, which aborts the
         # request in the engine, as vLLM aborts requests of disconnected clients.
         # keepalive_timeout: uvicorn (vLLM's server) drops idle connections after 5 s, and a
@@ -118,11 +132,15 @@ class SimInstance:
         sockname = runner.addresses[0]
         url_host = f"[{sockname[0]}]" if ":" in sockname[0] else sockname[0]
         self.url = f"http://{url_host}:{sockname[1]}"
+        if self.kv is not None:
+            self.kv.bind(sockname[0], sockname[1])
         return self.url
 
     async def stop(self) -> None:
         """Close the port and cut open connections at once, like a killed process."""
         runner, self._runner = self._runner, None
+        if self.kv is not None:
+            self.kv.unbind()
         if runner is not None:
             # aiohttp's graceful shutdown would let streams run on; a dead server cuts them.
             for connection in runner.server.connections if runner.server else []:
@@ -130,6 +148,10 @@ class SimInstance:
                     connection.transport.close()
             await runner.cleanup()
         await self.engine.close()
+
+    def _new_engine(self) -> Engine:
+        held = self.kv.held_tokens if self.kv is not None else None
+        return Engine(self.config, self.stats, held)
 
     def set_speed(self, speed: float) -> None:
         """Change throughput mid-run; takes effect from the next engine step."""
@@ -202,10 +224,14 @@ class SimInstance:
                 self.stats.cancelled += 1
 
     def _submit(
-        self, prompt_tokens: int, max_tokens: int, token_ids: list[int] | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        token_ids: list[int] | None = None,
+        computed: int = 0,
     ) -> EngineRequest:
         try:
-            return self.engine.submit(prompt_tokens, max_tokens, token_ids)
+            return self.engine.submit(prompt_tokens, max_tokens, token_ids, computed)
         except EngineBusy as exc:
             self.stats.rejected += 1
             raise ApiError(503, BUSY_MESSAGE) from exc
@@ -260,8 +286,18 @@ class SimInstance:
             prompt_tokens=prompt_tokens,
         )
         die_after = self.faults.die_after_chunks
+        # Without a connector vLLM ignores kv_transfer_params, and so does the simulator.
+        kv_params = request_params(body) if self.kv is not None else None
+        producing = kv_params is not None and wants_remote_decode(kv_params)
+        computed = 0
+        if kv_params is not None and wants_remote_prefill(kv_params):
+            computed = await self._receive_kv(kv_params)
         # instant mode skips the engine: every token is ready at once.
-        req = None if self.config.instant else self._submit(prompt_tokens, max_tokens, token_ids)
+        req = (
+            None
+            if self.config.instant
+            else self._submit(prompt_tokens, max_tokens, token_ids, computed)
+        )
         resp: web.StreamResponse | None = None
         dropped = done = False
         sent = 0
@@ -290,9 +326,18 @@ class SimInstance:
                 self.stats.prompt_tokens += prompt_tokens
                 self.stats.generation_tokens += max_tokens
                 self.stats.completed += 1
+            produced = None
+            # Only a request that finished by length keeps its blocks (vLLM's
+            # FINISHED_LENGTH_CAPPED); a streamed one holds them too, though its answer has
+            # no field to carry the params.
+            if self.kv is not None and producing and len(gen.tokens) == max_tokens:
+                produced = self.kv.produce(gen.id, prompt_tokens)
             if resp is None:
                 done = True
-                return _json(gen.full_body())
+                answer = gen.full_body()
+                if produced is not None:
+                    answer["kv_transfer_params"] = produced
+                return _json(answer)
             await send(gen.tail_events(include_usage))
             done = True
             return resp
@@ -309,6 +354,16 @@ class SimInstance:
                 self.stats.rejected += 1
             elif unfinished:
                 self.stats.cancelled += 1
+
+    async def _receive_kv(self, params: dict[str, Any]) -> int:
+        """A decode leg's prompt KV, read from the prefill instance its params name: the prompt
+        tokens already computed (0 after a fallback to a local prefill)."""
+        assert self.kv is not None
+        try:
+            return await self.kv.receive(params, wait=not self.config.instant)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1  # the client left during the transfer
+            raise
 
     @staticmethod
     async def _start_stream(request: web.Request) -> web.StreamResponse:
