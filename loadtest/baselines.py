@@ -4,7 +4,8 @@
 - `nginx`: nginx's `least_conn` upstream, as a user of Debian's `nginx-light` would set it
   up (one process, keep-alive to the instances, no buffering of the streams);
 - `vllm-router`: vLLM's Rust router from `pip install vllm-router`, `--policy cache_aware`
-  with its default thresholds.
+  with its default thresholds; `vllm-router-rr`: the same router's cheapest policy,
+  `round_robin`, what a user picks who wants only a fast front.
 
 Each is its own process (pinned where the gateway would be) and yields its base URL
 (without /v1). One that is not installed raises `Unavailable` before anything starts:
@@ -28,7 +29,7 @@ import aiohttp
 from loadtest.harness import _stop, free_port, pin_prefix
 
 _STARTUP_LIMIT = 30.0
-BASELINES = ("sticky", "nginx", "vllm-router")
+BASELINES = ("sticky", "nginx", "vllm-router", "vllm-router-rr")
 
 
 class Unavailable(RuntimeError):
@@ -51,7 +52,7 @@ def missing(name: str) -> str | None:
     """Why the baseline `name` cannot run here, or None when it can."""
     if name == "nginx" and _nginx() is None:
         return "nginx is not installed (apt-get install nginx-light)"
-    if name == "vllm-router" and _vllm_router() is None:
+    if name.startswith("vllm-router") and _vllm_router() is None:
         return "vllm-router is not installed (pip install -e '.[baselines]')"
     return None
 
@@ -164,9 +165,13 @@ async def nginx_process(
 
 @contextlib.asynccontextmanager
 async def vllm_router_process(
-    instances: Sequence[str], *, core: int | None, pids: list[int] | None = None
+    instances: Sequence[str],
+    *,
+    core: int | None,
+    pids: list[int] | None = None,
+    policy: str = "cache_aware",
 ) -> AsyncIterator[str]:
-    """vLLM's Rust router, `--policy cache_aware` with its defaults; yields its URL."""
+    """vLLM's Rust router, `--policy <policy>` with its defaults; yields its URL."""
     binary = _vllm_router()
     if binary is None:
         raise Unavailable(missing("vllm-router") or "vllm-router")
@@ -178,7 +183,7 @@ async def vllm_router_process(
             binary,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--policy", "cache_aware",
+            "--policy", policy,
             "--worker-startup-check-interval", "1",
             "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()),
@@ -215,4 +220,6 @@ def front(
         return nginx_process(instances, core=core, pids=pids)
     if name == "vllm-router":
         return vllm_router_process(instances, core=core, pids=pids)
+    if name == "vllm-router-rr":
+        return vllm_router_process(instances, core=core, pids=pids, policy="round_robin")
     raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")

@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest import harness, overhead_fronts, plots, report
+from loadtest import budget, harness, overhead_fronts, plots, report
 from loadtest.loadgen import Client, Mix, Run, make_workload, run_closed, session
 from loadtest.scenarios import (
     Common,
@@ -58,8 +58,7 @@ class OverheadOptions:
     concurrency: int = 32
     streams: int = 2000
     profile: bool = True
-    profile_requests: int = 6000  # paced streams sampled by py-spy (its own run)
-    profile_concurrency: int = 128
+    profile_requests: int = 6000  # streams sampled by py-spy (its own run, per fleet)
     rounds: int = 4  # idle blocks per arm
     fronts: bool = True  # the side-by-side part (overhead_fronts.py)
     front_requests: int = 3000  # per front, fleet and concurrency
@@ -173,11 +172,15 @@ async def _cpu(system: System, opts: OverheadOptions, common: Common, label: str
     }
 
 
-async def _profile(system: System, opts: OverheadOptions, common: Common, out: Path) -> Any:
+async def _profile(
+    system: System, opts: OverheadOptions, common: Common, kind: str, cpu_ms: float
+) -> Any:
+    """py-spy on the gateway through a run like the `kind` CPU run (its concurrency and
+    workload): the hot frames, and the request's budget by stage (`cpu_ms` per request)."""
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
         return {"skipped": "py-spy is not installed (pip install py-spy)"}
-    raw = out / "overhead-pyspy.txt"
+    raw = common.out / f"overhead-pyspy-{kind}.txt"
     args = [
         *harness.pin_prefix(cores(common)[1]),
         spy,
@@ -199,9 +202,9 @@ async def _profile(system: System, opts: OverheadOptions, common: Common, out: P
         system,
         system.gw.base_url,
         opts.profile_requests,
-        opts.profile_concurrency,
-        "py-spy",
-        overhead_fronts.FRONT_MIX,
+        opts.concurrency,
+        f"py-spy {kind}",
+        IDLE_MIX,
         common,
     )
     proc.send_signal(signal.SIGINT)
@@ -212,12 +215,8 @@ async def _profile(system: System, opts: OverheadOptions, common: Common, out: P
         return {"skipped": "py-spy did not stop"}
     if not raw.exists():
         return {"skipped": f"py-spy wrote nothing: {err.decode(errors='replace')[-300:]}"}
-    return top_frames(raw.read_text())
-
-
-# A sample whose innermost Python frame is the event loop's run() is the loop itself:
-# waiting in epoll, or uvloop's C code doing I/O, which py-spy cannot see into.
-LOOP_LEAVES = ("Runner.run (asyncio/runners.py)", "run (uvloop/__init__.py)")
+    collapsed = raw.read_text()
+    return {**top_frames(collapsed), "budget": budget.budget(collapsed, cpu_ms)}
 
 
 def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
@@ -234,8 +233,8 @@ def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
         if not stack or not n.isdigit():
             continue
         samples = int(n)
-        frames = [_frame_name(f) for f in stack.split(";")]
-        if frames[-1] in LOOP_LEAVES:
+        frames = [budget.frame_name(f) for f in stack.split(";")]
+        if frames[-1] in budget.LOOP_LEAVES:
             loop += samples
             continue
         total += samples
@@ -254,17 +253,6 @@ def top_frames(collapsed: str, count: int = 15) -> dict[str, Any]:
         "inclusive": share(inclusive),
         "gateway_inclusive": share(ours),
     }
-
-
-def _frame_name(frame: str) -> str:
-    # "handle (gateway/proxy/handler.py:171)" -> "handle (gateway/proxy/handler.py)":
-    # lines split a function
-    name, _, where = frame.partition(" (")
-    path = where.rstrip(")").rpartition(":")[0] or where.rstrip(")")
-    for marker in ("site-packages/", "lib/python3"):
-        if marker in path:
-            path = path.split(marker, 1)[1]
-    return f"{name} ({path})"
 
 
 async def _memory(opts: OverheadOptions, common: Common) -> dict[str, Any]:
@@ -327,13 +315,17 @@ async def overhead(opts: OverheadOptions, common: Common) -> dict[str, Any]:
         body["idle"] = await _idle(system, opts, common)
         body["cpu_instant"] = await _cpu(system, opts, common, "instant")
         body["memory_kib_loaded"] = harness.memory_kib(system.gw.pid)
+        if opts.profile:  # after the CPU measurements: py-spy's pauses must not be in them
+            cpu_ms = body["cpu_instant"]["cpu_ms_per_request"]
+            body["profile_instant"] = await _profile(system, opts, common, "instant", cpu_ms)
     paced = (overhead_fronts.PACED_SPEED,) * overhead_fronts.INSTANCES
     async with _system(
         common, paced, instant=False, max_num_seqs=256, max_connections=512, decode_slowdown=0.0
     ) as system:
         body["cpu_paced"] = await _cpu(system, opts, common, "paced 5 ms/token")
-        # After the CPU measurements: py-spy's pauses must not be in them.
-        body["profile"] = await _profile(system, opts, common, common.out) if opts.profile else {}
+        if opts.profile:
+            cpu_ms = body["cpu_paced"]["cpu_ms_per_request"]
+            body["profile_paced"] = await _profile(system, opts, common, "paced", cpu_ms)
     if opts.fronts:
         fronts = overhead_fronts.FrontOptions(requests=opts.front_requests)
         body["fronts"] = await overhead_fronts.fronts(fronts, common)
@@ -367,7 +359,10 @@ def _print(body: dict[str, Any]) -> None:
     )
     if "fronts" in body:
         say(overhead_fronts.table(body["fronts"]))
-    prof = body.get("profile") or {}
-    for kind in ("self", "gateway_inclusive"):
-        for name, share in prof.get(kind, [])[:12]:
-            say(f"  {kind:17} {share:6.1%}  {name}")
+    for run in ("instant", "paced"):
+        prof = body.get(f"profile_{run}") or {}
+        for kind in ("self", "gateway_inclusive"):
+            for name, share in prof.get(kind, [])[:12]:
+                say(f"  {run} {kind:17} {share:6.1%}  {name}")
+        if "budget" in prof:
+            say(f"{run}: one request's CPU by stage\n" + budget.table(prof["budget"]))

@@ -7,13 +7,14 @@ simulator's batch slowdown is off so every front sees the same pace). In front o
 
 - `direct`: the load generator spreads requests over the instances itself (round robin);
 - `gateway`: ours, `least_busy`, every feature on, as `overhead` runs it;
-- `nginx` (`least_conn`) and `vllm-router` (its default `cache_aware`), where installed.
+- `nginx` (`least_conn`), and vLLM's Rust router in its cheapest policy (`vllm-router-rr`,
+  `round_robin`) and its default (`vllm-router`, `cache_aware`), where installed.
 
 Each front runs alone on the gateway's core; its CPU time (utime + stime of its process,
 all threads) around a run, divided by the requests, is its cost per streamed request.
 Requests per second and end-to-end latency are compared with `direct` in the same fleet,
 so what a front adds is the difference. Paced streams run at concurrency 32 and 128,
-instant ones at 32.
+instant ones at 1 (the latency a front adds to one request alone) and 32.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from loadtest.loadgen import Client, Mix, make_workload, run_closed, session
 from loadtest.scenarios import Common, cores, say, summarize, to_v1
 
 FRONT_MIX = Mix(long_share=0.0, short_tokens=(200, 200), max_tokens=(16, 16))
-FRONTS = ("direct", "gateway", "nginx", "vllm-router")
+FRONTS = ("direct", "gateway", "nginx", "vllm-router-rr", "vllm-router")
+# Whose CPU each front's is compared with: the router's cheapest and default policies, nginx.
+BASES = ("vllm-router-rr", "vllm-router", "nginx")
 INSTANCES = 4
 PACED_SPEED = 2.0  # the simulator's 10 ms a token at speed 1: 5 ms apart
-CELLS: dict[str, tuple[int, ...]] = {"instant": (32,), "paced": (32, 128)}
+CELLS: dict[str, tuple[int, ...]] = {"instant": (1, 32), "paced": (32, 128)}
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def ratios(cells: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
                 if name == "direct":
                     continue
                 row: dict[str, float | None] = {}
-                for base in ("vllm-router", "nginx"):
+                for base in BASES:
                     other = by_front.get(base, {}).get("cpu_ms_per_request")
                     mine = cell.get("cpu_ms_per_request")
                     if other and mine is not None and base != name:
@@ -165,8 +168,8 @@ def table(body: dict[str, Any]) -> str:
     """The side-by-side table, one row per cell and front."""
     lines = [
         "| fleet | c | front | CPU ms/request | req/s | vs direct | p50 / p99 latency ms "
-        "| added p50 / p99 ms | CPU vs vllm-router |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| added p50 / p99 ms | CPU vs vllm-router-rr | CPU vs vllm-router |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ratio = body["ratios"]
     for kind, by_c in body["cells"].items():
@@ -180,6 +183,7 @@ def table(body: dict[str, Any]) -> str:
                     f"| {_num(r.get('rps_vs_direct'), 2, 'x')} "
                     f"| {_ms(lat['p50'])} / {_ms(lat['p99'])} "
                     f"| {_num(r.get('added_p50_ms'), 1)} / {_num(r.get('added_p99_ms'), 1)} "
+                    f"| {_num(r.get('cpu_vs_vllm-router-rr'), 2, 'x')} "
                     f"| {_num(r.get('cpu_vs_vllm-router'), 2, 'x')} |"
                 )
     for name, why in body["skipped"].items():

@@ -176,3 +176,32 @@ def test_soak_reports_no_p99_from_fewer_than_100_answers() -> None:
     assert soak._latency_text(few) == "p50 0.2 s, p99 n/a (n<100) (n=50)"
     many = soak._latency([float(v) for v in range(1, 201)])
     assert (many["n"], many["p99"]) == (200, 198.0)
+
+
+def test_the_budget_gives_each_sample_to_its_innermost_stage() -> None:
+    from loadtest.budget import OTHER, budget, stage_of
+
+    site = "/x/.venv/lib/python3.11/site-packages/"
+    handle = "handle (gateway/proxy/handler.py:171)"
+    record = "record (gateway/observe/recorder.py:230)"
+    inc = f"inc ({site}prometheus_client/metrics.py:310)"
+    loop = f"run ({site}uvloop/__init__.py:82)"
+    raw = "\n".join(
+        [
+            f"{loop};{handle};{record};{inc} 3",  # a metric counted from the access line
+            f"{loop};{handle};{record} 1",
+            f"{loop};{handle} 2",
+            f"{loop};_run_once (asyncio/base_events.py:1900) 2",
+            f"{loop} 100",  # idle: left out
+        ]
+    )
+    assert stage_of([loop, handle, record, inc]) == "metrics"
+    assert stage_of(["main (x.py:1)"]) == OTHER
+    stages = budget(raw, cpu_ms_per_request=0.8)
+    assert {k: v["share"] for k, v in stages.items()} == {
+        "metrics": 0.375,
+        "access line": 0.125,
+        "handler": 0.25,
+        OTHER: 0.25,
+    }
+    assert stages["metrics"]["us_per_request"] == 300.0
