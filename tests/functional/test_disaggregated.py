@@ -12,9 +12,11 @@ from dataclasses import replace
 from typing import Any
 
 import aiohttp
+import pytest
 from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config.schema import VllmSection
 from gateway.sim.sim_vllm import SimConfig
 
 _ids = itertools.count()
@@ -87,7 +89,8 @@ async def metric(gw: Gateway, name: str, **labels: str) -> float:
 async def test_a_short_prompt_is_served_whole_by_the_decode_instance() -> None:
     async with pd_gateway() as gw:
         status, text, headers = await chat(gw, SHORT)
-        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        assert status == 200
+        assert text.endswith("data: [DONE]\n\n")
         assert headers["X-Gateway-Instance"] == "d"
         assert gw.sims[0].stats.requests == 0  # the prefill instance never saw it
         assert await metric(gw, "gateway_disaggregated_requests_total", path="whole") == 1
@@ -98,12 +101,14 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_instance_and_decoded_on
 ):
     async with pd_gateway(KV, KV) as gw:
         status, text, headers = await chat(gw, LONG)
-        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        assert status == 200
+        assert text.endswith("data: [DONE]\n\n")
         assert headers["X-Gateway-Instance"] == "d"
         prefill, decode = gw.sims
         # The decode instance read the prompt's KV blocks instead of computing them: it
         # prefilled only the tail of the last, partial block (and the last token).
-        assert prefill.stats.kv_produced == 1 and decode.stats.kv_transfers == 1
+        assert prefill.stats.kv_produced == 1
+        assert decode.stats.kv_transfers == 1
         assert decode.stats.kv_fallbacks == 0
         assert decode.stats.prefill_tokens_computed < 16
         assert prefill.stats.prefill_tokens_computed > 800
@@ -147,10 +152,13 @@ async def test_a_decode_instance_that_fails_is_retried_elsewhere_with_the_same_p
             sims[2].faults.busy = False
             for _ in range(2):  # round robin: one of the two starts at d1
                 status, text, headers = await chat(gw, LONG)
-                assert status == 200 and text.endswith("data: [DONE]\n\n")
+                assert status == 200
+                assert text.endswith("data: [DONE]\n\n")
                 assert headers["X-Gateway-Instance"] == "d2"
-            assert sims[2].stats.kv_transfers == 2 and sims[2].stats.kv_fallbacks == 0
-            assert sims[0].stats.kv_produced == 2 and sims[0].stats.kv_blocks_held == 0
+            assert sims[2].stats.kv_transfers == 2
+            assert sims[2].stats.kv_fallbacks == 0
+            assert sims[0].stats.kv_produced == 2
+            assert sims[0].stats.kv_blocks_held == 0
 
 
 async def test_a_client_that_leaves_during_the_prefill_aborts_it_there() -> None:
@@ -181,9 +189,11 @@ async def test_without_params_the_decode_instance_prefills_and_the_fallback_is_c
     decode hop goes without them and prefills itself, as vLLM does; counted, not hidden."""
     async with pd_gateway() as gw:
         status, text, headers = await chat(gw, LONG, stream_options={"include_usage": True})
-        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        assert status == 200
+        assert text.endswith("data: [DONE]\n\n")
         prefill, decode = gw.sims
-        assert prefill.stats.requests == 1 and decode.stats.requests == 1
+        assert prefill.stats.requests == 1
+        assert decode.stats.requests == 1
         # Both hops carried the request's one id.
         request_id = headers["X-Request-Id"]
         assert list(prefill.stats.seen_request_ids) == [request_id]
@@ -200,7 +210,8 @@ async def test_a_failing_prefill_instance_falls_back_to_a_local_prefill() -> Non
     async with pd_gateway() as gw:
         gw.sims[0].faults.status = 500
         status, text, headers = await chat(gw, LONG)
-        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        assert status == 200
+        assert text.endswith("data: [DONE]\n\n")
         assert headers["X-Gateway-Instance"] == "d"
         assert gw.sims[1].stats.completed == 1
         assert await metric(gw, "gateway_prefill_fallbacks_total", reason="prefill_failed") == 1
@@ -210,7 +221,8 @@ async def test_a_prefill_instance_that_hangs_is_given_up_after_the_first_token_a
     async with pd_gateway(timeout={"connect": 2, "read": 0.3, "write": 5}) as gw:
         gw.sims[0].faults.hang_before_headers = True
         status, text, _ = await chat(gw, LONG)
-        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        assert status == 200
+        assert text.endswith("data: [DONE]\n\n")
         assert await metric(gw, "gateway_prefill_fallbacks_total", reason="prefill_failed") == 1
         # The hung prefill was aborted there, not left running.
         for _ in range(50):
@@ -237,17 +249,11 @@ async def test_admin_instances_shows_each_role() -> None:
         assert {i["name"]: i["role"] for i in body["instances"]} == {"p": "prefill", "d": "decode"}
 
 
-async def test_a_fleet_of_prefill_instances_alone_is_refused_at_load() -> None:
-    from gateway.config.schema import VllmSection
-
-    try:
+def test_a_fleet_of_prefill_instances_alone_is_refused_at_load() -> None:
+    with pytest.raises(ValueError, match='role "prefill"'):
         VllmSection.model_validate(
             {"instances": [{"url": "http://127.0.0.1:1", "role": "prefill"}]}
         )
-    except ValueError as exc:
-        assert 'role "prefill"' in str(exc)
-    else:
-        raise AssertionError("a fleet of prefill instances alone was accepted")
 
 
 async def test_a_prefill_instance_killed_mid_run_loses_no_request_and_leaves_no_blocks() -> None:
@@ -279,4 +285,5 @@ async def test_a_prefill_instance_killed_mid_run_loses_no_request_and_leaves_no_
             assert sims[2].stats.completed == 40
             assert sims[2].stats.kv_transfers + sims[2].stats.kv_fallbacks == 40
             await asyncio.sleep(0.6)  # past the hold timeout
-            assert sims[1].kv is not None and sims[1].kv.blocks_held() == 0
+            assert sims[1].kv is not None
+            assert sims[1].kv.blocks_held() == 0
