@@ -312,7 +312,7 @@ class Relay:
     ) -> bool:
         """Write an in-band error event and [DONE]; False if the client has gone."""
         # An oversized event cut off mid-way is closed first, so the error stands alone.
-        event = errors.sse_error_event(message, code)
+        event = errors.stream_error(message, code)
         try:
             await out.write(b"\n\n" + event if mid_event else event)
         except ConnectionResetError:
