@@ -21,9 +21,15 @@ class Route:
     streams: bool  # the instance may answer with server-sent events (`stream` in the body)
     path: str = ""  # under each route prefix; "" means upstream_path without its /v1
     form: bool = False  # multipart/form-data (an upload), not JSON
-    sse_done: bool = True  # the stream ends with `data: [DONE]` (the Responses API's does not)
-    # A stream's first event is its first token of a prompt the gateway counted, so its
-    # TTFT and TPOT are measured, checked against the SLO and learned by least_time.
+    # The named events (`event: <name>`) that end a stream without `data: [DONE]`, as the
+    # Responses API's and Anthropic's do (vLLM ends either with an `error` event when it
+    # fails mid-way); none: it ends at `data: [DONE]`.
+    end_events: tuple[str, ...] = ()
+    # The named event that carries a token, when a stream's first events carry none
+    # (Anthropic's `content_block_delta`); "": its first data event is its first token.
+    token_event: str = ""
+    # A stream's first token (as `token_event` says) is of a prompt the gateway counted, so
+    # its TTFT and TPOT are measured, checked against the SLO and learned by least_time.
     # Not so for the Responses API (`response.created` comes first) or audio (no count).
     timed: bool = False
 
@@ -31,11 +37,21 @@ class Route:
     def client_path(self) -> str:
         return self.path or self.upstream_path.removeprefix("/v1")
 
+    @property
+    def sse_done(self) -> bool:
+        """Whether its stream ends with `data: [DONE]` (else at one of `end_events`)."""
+        return not self.end_events
+
 
 CHAT = Route("chat.completions", "/v1/chat/completions", streams=True, timed=True)
 COMPLETIONS = Route("completions", "/v1/completions", streams=True, timed=True)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
-RESPONSES = Route("responses", "/v1/responses", streams=True, sse_done=False)
+RESPONSES = Route(
+    "responses",
+    "/v1/responses",
+    streams=True,
+    end_events=("response.completed", "response.incomplete", "response.failed", "error"),
+)
 TOKENIZE = Route("tokenize", "/tokenize", streams=False)
 DETOKENIZE = Route("detokenize", "/detokenize", streams=False)
 RERANK = Route("rerank", "/rerank", streams=False)

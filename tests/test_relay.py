@@ -156,7 +156,7 @@ async def relay_stream(
     """Read the first event, then commit and relay the rest; what the client got."""
     r = relay()
     response = FakeResponse(200, items, {**SSE, **headers})
-    started = await r.first_chunk(response, timeout=5.0)
+    started = await r.first_chunk(response, timeout=5.0, token_event=route.token_event)
     assert isinstance(started, Started), started
     request, got = client(leaves_after=leaves_after)
     lease = FakeLease()

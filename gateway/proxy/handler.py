@@ -381,7 +381,9 @@ class Proxy:
         verdict = judge_status(status)
         if verdict.retry is None and status == 200 and stream is not None:
             first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
-            started = await self.relay.first_chunk(stream, first_by - self.clock())
+            started = await self.relay.first_chunk(
+                stream, first_by - self.clock(), call.route.token_event
+            )
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
             lease.evictable(None)  # its first token is out: it is running there
