@@ -14,8 +14,8 @@ Every method returns a value (`relay/records.py`) and writes no one else's state
 tells the scheduler of the first token and the time per token through the attempt's
 `Lease`. After the commit, a stream the instance breaks, ends without `data: [DONE]` (or
 the route's final event), or keeps silent longer than allowed ends with an in-band error
-event and `data: [DONE]`; one cancelled once the drain time is over ends with an in-band
-503 error the same way.
+event in the route's API's shape (`errors.stream_error`); one cancelled once the drain
+time is over ends with an in-band 503 error the same way.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ class Relay:
             self.metrics.stream_aborts.labels("upstream").inc()
             _log.warning("stream_aborted", side="upstream", why=broken, held=framer.held)
             message = f"the vLLM instance {lease.instance} {broken}; the answer is incomplete"
-            if not await self._end(out, message, 502, mid_event=framer.mid_event):
+            if not await self._end(out, route, message, 502, mid_event=framer.mid_event):
                 return self._client_left(out, tokens)
             return await self._finish(out, Outcome.FAILURE, "stream_broken", tokens)
         result = await self._finish(out, Outcome.SUCCESS, None, tokens)
@@ -305,7 +305,7 @@ class Relay:
             task.uncancel()  # the drain deadline passed: end the stream in-band
             self.metrics.stream_aborts.labels("shutdown").inc()
             message = "the gateway is shutting down and its drain time is over"
-            await self._end(out, f"{message}; the answer is incomplete", 503)
+            await self._end(out, route, f"{message}; the answer is incomplete", 503)
             return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
         finally:
             run.stop(watch)
@@ -322,11 +322,17 @@ class Relay:
         return None
 
     async def _end(
-        self, out: web.StreamResponse, message: str, code: int, *, mid_event: bool = False
+        self,
+        out: web.StreamResponse,
+        route: Route,
+        message: str,
+        code: int,
+        *,
+        mid_event: bool = False,
     ) -> bool:
-        """Write an in-band error event and [DONE]; False if the client has gone."""
+        """Write an in-band error in the route's shape; False if the client has gone."""
         # An oversized event cut off mid-way is closed first, so the error stands alone.
-        event = errors.stream_error(message, code)
+        event = errors.stream_error(message, code, route.api)
         try:
             await out.write(b"\n\n" + event if mid_event else event)
         except ConnectionResetError:
