@@ -20,20 +20,37 @@
     ├── TooManyConnections            503 too_many_connections  (+ Retry-After)
     └── UpstreamTimeout               504 upstream_timeout
 
-The body is always OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
-so the SDK raises the matching exception class with our message. Messages quote the bad
-value (never a key) and say what was expected. "+ Retry-After" is whole seconds, with
-`retry-after-ms` beside it (the exact delay, which the SDK reads first), except on the
-503 for a connection too many, which is written before any request exists.
+The route decides the body's shape (its `api`). On the OpenAI routes it is OpenAI's,
+`{"error": {"message", "type", "param", "code"}}`, so the SDK raises the matching
+exception class with our message. On Anthropic's Messages routes it is Anthropic's,
+`{"type": "error", "error": {"type", "message"}}`, its type named by the status as
+Anthropic's API names it (400 invalid_request_error, also for the other 4xx; 401
+authentication_error, 403 permission_error, 404 not_found_error, 413 request_too_large,
+429 rate_limit_error, 500 and 502 api_error, 503 overloaded_error, 504 timeout_error).
+
+The status is the same on every route: the SDKs pick the exception class, and whether to
+retry, from it (both retry 429 and 5xx after Retry-After), and one status per condition
+keeps metrics, alerts and load balancers agreeing across routes. So an overloaded gateway
+answers 503 overloaded_error, not Anthropic's 529, which is not a registered HTTP status
+(the Anthropic SDK raises 503 as ServiceUnavailableError and 529 as OverloadedError, both
+InternalServerErrors it retries alike). Messages quote the bad value (never a key) and
+say what was expected. "+ Retry-After" is whole seconds, with `retry-after-ms` beside it
+(the exact delay, which both SDKs read first), except on the 503 for a connection too
+many, which is written before any request (and so any route) exists.
+
+A stream already committed ends in-band, in the route's shape too (`stream_error`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from aiohttp import web
+
+# Whose API a route speaks: how the gateway's own errors on it are written.
+Api = Literal["openai", "anthropic"]
 
 
 class GatewayError(Exception):
@@ -49,10 +66,12 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
 
-    def body(self) -> bytes:
+    def body(self, api: Api = "openai") -> bytes:
+        if api == "anthropic":
+            return anthropic_error_body(self.message, anthropic_type(self.status))
         return error_body(self.message, self.type, self.code, self.param)
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+    def response(self, headers: dict[str, str] | None = None, api: Api = "openai") -> web.Response:
         out = dict(headers or {})
         if self.retry_after is not None:
             # Whole seconds for HTTP clients at large; exactly for the OpenAI SDK, which
@@ -60,7 +79,7 @@ class GatewayError(Exception):
             out["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
             out["retry-after-ms"] = str(max(1, round(self.retry_after * 1000)))
         return web.Response(
-            status=self.status, body=self.body(), content_type="application/json", headers=out
+            status=self.status, body=self.body(api), content_type="application/json", headers=out
         )
 
 
@@ -109,8 +128,8 @@ class RequestTimeout(GatewayError):
     type = "invalid_request_error"
     code = "request_timeout"
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        response = super().response(headers)
+    def response(self, headers: dict[str, str] | None = None, api: Api = "openai") -> web.Response:
+        response = super().response(headers, api)
         # The rest of the request never arrived: the connection cannot carry another one.
         response.force_close()
         return response
@@ -173,11 +192,49 @@ class UpstreamTimeout(GatewayError):
 
 
 def error_body(message: str, type: str, code: str | int | None, param: str | None = None) -> bytes:
-    """OpenAI's error object: the one shape of every error the gateway writes."""
+    """OpenAI's error object: the shape of the gateway's errors on the OpenAI routes."""
     error = {"message": message, "type": type, "param": param, "code": code}
     return json.dumps({"error": error}).encode()
 
 
-def sse_error_event(message: str, code: int = 502) -> bytes:
-    """An in-band SSE error the OpenAI SDK raises as `APIError`, then the end of the stream."""
-    return b"data: " + error_body(message, "upstream_error", code) + b"\n\ndata: [DONE]\n\n"
+# Anthropic's error types by HTTP status (its API reference, "Errors"); any other 4xx is an
+# invalid_request_error and any other 5xx an api_error, as Anthropic says it does.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    # Every 503 of ours means "no place for it now, come back after Retry-After": what
+    # Anthropic calls overloaded (it sends that as 529; ours stay 503, see above).
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_type(status: int) -> str:
+    """The Anthropic error type of an HTTP status."""
+    named = _ANTHROPIC_TYPES.get(status)
+    if named is not None:
+        return named
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+def anthropic_error_body(message: str, type: str) -> bytes:
+    """Anthropic's error object: the shape of the gateway's errors on the Messages routes."""
+    return json.dumps({"type": "error", "error": {"type": type, "message": message}}).encode()
+
+
+def stream_error(message: str, status: int = 502, api: Api = "openai") -> bytes:
+    """The in-band error that ends a stream already committed, in the route's API's shape.
+
+    OpenAI's: a data event the OpenAI SDK raises as `APIError`, then `data: [DONE]`.
+    Anthropic's: an `error` event, as Anthropic's API sends mid-stream (the Anthropic SDK
+    raises it; it skips events without a name), and nothing after it.
+    """
+    if api == "anthropic":
+        body = anthropic_error_body(message, anthropic_type(status))
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + error_body(message, "upstream_error", status) + b"\n\ndata: [DONE]\n\n"

@@ -6,12 +6,20 @@ path) and goes to the same place on the instance. vLLM serves its own extensions
 `/v1` too; a client may use any of those spellings, and the instance always gets the one
 vLLM documents. `/v2/rerank` (Cohere's v2 shape) is its own route, since vLLM serves it
 apart, and is not nested under a `/v1` prefix.
+
+Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`), which vLLM serves
+natively, is routed like the rest; its routes differ in their `api` (the gateway's own
+errors take Anthropic's shape there) and in their stream's events: a stream of named
+events that ends at `message_stop`, whose first events (`message_start`,
+`content_block_start`) come before any token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from gateway.errors import Api
 
 
 @dataclass(frozen=True)
@@ -21,21 +29,55 @@ class Route:
     streams: bool  # the instance may answer with server-sent events (`stream` in the body)
     path: str = ""  # under each route prefix; "" means upstream_path without its /v1
     form: bool = False  # multipart/form-data (an upload), not JSON
-    sse_done: bool = True  # the stream ends with `data: [DONE]` (the Responses API's does not)
-    # A stream's first event is its first token of a prompt the gateway counted, so its
-    # TTFT and TPOT are measured, checked against the SLO and learned by least_time.
+    # The named events (`event: <name>`) that end a stream without `data: [DONE]`, as the
+    # Responses API's and Anthropic's do (vLLM ends either with an `error` event when it
+    # fails mid-way); none: it ends at `data: [DONE]`.
+    end_events: tuple[str, ...] = ()
+    # The named event that carries a token, when a stream's first events carry none
+    # (Anthropic's `content_block_delta`); "": its first data event is its first token.
+    token_event: str = ""
+    # A stream's first token (as `token_event` says) is of a prompt the gateway counted, so
+    # its TTFT and TPOT are measured, checked against the SLO and learned by least_time.
     # Not so for the Responses API (`response.created` comes first) or audio (no count).
     timed: bool = False
+    # In a fleet with prefill instances its prompt may be prefilled apart, on a second hop
+    # (proxy/disaggregate.py writes the hops' bodies of chat and completion requests).
+    disaggregates: bool = False
+    api: Api = "openai"  # whose API: the shape of the gateway's own errors on the route
 
     @property
     def client_path(self) -> str:
         return self.path or self.upstream_path.removeprefix("/v1")
 
+    @property
+    def sse_done(self) -> bool:
+        """Whether its stream ends with `data: [DONE]` (else at one of `end_events`)."""
+        return not self.end_events
 
-CHAT = Route("chat.completions", "/v1/chat/completions", streams=True, timed=True)
-COMPLETIONS = Route("completions", "/v1/completions", streams=True, timed=True)
+
+CHAT = Route(
+    "chat.completions", "/v1/chat/completions", streams=True, timed=True, disaggregates=True
+)
+COMPLETIONS = Route("completions", "/v1/completions", streams=True, timed=True, disaggregates=True)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
-RESPONSES = Route("responses", "/v1/responses", streams=True, sse_done=False)
+RESPONSES = Route(
+    "responses",
+    "/v1/responses",
+    streams=True,
+    end_events=("response.completed", "response.incomplete", "response.failed", "error"),
+)
+MESSAGES = Route(
+    "messages",
+    "/v1/messages",
+    streams=True,
+    end_events=("message_stop", "error"),
+    token_event="content_block_delta",
+    timed=True,
+    api="anthropic",
+)
+COUNT_TOKENS = Route(
+    "messages.count_tokens", "/v1/messages/count_tokens", streams=False, api="anthropic"
+)
 TOKENIZE = Route("tokenize", "/tokenize", streams=False)
 DETOKENIZE = Route("detokenize", "/detokenize", streams=False)
 RERANK = Route("rerank", "/rerank", streams=False)
@@ -52,6 +94,8 @@ ROUTES = (
     COMPLETIONS,
     EMBEDDINGS,
     RESPONSES,
+    MESSAGES,
+    COUNT_TOKENS,
     TOKENIZE,
     DETOKENIZE,
     RERANK,

@@ -216,6 +216,21 @@ def test_key_checker_accepts_exactly_the_configured_keys(scheme: str, token: str
     assert KeyChecker(KEYS).check(f"{scheme} {token}") is (token in KEYS)
 
 
+@settings(max_examples=200)
+@given(
+    st.none() | st.text(max_size=40) | st.sampled_from([f"Bearer {k}" for k in KEYS]),
+    st.none() | wire_text | st.sampled_from(KEYS),
+)
+def test_an_x_api_key_is_a_key_as_a_bearer_token_is(
+    authorization: str | None, api_key: str | None
+) -> None:
+    """`x-api-key` (Anthropic's header) holding a key is accepted as a Bearer token is; with
+    both headers, one that holds a key is enough."""
+    bearer = authorization.removeprefix("Bearer ") if authorization else None
+    expected = bearer in KEYS or api_key in KEYS
+    assert KeyChecker(KEYS).check(authorization, api_key) is expected
+
+
 @pytest.mark.slow  # 400 examples of deep JSON: seconds of generating
 @settings(max_examples=400)
 @given(json_like_dicts | openai_like)

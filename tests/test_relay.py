@@ -29,7 +29,7 @@ from gateway.observe.metrics import Metrics
 from gateway.proxy.attempt import Call
 from gateway.relay.records import Started, Streamed, Unusable, Whole
 from gateway.relay.relay import Relay
-from gateway.routes import CHAT, RESPONSES
+from gateway.routes import CHAT, MESSAGES, RESPONSES
 from gateway.upstream.response import AttemptFailed
 
 SSE = {"Content-Type": "text/event-stream"}
@@ -156,7 +156,7 @@ async def relay_stream(
     """Read the first event, then commit and relay the rest; what the client got."""
     r = relay()
     response = FakeResponse(200, items, {**SSE, **headers})
-    started = await r.first_chunk(response, timeout=5.0)
+    started = await r.first_chunk(response, timeout=5.0, token_event=route.token_event)
     assert isinstance(started, Started), started
     request, got = client(leaves_after=leaves_after)
     lease = FakeLease()
@@ -370,6 +370,92 @@ async def test_a_timed_stream_reports_its_time_per_token_through_the_lease() -> 
     record = await r.stream(call_of(request), response, started, lease, 99.0, silence=5.0)
     assert record.tokens == 2  # three content events, less the role-only first one
     assert record.tpot == lease.tpots[0] > 0
+
+
+# ------------------------------------------------------------------ Anthropic's Messages stream
+
+
+def named(kind: str, data: bytes = b"{}") -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), data)
+
+
+PING = named("ping")
+MESSAGE_START = named("message_start", b'{"type":"message_start","message":{"content":[]}}')
+BLOCK_START = named("content_block_start")
+BLOCK_STOP = named("content_block_stop")
+MESSAGE_STOP = named("message_stop")
+
+
+def delta(i: int) -> bytes:
+    return named("content_block_delta", b'{"delta":{"type":"text_delta","text":"t%d"}}' % i)
+
+
+def message_delta(output_tokens: int) -> bytes:
+    return named(
+        "message_delta", b'{"usage":{"input_tokens":4,"output_tokens":%d}}' % output_tokens
+    )
+
+
+async def test_an_anthropic_stream_is_held_until_its_first_token() -> None:
+    """message_start and the block's start are no token: nothing commits, and the first
+    token's allowance runs on, until a content_block_delta; then they go out together,
+    without the ping that came before any of them."""
+    events: list[Any] = [PING, MESSAGE_START, PING, BLOCK_START, Pause(1.0), delta(0)]
+    late = await relay().first_chunk(
+        FakeResponse(200, events, SSE), timeout=0.05, token_event=MESSAGES.token_event
+    )
+    assert isinstance(late, Unusable)
+    assert late.reason == "timeout"
+    events = [PING, MESSAGE_START, PING, BLOCK_START, delta(0), delta(1)]
+    started = await relay().first_chunk(
+        FakeResponse(200, events, SSE), timeout=1.0, token_event=MESSAGES.token_event
+    )
+    assert isinstance(started, Started)
+    assert started.first == MESSAGE_START + PING + BLOCK_START + delta(0)
+    assert (started.framer.events, started.framer.tokens) == (3, 1)
+
+
+async def test_an_anthropic_stream_counts_the_usage_of_message_delta_and_ends_at_message_stop() -> (
+    None
+):
+    """A whole Messages stream: every event passes on, its first token teaches the lease a
+    TTFT, its output tokens are message_delta's usage (not the count of deltas), and
+    message_stop ends it with nothing added."""
+    wire = [MESSAGE_START, BLOCK_START, delta(0), delta(1), BLOCK_STOP, message_delta(5)]
+    record, body, lease, _ = await relay_stream([*wire, MESSAGE_STOP], route=MESSAGES)
+    assert body == b"".join(wire) + MESSAGE_STOP
+    assert (record.status, record.outcome, record.error) == (200, Outcome.SUCCESS, None)
+    assert record.tokens == 5
+    assert lease.prefills == [(100.0, 1.0)]  # committed at the first token, sent at 99
+
+
+async def test_a_broken_anthropic_stream_ends_with_an_anthropic_error_event() -> None:
+    """A Messages stream cut before message_stop ends with an `error` event in Anthropic's
+    shape (api_error) and no [DONE]; its tokens are its deltas, no usage having come."""
+    record, body, _, r = await relay_stream(
+        [MESSAGE_START, BLOCK_START, delta(0), delta(1)], route=MESSAGES
+    )
+    sent = events(body)
+    assert sent[:4] == [MESSAGE_START, BLOCK_START, delta(0), delta(1)]
+    name, data = sent[-1].removesuffix(b"\n\n").split(b"\n")
+    assert name == b"event: error"
+    error = json.loads(data.removeprefix(b"data: "))
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "api_error"
+    assert "ended the stream without its final event" in error["error"]["message"]
+    assert b"[DONE]" not in body
+    assert (record.outcome, record.error, record.tokens) == (Outcome.FAILURE, "stream_broken", 2)
+    assert aborts(r, "upstream") == 1
+
+
+async def test_an_anthropic_stream_without_a_token_passes_on_whole_and_teaches_nothing() -> None:
+    """A Messages stream that ends without a content_block_delta (nothing generated) is
+    still the client's answer: passed on whole; no TTFT is learned from it."""
+    wire = [MESSAGE_START, message_delta(0), MESSAGE_STOP]
+    record, body, lease, _ = await relay_stream(wire, route=MESSAGES)
+    assert body == b"".join(wire)
+    assert (record.outcome, record.tokens) == (Outcome.SUCCESS, 0)
+    assert [ttft for _, ttft in lease.prefills] == [None]
 
 
 async def test_the_fake_upstream_replays_answers_in_order_and_keeps_what_was_sent() -> None:

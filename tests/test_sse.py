@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.relay.sse import Framer, completion_tokens, responses_finished
+from gateway.relay.sse import Framer, completion_tokens, finished
+from gateway.routes import RESPONSES
 
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":16}}\n\n'
@@ -189,7 +190,7 @@ def test_the_last_events_head_is_kept_however_long_the_event(size: int) -> None:
         framer = Framer(64 * 1024)
         out = b"".join(framer.feed(stream[i : i + step]) for i in range(0, len(stream), step))
         assert out == stream
-        assert responses_finished(framer.last_head)
+        assert finished(framer.last_head, RESPONSES.end_events)
         assert framer.events == 2
 
 
@@ -200,3 +201,94 @@ def test_a_responses_usage_counts_its_output_tokens() -> None:
     framer = Framer()
     framer.feed(b"event: response.completed\ndata: " + usage + b"\n\n")
     assert framer.completion_tokens() == 9
+
+
+# ------------------------------------------------------------------ Anthropic's named events
+
+
+def named(kind: str, data: bytes) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), data)
+
+
+PING = named("ping", b'{"type": "ping"}')
+MESSAGE_START = named(
+    "message_start",
+    b'{"type":"message_start","message":{"id":"m","content":[],"model":"m",'
+    b'"usage":{"input_tokens":5,"output_tokens":0}}}',
+)
+BLOCK_START = named("content_block_start", b'{"type":"content_block_start","index":0}')
+
+
+def text_delta(i: int) -> bytes:
+    return named("content_block_delta", b'{"type":"content_block_delta","text":"t%d"}' % i)
+
+
+# Usage says 9 output tokens where 3 deltas came: the count must be the usage's.
+MESSAGE_DELTA = named(
+    "message_delta",
+    b'{"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
+    b'"usage":{"input_tokens":5,"output_tokens":9}}',
+)
+MESSAGE_STOP = named("message_stop", b'{"type":"message_stop"}')
+ANTHROPIC = (
+    PING
+    + MESSAGE_START
+    + BLOCK_START
+    + PING
+    + b"".join(text_delta(i) for i in range(3))
+    + named("content_block_stop", b'{"type":"content_block_stop","index":0}')
+    + MESSAGE_DELTA
+    + MESSAGE_STOP
+)
+MESSAGES_END = ("message_stop", "error")
+
+
+def run_named(pieces: list[bytes]) -> tuple[bytes, int, int, int | None, bool]:
+    """Feed an Anthropic stream: what was passed on, data events, token events, usage, end."""
+    framer = Framer(token_event="content_block_delta")
+    out = b"".join(framer.feed(p) for p in pieces)
+    ended = finished(framer.last_head, MESSAGES_END)
+    return out, framer.events, framer.tokens, framer.completion_tokens(), ended
+
+
+def test_an_anthropic_stream_counts_token_events_and_its_usage_before_message_stop() -> None:
+    """Pings are passed on but not counted; 8 data events, 3 of them tokens; the usage of
+    `message_delta`, the event before `message_stop`, says 9; `message_stop` ends it."""
+    assert run_named([ANTHROPIC]) == (ANTHROPIC, 8, 3, 9, True)
+
+
+def test_every_split_of_an_anthropic_stream_gives_the_same_counts() -> None:
+    """Split at any byte, a named-event stream is passed on and counted the same."""
+    whole = run_named([ANTHROPIC])
+    for cut in range(len(ANTHROPIC) + 1):
+        assert run_named([ANTHROPIC[:cut], ANTHROPIC[cut:]]) == whole, cut
+
+
+def test_a_stream_with_a_token_event_starts_at_its_first_token() -> None:
+    """Named `content_block_delta` as its token, a stream has not started at
+    `message_start`; without a token event, its first data event starts it."""
+    framer = Framer(token_event="content_block_delta")
+    framer.feed(PING + MESSAGE_START + BLOCK_START)
+    assert (framer.events, framer.started) == (2, False)
+    framer.feed(text_delta(0))
+    assert (framer.tokens, framer.started) == (1, True)
+    plain = Framer()
+    plain.feed(PING)
+    assert not plain.started
+    plain.feed(MESSAGE_START)
+    assert (plain.started, plain.tokens) == (True, 0)
+
+
+@pytest.mark.parametrize(
+    ("head", "ends"),
+    [
+        (MESSAGE_STOP, True),
+        (b"event: error\r\ndata: {}", True),
+        (MESSAGE_DELTA, False),
+        (b"event: message_stop_later\ndata: {}", False),
+        (b'data: {"type":"message_stop"}', False),
+    ],
+)
+def test_a_messages_stream_ends_at_message_stop_or_error(head: bytes, ends: bool) -> None:
+    """Only an event named message_stop or error ends an Anthropic stream."""
+    assert finished(head, MESSAGES_END) is ends

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.observe import trace_context
-from gateway.relay.sse import responses_finished
+from gateway.relay.sse import finished
+from gateway.routes import RESPONSES
 
 GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -69,7 +70,7 @@ def test_fresh_traces_are_sampled_and_distinct() -> None:
 
 
 @pytest.mark.parametrize(
-    ("head", "finished"),
+    ("head", "ends"),
     [
         (b'event: response.completed\ndata: {"response"', True),
         (b"event: response.incomplete\r\ndata: {}", True),
@@ -80,6 +81,6 @@ def test_fresh_traces_are_sampled_and_distinct() -> None:
         (b'data: {"type": "response.completed"}', False),
     ],
 )
-def test_a_responses_stream_ends_on_its_terminal_events(head: bytes, finished: bool) -> None:
+def test_a_responses_stream_ends_on_its_terminal_events(head: bytes, ends: bool) -> None:
     """The Responses API's completed, incomplete, failed and error events end its stream."""
-    assert responses_finished(head) is finished
+    assert finished(head, RESPONSES.end_events) is ends

@@ -153,7 +153,7 @@ class Metrics:
         )
         self.ttft = Histogram(
             "gateway_ttft_seconds",
-            "Time to first token (first streamed chunk), from arrival at the gateway.",
+            "Time to first token (its first streamed token), from arrival at the gateway.",
             ["lane", "server"],
             buckets=_TTFT_BUCKETS,
             registry=registry,

@@ -2,7 +2,8 @@
 
 `handler` (`Proxy`: place, attempt, retry, answer), `attempt` (one attempt as values),
 `intake` (key, body, model, lane), `auth` (the unified key), `body`, `form` and `jsoncodec`
-(reading the request), `tokens`, `imagesize` and `tokenizer` (the prompt estimate).
+(reading the request), `tokens`, `imagesize` and `tokenizer` (the prompt estimate),
+`anthropic_body` (a Messages body read as the chat request vLLM makes of it).
 May import: every package below it: the vocabulary, `dispatch`, `config`, `upstream`,
 `observe`, `fleet`, `relay`.
 """

@@ -1,11 +1,11 @@
-"""The request handler for the OpenAI routes: check, place, forward, stream back.
+"""The request handler for the proxied routes: check, place, forward, stream back.
 
 Per request: validate the headers and the key, read the body once (bounded), parse it
 once, pick the lane from the estimated prompt size, then loop over attempts: get an
 instance from the dispatcher, send, and either relay the answer or retry elsewhere.
 Nothing reaches the client until an attempt is committed (a non-retryable status, or
-the first streamed chunk), so a retry is always invisible to the client. After that a
-failure ends the stream with an in-band SSE error and `data: [DONE]`.
+the first streamed token), so a retry is always invisible to the client. After that a
+failure ends the stream with an in-band SSE error in the route's API's shape.
 
 Each attempt ends as a value (`attempt.py`: `Committed` or `Failed`), and whether a
 failed one is tried again elsewhere is the dispatch core's `plan_retry`. Relaying an
@@ -42,7 +42,7 @@ from gateway.observe.client_address import networks
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.observe.recorder import EXCHANGE, Recorder
-from gateway.proxy import jsoncodec
+from gateway.proxy import anthropic_body, jsoncodec
 from gateway.proxy.attempt import (
     Call,
     Committed,
@@ -189,7 +189,9 @@ class Proxy:
                 raise
             if model is not None:
                 ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
-            ex.prompt_tokens = await self.counter.count(payload, self.config.prefill)
+            # What the instance renders into the prompt: a Messages body as vLLM converts it.
+            prompt = anthropic_body.as_chat(payload) if route.api == "anthropic" else payload
+            ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
             ex.max_tokens = max_tokens_of(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
@@ -200,15 +202,15 @@ class Proxy:
                 tokens=ex.prompt_tokens,
                 max_tokens=ex.max_tokens,
                 model=model,
-                prefix=prompt_blocks(prompt_text(payload)) if self.affinity else (),
+                prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
             )
             call = Call(request, route, body, stream, lane, ticket.deadline, headers)
-            if route.timed and self.dispatcher.scheduler.has_prefill_role:
+            if route.disaggregates and self.dispatcher.scheduler.has_prefill_role:
                 return await self._disaggregated(call, ex, ticket, payload)
             return await self._forward(call, ex, ticket)
         except errors.GatewayError as exc:
             ex.status = exc.status
-            return exc.response(headers)
+            return exc.response(headers, route.api)
         except asyncio.CancelledError:
             if self.aborting and ex.status == 0 and task is not None:
                 task.uncancel()  # our own drain deadline, not the client: answer it
@@ -217,7 +219,7 @@ class Proxy:
                     retry_after=self.dispatcher.scheduler.limits.queue_retry_after,
                 )
                 ex.status = error.status
-                return error.response(headers)
+                return error.response(headers, route.api)
             if ex.status == 200:
                 self.metrics.stream_aborts.labels("client").inc()
                 ex.cut = "client"
@@ -381,7 +383,9 @@ class Proxy:
         verdict = judge_status(status)
         if verdict.retry is None and status == 200 and stream is not None:
             first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
-            started = await self.relay.first_chunk(stream, first_by - self.clock())
+            started = await self.relay.first_chunk(
+                stream, first_by - self.clock(), call.route.token_event
+            )
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
             lease.evictable(None)  # its first token is out: it is running there

@@ -1,6 +1,6 @@
 """An instance's answer passed on to the client, once an attempt has one.
 
-`relay` (whole answers; a stream's first event, then its commit), `splice` (the one way a
+`relay` (whole answers; a stream's first token, then its commit), `splice` (the one way a
 committed stream is relayed: socket to socket, with flow control both ways), `sse` (the
 pure event framer), `records` (the values a relay returns).
 May import: the vocabulary, `gateway.dispatch`, `gateway.config`, `gateway.upstream`,

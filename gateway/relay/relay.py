@@ -1,19 +1,21 @@
 """Relaying an instance's answer to the client, once an attempt has one.
 
 `whole()` passes on a complete answer (non-streamed, or an error) unchanged, its
-Content-Encoding included. `first_chunk()` reads a stream until its first data event (the
-first token), pulling its chunks one by one, with nothing sent yet (a retry is still
-possible). `stream()` then commits: the first event goes out through aiohttp with the
-response head, and `splice.Splice` moves the rest from the instance's socket to the
+Content-Encoding included. `first_chunk()` reads a stream until its first token (its first
+data event, or the first of the route's token events), pulling its chunks one by one, with
+nothing sent yet (a retry is still possible). `stream()` then commits: the events so far
+go out through aiohttp with the response head, and `splice.Splice` moves the rest from the
+instance's socket to the
 client's, with flow control both ways and no await per chunk. Both hand each read to
 `sse.Framer`, which passes on whole events only (so an in-band error never lands inside a
 half-sent one) and counts them the same however TCP split them; it parses no JSON.
 
 Every method returns a value (`relay/records.py`) and writes no one else's state; it
 tells the scheduler of the first token and the time per token through the attempt's
-`Lease`. After the commit, a stream the instance breaks, ends without `data: [DONE]`, or
-keeps silent longer than allowed ends with an in-band error event and `data: [DONE]`; one
-cancelled once the drain time is over ends with an in-band 503 error the same way.
+`Lease`. After the commit, a stream the instance breaks, ends without `data: [DONE]` (or
+the route's final event), or keeps silent longer than allowed ends with an in-band error
+event in the route's API's shape (`errors.stream_error`); one cancelled once the drain
+time is over ends with an in-band 503 error the same way.
 """
 
 from __future__ import annotations
@@ -136,25 +138,32 @@ class Relay:
         )
         return Whole(answer, tokens)
 
-    async def first_chunk(self, response: StreamAnswer, timeout: float) -> Started | Unusable:
-        """Read until the stream's first data event, within `timeout` (nothing is sent yet).
+    async def first_chunk(
+        self, response: StreamAnswer, timeout: float, token_event: str = ""
+    ) -> Started | Unusable:
+        """Read until the stream's first token, within `timeout` (nothing is sent yet): its
+        first data event, or with `token_event` (the route's) the first of those.
 
-        Comment events before it (keep-alives) are dropped: passing one on would commit the
-        200 before the instance has shown a token, and a retry would no longer be possible.
+        Comment events before the first data event (keep-alives) are dropped: passing one
+        on would commit the 200 before the instance has shown a token, and a retry would
+        no longer be possible. The data events before a token event are held and sent
+        with it. A stream that ends with data events but no token event is passed on whole.
         """
         try:
             decode = stream_decoder(response)
         except ValueError as unknown:
             return Unusable("bad_response", errors.UpstreamError(str(unknown)))
-        framer = sse.Framer(_MAX_EVENT)
+        framer = sse.Framer(_MAX_EVENT, token_event)
+        first = b""
         try:
             async with asyncio.timeout(max(0.001, timeout)):
                 while True:
                     data = await response.next_chunk()
                     if not data:
                         break
-                    first = framer.feed(decode(data) if decode is not None else data)
-                    if framer.events:
+                    held = first if framer.events else b""  # only comments before: dropped
+                    first = held + framer.feed(decode(data) if decode is not None else data)
+                    if framer.started:
                         return Started(framer, decode, first)
         except TimeoutError:
             return Unusable(
@@ -173,6 +182,8 @@ class Relay:
                     f"the vLLM instance sent a stream that does not decode: {exc}"
                 ),
             )
+        if framer.events:
+            return Started(framer, decode, first)
         return Unusable(
             "bad_response",
             errors.UpstreamError(
@@ -190,7 +201,7 @@ class Relay:
         sent_at: float,
         silence: float,
     ) -> Streamed:
-        """Commit: send headers and the first event, then splice the rest as it arrives.
+        """Commit: send headers and the events so far, then splice the rest as it arrives.
 
         `sent_at` is when the request went out (its TTFT counts from there). `silence`
         bounds the time between two data events. Only data events reset it: comment
@@ -209,13 +220,15 @@ class Relay:
         except ConnectionResetError:
             return self._client_left(out)
         first_at = self.clock()
-        # Only a stream whose first event is its first token measures TTFT and teaches
-        # least_time a prefill speed; the Responses API's first event comes before any.
-        lease.prefill_done(first_at, first_at - sent_at if route.timed else None)
+        # Only a timed route's stream, committed at its first token, measures TTFT and
+        # teaches least_time a prefill speed; the Responses API's first event comes before
+        # any, and an Anthropic stream may end without a token event.
+        timed = route.timed and started.framer.started
+        lease.prefill_done(first_at, first_at - sent_at if timed else None)
         transport = call.request.transport
         if transport is None:  # the client left before we could answer
             return self._client_left(out)
-        broken = await self._splice(out, response, transport, started, silence, route.sse_done)
+        broken = await self._splice(out, response, transport, started, silence, route)
         if isinstance(broken, Streamed):
             return broken
         return await self._conclude(call, out, lease, started.framer, broken, first_at)
@@ -231,14 +244,14 @@ class Relay:
     ) -> Streamed:
         """End a committed stream: in-band error if it broke, the last chunk, the counts."""
         route = call.route
-        if framer.done or (not route.sse_done and sse.responses_finished(framer.last_head)):
+        if framer.done or (not route.sse_done and sse.finished(framer.last_head, route.end_events)):
             broken = None  # the client has the whole answer: what follows is moot
         tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
         if broken is not None:
             self.metrics.stream_aborts.labels("upstream").inc()
             _log.warning("stream_aborted", side="upstream", why=broken, held=framer.held)
             message = f"the vLLM instance {lease.instance} {broken}; the answer is incomplete"
-            if not await self._end(out, message, 502, mid_event=framer.mid_event):
+            if not await self._end(out, route, message, 502, mid_event=framer.mid_event):
                 return self._client_left(out, tokens)
             return await self._finish(out, Outcome.FAILURE, "stream_broken", tokens)
         result = await self._finish(out, Outcome.SUCCESS, None, tokens)
@@ -255,7 +268,7 @@ class Relay:
         transport: asyncio.Transport,
         started: Started,
         silence: float,
-        sse_done: bool,
+        route: Route,
     ) -> Streamed | str | None:
         """Relay the rest below the streams (splice.py): why it broke, None, or a record.
 
@@ -292,7 +305,7 @@ class Relay:
             task.uncancel()  # the drain deadline passed: end the stream in-band
             self.metrics.stream_aborts.labels("shutdown").inc()
             message = "the gateway is shutting down and its drain time is over"
-            await self._end(out, f"{message}; the answer is incomplete", 503)
+            await self._end(out, route, f"{message}; the answer is incomplete", 503)
             return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
         finally:
             run.stop(watch)
@@ -304,15 +317,22 @@ class Relay:
         if end.broken is not None:
             return end.broken
         if not started.framer.done:
-            return "ended the stream without " + ("data: [DONE]" if sse_done else "its final event")
+            done = "data: [DONE]" if route.sse_done else "its final event"
+            return "ended the stream without " + done
         return None
 
     async def _end(
-        self, out: web.StreamResponse, message: str, code: int, *, mid_event: bool = False
+        self,
+        out: web.StreamResponse,
+        route: Route,
+        message: str,
+        code: int,
+        *,
+        mid_event: bool = False,
     ) -> bool:
-        """Write an in-band error event and [DONE]; False if the client has gone."""
+        """Write an in-band error in the route's shape; False if the client has gone."""
         # An oversized event cut off mid-way is closed first, so the error stands alone.
-        event = errors.sse_error_event(message, code)
+        event = errors.stream_error(message, code, route.api)
         try:
             await out.write(b"\n\n" + event if mid_event else event)
         except ConnectionResetError:
@@ -338,13 +358,16 @@ class Relay:
 
     @staticmethod
     def _stream_tokens(framer: sse.Framer, *, chat: bool) -> int:
-        """Output tokens: the usage chunk's count if sent, else one per content event.
+        """Output tokens: the usage's count if sent, else one per token event (one per data
+        event but [DONE] and chat's role chunk, where every data event is a token's).
 
         Counted from whole events, so the figure does not depend on how TCP split them.
         """
         usage = framer.completion_tokens()
         if usage is not None:
             return usage
+        if framer.token_event is not None:
+            return framer.tokens
         return max(0, framer.events - framer.done - chat)
 
     def __repr__(self) -> str:

@@ -2,9 +2,9 @@
 
 `Framer.feed(bytes)` takes whatever a read returned and gives back the bytes of the whole
 events it completed, holding the unfinished tail for the next read. Its counts (data
-events, `[DONE]`, the last data event for the usage chunk) depend only on the stream,
-never on how TCP split it: the same bytes fed in any pieces give the same output and the
-same counts. No sockets, no JSON; the relay calls it once per read.
+events, token events, `[DONE]`, the last data events for the usage) depend only on the
+stream, never on how TCP split it: the same bytes fed in any pieces give the same output
+and the same counts. No sockets, no JSON; the relay calls it once per read.
 
 The framing is the SSE spec's, for the two line ends servers use: an event ends at a blank
 line, LF (`\\n\\n`) or CRLF (`\\r\\n\\r\\n`), mixed as they come. A bare CR as a line end
@@ -12,6 +12,11 @@ is not recognised (no server we proxy sends it). An event is a *data event* if o
 lines starts with `data:`; one of only `:` lines is a comment (a keep-alive), passed on but
 not counted. An event longer than `max_event` is passed on in pieces as it arrives rather
 than held; it is classified by its first `max_event` bytes, wherever the reads split it.
+
+Named events (an `event: <name>` first line, as vLLM writes the Responses API's and
+Anthropic's) are data events too, except Anthropic's keep-alive, `ping`, which is a
+comment. A stream whose first events carry no token (Anthropic's `message_start`) names
+the event that does (`token_event`): the stream has started at the first of those.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import re
 _DONE_PAYLOADS = (b"data: [DONE]", b"data:[DONE]")
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
 _BLANK_LINE = re.compile(rb"\n\r?\n")  # a line end, then an empty line
-# The Responses API calls them output tokens.
+# The Responses API and Anthropic's call them output tokens.
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
-# The Responses API ends its stream with one of these named events, not `data: [DONE]`.
-_RESPONSES_END = re.compile(rb"event:[ ]?(response\.(completed|incomplete|failed)|error)\r?\n")
+_EVENT_LINE = re.compile(rb"event:[ ]?([^\r\n]*)\r?\n")
+_KEEP_ALIVE = b"ping"  # Anthropic's keep-alive event, a comment to the framer
 _HEAD = 128
 
 
@@ -50,24 +55,50 @@ def completion_tokens(data: bytes, start: int = 0) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def responses_finished(head: bytes) -> bool:
-    """Whether an event that starts with `head` ends a Responses API stream."""
-    return _RESPONSES_END.match(head) is not None
+def event_name(head: bytes) -> bytes | None:
+    """The name an event's first line gives it (`event: message_stop`), if it names one."""
+    match = _EVENT_LINE.match(head)
+    return match.group(1) if match else None
+
+
+def finished(head: bytes, end_events: tuple[str, ...]) -> bool:
+    """Whether an event that starts with `head` is one of `end_events`, the named events
+    that end a stream without `data: [DONE]` (a route's)."""
+    name = event_name(head)
+    return name is not None and name.decode("latin-1") in end_events
 
 
 class Framer:
     """Cuts a byte stream into whole SSE events and counts the data events among them."""
 
-    __slots__ = ("_held", "_open", "_tail", "done", "events", "last", "last_head", "max_event")
+    __slots__ = (
+        "_held",
+        "_open",
+        "_tail",
+        "before_last",
+        "done",
+        "events",
+        "last",
+        "last_head",
+        "max_event",
+        "token_event",
+        "tokens",
+    )
 
-    def __init__(self, max_event: int = 64 * 1024) -> None:
+    def __init__(self, max_event: int = 64 * 1024, token_event: str = "") -> None:
         if max_event < 16:  # [DONE] and the `data:` prefix must fit in an event's head
             raise ValueError(f"max_event must be at least 16 bytes, got {max_event}")
         self.max_event = max_event
+        # The name of the events that carry tokens (None: every data event is a token's).
+        self.token_event = token_event.encode() if token_event else None
         self.events = 0  # data events passed on, [DONE] included
+        self.tokens = 0  # `token_event`s passed on (counted only when there is one)
         self.done = False  # a `data: [DONE]` event was passed on
         self.last = b""  # the last data event other than [DONE]: where a usage chunk is
         self.last_head = b""  # its first bytes, kept even when it is too long to keep
+        # The data event before it: Anthropic's usage (`message_delta`) comes just before
+        # the event that ends its stream (`message_stop`).
+        self.before_last = b""
         self._held = b""  # the start of an unfinished event, not passed on yet
         self._open = False  # inside an oversized event whose start was passed on
         self._tail = b""  # the last bytes passed on while `_open`: a blank line may straddle
@@ -82,9 +113,17 @@ class Framer:
         """Whether the bytes passed on end inside an event (an oversized one, cut off)."""
         return self._open
 
+    @property
+    def started(self) -> bool:
+        """Whether the stream's first token has passed: its first data event, or the first
+        `token_event` when it names one."""
+        return self.tokens > 0 if self.token_event is not None else self.events > 0
+
     def completion_tokens(self) -> int | None:
-        """The usage chunk's `completion_tokens`, if the last data event carried one."""
-        return completion_tokens(self.last)
+        """The usage's `completion_tokens` (or `output_tokens`), if the last data event or
+        the one before it carried one."""
+        tokens = completion_tokens(self.last)
+        return tokens if tokens is not None else completion_tokens(self.before_last)
 
     def feed(self, data: bytes) -> bytes:
         """The bytes of the events `data` completes, ready to pass on whole."""
@@ -103,6 +142,7 @@ class Framer:
             if data in _DONE_EVENTS:
                 self.done = True
             else:
+                self.before_last = self.last
                 self.last = data if len(data) - 2 <= self.max_event else b""
                 self.last_head = data[:_HEAD]
             return data
@@ -128,10 +168,16 @@ class Framer:
         limit = self.max_event
         head = event if len(event) <= limit else event[:limit]
         if head.startswith(b"data:") or b"\ndata:" in head:
+            name = event_name(head)
+            if name == _KEEP_ALIVE:
+                return
             self.events += 1
+            if name is not None and name == self.token_event:
+                self.tokens += 1
             if whole and event.rstrip(b"\r") in _DONE_PAYLOADS:
                 self.done = True
             else:
+                self.before_last = self.last
                 self.last = event if whole and len(event) <= limit else b""
                 self.last_head = head[:_HEAD]
 
@@ -155,4 +201,5 @@ class Framer:
 
     def __repr__(self) -> str:
         state = "open" if self._open else f"held={len(self._held)}"
-        return f"<Framer events={self.events} done={self.done} {state}>"
+        tokens = "" if self.token_event is None else f" tokens={self.tokens}"
+        return f"<Framer events={self.events}{tokens} done={self.done} {state}>"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -72,7 +73,9 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
         middlewares=[  # the order matters: middleware.py says why
             request_id.middleware(),
             recorder.middleware(lambda app: app[PROXY], config.route_prefixes),
-            middleware.openai_errors,
+            middleware.shaped_errors(
+                {path: route.api for path, route in mount(config.route_prefixes)}
+            ),
             middleware.traced(
                 lambda request: request.app[PROXY].spans,
                 (route.name for _, route in mount(config.route_prefixes)),
@@ -82,7 +85,7 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
     )
     admin = app[ADMIN] = AdminListener()
     if config.gateway.admin_port is not None:
-        # Inside openai_errors, so the 404 has OpenAI's shape; before the key check, so a
+        # Inside shaped_errors, so the 404 has the route's shape; before the key check, so a
         # route of the other listener says 404 whatever the key.
         app.middlewares.insert(3, middleware.split_listeners(lambda: admin.port))
     app[CONFIG] = config
@@ -91,7 +94,8 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
     for path, route in mount(config.route_prefixes):
-        app.router.add_post(path, _openai_route(route), expect_handler=_expect)
+        expect = functools.partial(_expect, api=route.api)
+        app.router.add_post(path, _proxied_route(route), expect_handler=expect)
     if os.environ.get(PORTS_ENV):  # set by workers.py in its workers only
         app.cleanup_ctx.append(_peer_metrics)
         app.on_response_prepare.append(_worker_header)
@@ -224,15 +228,15 @@ def _token_counter(
     return TokenCounter(threshold, upstream=upstream, pick_instance=least_loaded_instance)
 
 
-def _openai_route(route: Route) -> Handler:
+def _proxied_route(route: Route) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY].handle(request, route)
 
-    handler.__name__ = f"openai_{route.name.replace('.', '_')}"
+    handler.__name__ = f"{route.api}_{route.name.replace('.', '_')}"
     return handler
 
 
-async def _expect(request: web.Request) -> web.StreamResponse | None:
+async def _expect(request: web.Request, api: errors.Api) -> web.StreamResponse | None:
     """`Expect: 100-continue` is answered only once the key and the declared size pass.
 
     aiohttp's default answers `100 Continue` to anyone, inviting the body of a request
@@ -254,7 +258,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
                 f"of {proxy.intake.max_body} bytes"
             )
     except errors.GatewayError as exc:
-        response = exc.response({request_id.HEADER: request_id.of(request)})
+        response = exc.response({request_id.HEADER: request_id.of(request)}, api)
         response.force_close()
         prefixes = request.app[CONFIG].route_prefixes
         recorder.record_refusal(request.app[PROXY], request, response, prefixes)

@@ -2,7 +2,7 @@
 
     request id (request_id.py)   every answer carries X-Request-ID, errors included
     recording (recorder.py)      one access line and the metrics of every answer
-    OpenAI errors (here)         aiohttp's 404/405/413 and our errors in OpenAI's shape
+    errors (here)                aiohttp's 404/405/413 and our errors in the route's shape
     trace (here)                 a proxied request's trace starts, so a 401 is a span too
     key (auth.py)                checked before any handler reads the request (its tag)
 
@@ -11,7 +11,7 @@ Each is made by a factory from what it needs, so none reaches into the app for i
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,24 +30,29 @@ if TYPE_CHECKING:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give aiohttp's own errors (404, 405, 413) and ours OpenAI's shape."""
-    try:
-        return await handler(request)
-    except errors.GatewayError as exc:
-        return exc.response()
-    except web.HTTPNotFound:
-        return errors.NotFound(f"no route {request.method} {request.path}: {summary()}").response()
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return errors.MethodNotAllowed(
-            f"{request.method} is not allowed on {request.path}; use {allowed}"
-        ).response()
-    except web.HTTPRequestEntityTooLarge:
-        return errors.PayloadTooLarge(
-            "the request body is larger than the gateway's limit"
-        ).response()
+def shaped_errors(apis: Mapping[str, errors.Api]) -> Middleware:
+    """The middleware that gives aiohttp's own errors (404, 405, 413) and ours the shape of
+    the path's API: `apis` names it by path (Anthropic's on the Messages routes); any other
+    path, one no route serves included, gets OpenAI's."""
+
+    @web.middleware
+    async def shaped(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except errors.GatewayError as exc:
+            error = exc
+        except web.HTTPNotFound:
+            error = errors.NotFound(f"no route {request.method} {request.path}: {summary()}")
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            error = errors.MethodNotAllowed(
+                f"{request.method} is not allowed on {request.path}; use {allowed}"
+            )
+        except web.HTTPRequestEntityTooLarge:
+            error = errors.PayloadTooLarge("the request body is larger than the gateway's limit")
+        return error.response(api=apis.get(request.path, "openai"))
+
+    return shaped
 
 
 def traced(spans: Callable[[web.Request], Spans | None], routes: Iterable[str]) -> Middleware:

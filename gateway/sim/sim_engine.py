@@ -118,6 +118,7 @@ class SimStats:
     kv_fallbacks: int = 0  # decode legs whose params were unusable: prefilled locally
     last_headers: dict[str, str] = field(default_factory=dict)  # lower-cased names
     last_upload: str = ""  # sha256 of the last multipart body, as it arrived
+    last_body: bytes = b""  # the last JSON body, as it arrived
     paths: collections.Counter[str] = field(default_factory=collections.Counter)  # POSTs
     seen_request_ids: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=1000)
@@ -194,6 +195,10 @@ class Faults:
     hang_before_headers: bool = False
     die_after_chunks: int | None = None
     models_status: int = 200  # not 200: /v1/models answers that, as behind a proxy hiding it
+
+
+class Dropped(Exception):
+    """The simulated server died mid-request (Faults.die_after_chunks)."""
 
 
 class ApiError(Exception):

@@ -18,12 +18,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from .sim_anthropic import AnthropicRoutes
 from .sim_batching import Engine, EngineBusy, EngineRequest
 from .sim_engine import (
     BUSY_MESSAGE,
     MAX_MODEL_LEN,
     VOCAB,
     ApiError,
+    Dropped,
     Faults,
     Generation,
     SimConfig,
@@ -70,10 +72,6 @@ def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(body=dumps(body).encode(), status=status, content_type="application/json")
 
 
-class _Dropped(Exception):
-    """The simulated server died mid-request (die_after_chunks)."""
-
-
 class SimInstance:
     """One simulated vLLM server; start() binds it to a loopback port."""
 
@@ -105,6 +103,7 @@ class SimInstance:
         self.app.router.add_post("/tokenize", self._tokenize)
         self.app.router.add_get("/metrics", self._metrics)
         ExtraRoutes(self).install(self.app.router)
+        AnthropicRoutes(self).install(self.app.router)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on host:port (loopback only; port 0 picks a free one) and return the URL."""
@@ -192,8 +191,9 @@ class SimInstance:
     async def _read_body(self, request: web.Request) -> dict[str, Any]:
         if request.content_type != "application/json":
             raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        raw = self.stats.last_body = await request.read()
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"JSON decode error: {exc}") from exc
         if not isinstance(body, dict):
@@ -307,7 +307,7 @@ class SimInstance:
             assert resp is not None
             for event in events:
                 if die_after is not None and sent >= die_after:
-                    raise _Dropped
+                    raise Dropped
                 await resp.write(event)
                 sent += 1
 
@@ -315,7 +315,7 @@ class SimInstance:
             if stream:
                 resp = await self._start_stream(request)
             elif die_after is not None:
-                raise _Dropped
+                raise Dropped
             while len(gen.tokens) < max_tokens:
                 if req is not None and await req.next_token() is None:
                     break
@@ -341,7 +341,7 @@ class SimInstance:
             await send(gen.tail_events(include_usage))
             done = True
             return resp
-        except _Dropped:
+        except Dropped:
             dropped = True
             self._drop(request)
             return resp or web.Response(status=500)

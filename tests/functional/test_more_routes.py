@@ -1,5 +1,6 @@
-"""vLLM's other routes through the gateway: responses, tokenize, rerank, score, pooling,
-classify and audio uploads, routed by model, behind the key, under every prefix."""
+"""vLLM's other routes through the gateway: responses, Anthropic's messages, tokenize,
+rerank, score, pooling, classify and audio uploads, routed by model, behind the key, under
+every prefix."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # A request each JSON route's instance answers 200, and a key its answer must have.
 BODIES: dict[str, tuple[dict[str, Any], str]] = {
     "/v1/responses": ({"input": "hello", "max_output_tokens": 3}, "output"),
+    "/v1/messages": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, "content"),
+    "/v1/messages/count_tokens": (
+        {"messages": [{"role": "user", "content": "hi"}]},
+        "input_tokens",
+    ),
     "/tokenize": ({"prompt": "hello there"}, "tokens"),
     "/detokenize": ({"tokens": [1, 2, 3]}, "prompt"),
     "/rerank": ({"query": "q", "documents": ["a", "b"]}, "results"),
@@ -46,6 +52,14 @@ async def gw() -> AsyncIterator[Gateway]:
 
 def served(gw: Gateway, upstream_path: str) -> list[int]:
     return [s.stats.paths[upstream_path] for s in gw.sims]
+
+
+def is_error(upstream_path: str, answer: dict[str, Any], code: str, anthropic_type: str) -> bool:
+    """Whether the gateway's error is `code` in OpenAI's shape or, on Anthropic's routes,
+    of `anthropic_type` in Anthropic's."""
+    if next(r.api for r in ROUTES if r.upstream_path == upstream_path) == "anthropic":
+        return bool(answer["type"] == "error" and answer["error"]["type"] == anthropic_type)
+    return bool(answer["error"]["code"] == code)
 
 
 def sim_named(gw: Gateway, model: str) -> SimInstance:
@@ -105,6 +119,8 @@ async def test_each_route_reaches_an_instance_serving_its_model(
         ("/tokenize", "/tokenize"),
         ("/api/v1/responses", "/v1/responses"),
         ("/responses", "/v1/responses"),
+        ("/api/v1/messages", "/v1/messages"),
+        ("/messages/count_tokens", "/v1/messages/count_tokens"),
     ],
 )
 async def test_routes_answer_under_every_prefix(gw: Gateway, path: str, upstream_path: str) -> None:
@@ -119,11 +135,12 @@ async def test_routes_answer_under_every_prefix(gw: Gateway, path: str, upstream
 async def test_unknown_model_gets_404_without_an_upstream_call(
     gw: Gateway, upstream_path: str
 ) -> None:
-    """A model no instance serves is 404 model_not_found from the gateway on every route."""
+    """A model no instance serves is the gateway's 404 on every route: model_not_found, or
+    not_found_error on Anthropic's."""
     body, _ = BODIES[upstream_path]
     status, answer, _ = await post(gw, upstream_path, {**body, "model": "nope"})
     assert status == 404
-    assert answer["error"]["code"] == "model_not_found"
+    assert is_error(upstream_path, answer, "model_not_found", "not_found_error")
     assert sum(served(gw, upstream_path)) == 0
 
 
@@ -133,7 +150,7 @@ async def test_routes_need_the_key(gw: Gateway, upstream_path: str) -> None:
     body, _ = BODIES[upstream_path]
     status, answer, _ = await post(gw, upstream_path, {**body, "model": "sim-model"}, headers={})
     assert status == 401
-    assert answer["error"]["code"] == "invalid_api_key"
+    assert is_error(upstream_path, answer, "invalid_api_key", "authentication_error")
     assert sum(served(gw, upstream_path)) == 0
 
 
