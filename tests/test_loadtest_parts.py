@@ -109,6 +109,7 @@ def _help_entries(text: str) -> list[str]:
         ("loadtest.replicas", []),
         ("loadtest.affinity_cost", []),
         ("loadtest.lanes.ideal", []),
+        ("loadtest.disagg.calibration", []),
     ],
 )
 def test_every_load_tool_flag_has_help_and_shows_its_default(
