@@ -203,3 +203,16 @@ def test_the_model_queues_beyond_max_num_seqs() -> None:
     first, second = token_times(config, [Arrival(0.0, 10, 2), Arrival(0.0, 10, 2)])
     assert first == pytest.approx([0.01, 0.02])
     assert second == pytest.approx([0.03, 0.04])
+
+
+def test_the_split_is_the_one_whose_slower_side_serves_most() -> None:
+    from loadtest.disagg.sizing import best_split
+
+    # DistServe's Figure 1: 5.6 rps prefill-only, 10 decode-only, 1.6 colocated per GPU.
+    three = best_split(3, 5.6, 10.0, 1.6)
+    assert (three.prefill, three.decode) == (2, 1)
+    assert three.rate == 10.0  # the decode instance bounds it, as in the paper
+    assert (best_split(2, 5.6, 10.0, 1.6).prefill, best_split(2, 5.6, 10.0, 1.6).decode) == (1, 1)
+    # Colocated wins where it serves more than any split's slower side.
+    assert best_split(3, 5.6, 10.0, 4.0).colocated
+    assert best_split(1, 5.6, 10.0, 1.6).colocated
