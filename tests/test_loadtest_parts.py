@@ -110,6 +110,7 @@ def _help_entries(text: str) -> list[str]:
         ("loadtest.affinity_cost", []),
         ("loadtest.lanes.ideal", []),
         ("loadtest.disagg.calibration", []),
+        ("loadtest.disagg.bench", []),
     ],
 )
 def test_every_load_tool_flag_has_help_and_shows_its_default(

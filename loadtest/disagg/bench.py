@@ -1,0 +1,205 @@
+"""Disaggregated against colocated, on three simulated GPUs calibrated to DistServe's Figure 1.
+
+    python -m loadtest.disagg.bench                  # about 9 minutes
+    python -m loadtest.disagg.bench --arrangements pd-2p1d-vllm-router
+
+Every arrangement runs three `DISTSERVE_OPT13B` instances (one fleet process, the KV
+connector on) and finds the highest total rate at which at least 90% of requests meet
+Figure 1's objectives (TTFT 0.4 s, TPOT 0.04 s, timed at the client, through the front),
+by bisection; per instance is that total over three, as DistServe counts per GPU.
+
+- `pd-2p1d-vllm-router`: two prefill instances and one decode instance behind vllm-router's
+  PD mode, one Poisson stream to the router (DistServe's 2:1 split: 10 rps in all, 3.3 per
+  GPU, if the decode instance is the limit and the hops cost nothing);
+- `colocated-3-direct`: three `both` instances, each with its own Poisson stream, no front
+  (DistServe's colocated 1.6 rps per GPU, by construction);
+- `colocated-3-vllm-router`: the same instances behind vllm-router, round robin, one stream.
+
+An arrangement names its instances' roles and a front from `fronts.FRONTS`, so a gateway
+front is one more arrangement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest import baselines
+from loadtest.disagg import calibration, loadgen
+from loadtest.disagg.fronts import FRONTS, Instance, Role, direct
+from loadtest.disagg.schedule import arrivals
+from loadtest.disagg.search import Bisection, search_async
+from loadtest.disagg.slo import FIGURE_1, attainment
+from loadtest.helpfmt import HelpFormatter
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    name: str
+    roles: tuple[Role, ...]
+    front: str  # a key of FRONTS
+    separate_streams: bool  # each instance its own stream, straight to it (no front)
+    bracket: tuple[float, float]  # the first guess of the total capacity, rps
+
+
+ARRANGEMENTS = (
+    Arrangement(
+        "pd-2p1d-vllm-router",
+        ("prefill", "prefill", "decode"),
+        front="vllm-router-pd",
+        separate_streams=False,
+        bracket=(8.0, 12.0),
+    ),
+    Arrangement(
+        "colocated-3-direct",
+        ("both",) * 3,
+        front="direct",
+        separate_streams=True,
+        bracket=(4.2, 5.4),
+    ),
+    Arrangement(
+        "colocated-3-vllm-router",
+        ("both",) * 3,
+        front="vllm-router",
+        separate_streams=False,
+        bracket=(4.5, 6.5),
+    ),
+)
+
+
+async def _kv_counters(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    wanted = ("sim:kv_produced_total", "sim:kv_transfers_total", "sim:kv_fallbacks_total")
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {name.removeprefix("sim:"): samples.get(name, 0.0) for name in wanted}
+
+
+async def measure(
+    arrangement: Arrangement, *, duration: float, seed: int, steps: int
+) -> dict[str, Any]:
+    """One arrangement's capacity on a fresh fleet and front."""
+    config = calibration.DISTSERVE_OPT13B
+    points: dict[float, dict[str, Any]] = {}
+    speeds = [1.0] * len(arrangement.roles)
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await stack.enter_async_context(calibration.sim_fleet(config, speeds, seed))
+        http = await stack.enter_async_context(loadgen.session())
+        instances = [Instance(u, r) for u, r in zip(fleet.urls, arrangement.roles, strict=True)]
+        if arrangement.separate_streams:
+            targets = [await stack.enter_async_context(direct([i])) for i in instances]
+        else:
+            front = FRONTS[arrangement.front]
+            targets = [await stack.enter_async_context(front(instances))]
+
+        async def served(rate: float) -> bool:
+            share = rate / len(targets)
+            streams = [
+                (
+                    arrivals(share, duration, calibration.stream_seed(seed, i)),
+                    loadgen.one_leg(http, url, loadgen.OUTPUT_TOKENS, f"{arrangement.name}-{i}"),
+                )
+                for i, url in enumerate(targets)
+            ]
+            results = await loadgen.run_streams(streams, limit=duration + 60)
+            pooled = [o for outcomes in results for o in outcomes]
+            share_met = attainment(pooled, FIGURE_1)
+            errors = sum(o.error is not None for o in pooled)
+            points[rate] = {"requests": len(pooled), "attainment": share_met, "errors": errors}
+            print(
+                f"  {arrangement.name}: {rate:6.3f} rps ({rate / 3:.3f}/instance), "
+                f"{len(pooled)} requests, {share_met:.1%} within, {errors} errors",
+                file=sys.stderr,
+                flush=True,
+            )
+            return share_met >= FIGURE_1.attainment
+
+        found = await search_async(served, Bisection(*arrangement.bracket, steps))
+        counters = {i.url: await _kv_counters(http, i.url) for i in instances}
+    return {
+        "roles": list(arrangement.roles),
+        "front": arrangement.front if not arrangement.separate_streams else "direct, per instance",
+        "capacity_rps": round(found.capacity, 3),
+        "per_instance_rps": round(found.capacity / len(arrangement.roles), 3),
+        "points": [
+            {"rate": round(rate, 4), "served": ok, **points[rate]} for rate, ok in found.tried
+        ],
+        "kv_counters": counters,
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "preset": calibration.preset_dict(calibration.DISTSERVE_OPT13B),
+        "objectives": {"ttft_s": FIGURE_1.ttft, "tpot_s": FIGURE_1.tpot, "attainment": 0.9},
+        "protocol": {"duration_s": args.duration, "seed": args.seed, "steps": args.steps},
+        "arrangements": {},
+    }
+    started = time.monotonic()
+    for arrangement in ARRANGEMENTS:
+        if arrangement.name not in args.arrangements:
+            continue
+        try:
+            result = await measure(
+                arrangement, duration=args.duration, seed=args.seed, steps=args.steps
+            )
+        except baselines.Unavailable as exc:
+            print(f"{arrangement.name}: skipped, {exc}", flush=True)
+            continue
+        report["arrangements"][arrangement.name] = result
+        print(f"{arrangement.name}: {json.dumps(result)}", flush=True)
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.disagg.bench",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    parser.add_argument(
+        "--seed", type=int, default=calibration.REPRESENTATIVE_SEED, help="schedule seed"
+    )
+    parser.add_argument("--steps", type=int, default=3, help="bisection halvings per arrangement")
+    parser.add_argument(
+        "--arrangements",
+        type=lambda text: [a for a in text.split(",") if a],
+        default=",".join(a.name for a in ARRANGEMENTS),
+        help="which arrangements to measure",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("loadtest/results/disagg/bench.json"),
+        help="where the results go (JSON)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if unknown := set(args.arrangements) - {a.name for a in ARRANGEMENTS}:
+        print(f"error: unknown arrangements {sorted(unknown)}", file=sys.stderr)
+        return 2
+    report = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
