@@ -13,10 +13,17 @@ by bisection; per instance is that total over three, as DistServe counts per GPU
   GPU, if the decode instance is the limit and the hops cost nothing);
 - `colocated-3-direct`: three `both` instances, each with its own Poisson stream, no front
   (DistServe's colocated 1.6 rps per GPU, by construction);
-- `colocated-3-vllm-router`: the same instances behind vllm-router, round robin, one stream.
+- `colocated-3-vllm-router`: the same instances behind vllm-router, round robin, one stream;
+- `pd-2p1d-gateway`, `colocated-3-gateway`: the same two arrangements behind the gateway
+  (`least_busy`; the roles in its settings, so it disaggregates selectively).
 
-An arrangement names its instances' roles and a front from `fronts.FRONTS`, so a gateway
-front is one more arrangement.
+The `mixed-*` arrangements send half short prompts (128 tokens) and half long ones (4,608,
+over the gateway's 4,096-token long-input threshold), alternately, 64 output tokens each:
+short ones judged by Figure 1's objectives, long ones by a 2 s TTFT (their prefill alone
+takes about 1 s here) and the same TPOT. Pure colocation (`mixed-colocated-3-*`), pure
+disaggregation (`mixed-pd-2p1d-vllm-router`: every prompt in two hops) and the gateway's
+selective disaggregation (`mixed-pd-2p1d-gateway`: a prompt whose prefill would stall the
+decode instance past the TPOT objective goes in two hops, the rest whole).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from loadtest.disagg import calibration, loadgen
 from loadtest.disagg.fronts import FRONTS, Instance, Role, direct
 from loadtest.disagg.schedule import arrivals
 from loadtest.disagg.search import Bisection, search_async
-from loadtest.disagg.slo import FIGURE_1, attainment
+from loadtest.disagg.slo import FIGURE_1, Outcome, Slo, meets
 from loadtest.helpfmt import HelpFormatter
 
 
@@ -51,6 +58,25 @@ class Arrangement:
     front: str  # a key of FRONTS
     separate_streams: bool  # each instance its own stream, straight to it (no front)
     bracket: tuple[float, float]  # the first guess of the total capacity, rps
+    mixed: bool = False  # the mixed workload (short and long prompts), else Figure 1's
+
+
+# The mixed workload: request i's prompt, alternately short and long, and its objectives.
+MIXED_TOKENS = (128, 4608)
+MIXED_SLOS = (FIGURE_1, Slo(ttft=2.0, tpot=FIGURE_1.tpot))
+
+
+def prompt_tokens(arrangement: Arrangement, index: int) -> int:
+    return MIXED_TOKENS[index % 2] if arrangement.mixed else loadgen.PROMPT_TOKENS
+
+
+def met(arrangement: Arrangement, outcomes: Sequence[Outcome]) -> float:
+    """The share of one stream's requests (in index order) within their objectives."""
+    if not outcomes:
+        return 0.0
+    if not arrangement.mixed:
+        return sum(meets(o, FIGURE_1) for o in outcomes) / len(outcomes)
+    return sum(meets(o, MIXED_SLOS[i % 2]) for i, o in enumerate(outcomes)) / len(outcomes)
 
 
 ARRANGEMENTS = (
@@ -75,6 +101,52 @@ ARRANGEMENTS = (
         separate_streams=False,
         bracket=(4.5, 6.5),
     ),
+    Arrangement(
+        "pd-2p1d-gateway",
+        ("prefill", "prefill", "decode"),
+        front="gateway",
+        separate_streams=False,
+        bracket=(8.0, 12.0),
+    ),
+    Arrangement(
+        "colocated-3-gateway",
+        ("both",) * 3,
+        front="gateway",
+        separate_streams=False,
+        bracket=(4.5, 6.5),
+    ),
+    Arrangement(
+        "mixed-colocated-3-gateway",
+        ("both",) * 3,
+        front="gateway",
+        separate_streams=False,
+        bracket=(1.0, 2.0),
+        mixed=True,
+    ),
+    Arrangement(
+        "mixed-colocated-3-vllm-router",
+        ("both",) * 3,
+        front="vllm-router",
+        separate_streams=False,
+        bracket=(1.0, 2.0),
+        mixed=True,
+    ),
+    Arrangement(
+        "mixed-pd-2p1d-vllm-router",
+        ("prefill", "prefill", "decode"),
+        front="vllm-router-pd",
+        separate_streams=False,
+        bracket=(1.0, 2.0),
+        mixed=True,
+    ),
+    Arrangement(
+        "mixed-pd-2p1d-gateway",
+        ("prefill", "prefill", "decode"),
+        front="gateway",
+        separate_streams=False,
+        bracket=(1.0, 2.0),
+        mixed=True,
+    ),
 )
 
 
@@ -87,9 +159,10 @@ async def _kv_counters(http: aiohttp.ClientSession, url: str) -> dict[str, float
 
 
 async def measure(
-    arrangement: Arrangement, *, duration: float, seed: int, steps: int
+    arrangement: Arrangement, *, duration: float, seed: int, steps: int, at: float | None = None
 ) -> dict[str, Any]:
-    """One arrangement's capacity on a fresh fleet and front."""
+    """One arrangement's capacity on a fresh fleet and front (or, with `at`, its verdict
+    and latencies at that one total rate: arrangements compared at the same load)."""
     config = calibration.DISTSERVE_OPT13B
     points: dict[float, dict[str, Any]] = {}
     speeds = [1.0] * len(arrangement.roles)
@@ -108,15 +181,28 @@ async def measure(
             streams = [
                 (
                     arrivals(share, duration, calibration.stream_seed(seed, i)),
-                    loadgen.one_leg(http, url, loadgen.OUTPUT_TOKENS, f"{arrangement.name}-{i}"),
+                    loadgen.one_leg(
+                        http,
+                        url,
+                        loadgen.OUTPUT_TOKENS,
+                        f"{arrangement.name}-{i}",
+                        lambda index: prompt_tokens(arrangement, index),
+                    ),
                 )
                 for i, url in enumerate(targets)
             ]
             results = await loadgen.run_streams(streams, limit=duration + 60)
             pooled = [o for outcomes in results for o in outcomes]
-            share_met = attainment(pooled, FIGURE_1)
+            share_met = sum(met(arrangement, o) * len(o) for o in results) / max(1, len(pooled))
+            ttfts = sorted(o.ttft for o in pooled if o.ttft is not None)
+            p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None
             errors = sum(o.error is not None for o in pooled)
-            points[rate] = {"requests": len(pooled), "attainment": share_met, "errors": errors}
+            points[rate] = {
+                "requests": len(pooled),
+                "attainment": share_met,
+                "errors": errors,
+                "p99_ttft_s": None if p99 is None else round(p99, 4),
+            }
             print(
                 f"  {arrangement.name}: {rate:6.3f} rps ({rate / 3:.3f}/instance), "
                 f"{len(pooled)} requests, {share_met:.1%} within, {errors} errors",
@@ -125,7 +211,11 @@ async def measure(
             )
             return share_met >= FIGURE_1.attainment
 
-        found = await search_async(served, Bisection(*arrangement.bracket, steps))
+        if at is not None:
+            found = Bisection(at / 2, at, 0)
+            found.tried.append((at, await served(at)))
+        else:
+            found = await search_async(served, Bisection(*arrangement.bracket, steps))
         counters = {i.url: await _kv_counters(http, i.url) for i in instances}
     return {
         "roles": list(arrangement.roles),
@@ -143,7 +233,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "preset": calibration.preset_dict(calibration.DISTSERVE_OPT13B),
         "objectives": {"ttft_s": FIGURE_1.ttft, "tpot_s": FIGURE_1.tpot, "attainment": 0.9},
-        "protocol": {"duration_s": args.duration, "seed": args.seed, "steps": args.steps},
+        "protocol": {
+            "duration_s": args.duration,
+            "seed": args.seed,
+            "steps": args.steps,
+            "at_rps": args.at,
+        },
         "arrangements": {},
     }
     started = time.monotonic()
@@ -152,7 +247,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         try:
             result = await measure(
-                arrangement, duration=args.duration, seed=args.seed, steps=args.steps
+                arrangement, duration=args.duration, seed=args.seed, steps=args.steps, at=args.at
             )
         except baselines.Unavailable as exc:
             print(f"{arrangement.name}: skipped, {exc}", flush=True)
@@ -174,6 +269,9 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=calibration.REPRESENTATIVE_SEED, help="schedule seed"
     )
     parser.add_argument("--steps", type=int, default=3, help="bisection halvings per arrangement")
+    parser.add_argument(
+        "--at", type=float, default=None, help="judge only this total rate (rps), no search"
+    )
     parser.add_argument(
         "--arrangements",
         type=lambda text: [a for a in text.split(",") if a],

@@ -10,7 +10,10 @@ The roles are the gateway's (`vllm.instances[].role` in settings.json): `prefill
   request's prefill leg to a prefill instance (max_tokens 1, kv_transfer_params
   do_remote_decode), then its decode leg, with the params the prefill answered, to a decode
   instance, both picked round robin; it waits for every instance's /health at start;
-- `vllm-router`: the same router in its plain mode, round robin over `both` instances.
+- `vllm-router`: the same router in its plain mode, round robin over `both` instances;
+- `gateway`: ours, `least_busy`, with each instance's role in its settings (a prefill and
+  decode fleet disaggregates selectively; `both` instances colocate), judged by the same
+  objectives as the benchmark (`[slo]`), every default feature on.
 
 A front that is not installed raises `baselines.Unavailable` before anything starts. The
 gateway's front is one more entry in `FRONTS`.
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from loadtest import baselines
+from loadtest import baselines, harness
 from loadtest.harness import _stop, free_port
 
 Role = Literal["prefill", "decode", "both"]
@@ -104,7 +107,27 @@ def vllm_router(instances: Sequence[Instance]) -> contextlib.AbstractAsyncContex
     return _router(["--policy", "round_robin", "--worker-urls", *(i.url for i in instances)])
 
 
+# The gateway's objectives: Figure 1's, and for the mixed workload's long prompts (the long
+# lane, over 4,096 tokens) a first token within 2 s: their prefill alone takes about 1 s.
+GATEWAY_SLO = {"ttft": 0.4, "tpot": 0.04, "long_ttft": 2.0, "long_tpot": 0.04}
+
+
+@contextlib.asynccontextmanager
+async def gateway(instances: Sequence[Instance]) -> AsyncIterator[str]:
+    """The gateway before `instances`, each with its role; ready when all are up."""
+    async with harness.gateway_process(
+        [i.url for i in instances],
+        strategy="least_busy",
+        max_num_seqs=64,
+        roles=[i.role for i in instances],
+        slo=GATEWAY_SLO,
+        gateway={"max_connections": 512},
+    ) as gw:
+        yield gw.url
+
+
 FRONTS: dict[str, Front] = {
+    "gateway": gateway,
     "direct": direct,
     "vllm-router-pd": vllm_router_pd,
     "vllm-router": vllm_router,

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.disagg.slo import Outcome
+from loadtest.harness import KEY
 
 PROMPT_TOKENS = 512  # DistServe's Figure 1: input 512, output 64
 OUTPUT_TOKENS = 64
@@ -90,11 +91,17 @@ async def stream(
     return Outcome.from_times(sent, token_times)
 
 
-def one_leg(http: aiohttp.ClientSession, base_url: str, max_tokens: int, label: str) -> Send:
-    """Each request straight to base_url."""
+def one_leg(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    max_tokens: int,
+    label: str,
+    prompt_tokens: Callable[[int], int] = lambda index: PROMPT_TOKENS,
+) -> Send:
+    """Each request straight to base_url; `prompt_tokens` gives request i's prompt size."""
 
     async def send(index: int) -> Outcome:
-        body = completion(index, max_tokens)
+        body = completion(index, max_tokens, prompt_tokens=prompt_tokens(index))
         return await stream(http, base_url, body, f"{label}-{index}")
 
     return send
@@ -164,4 +171,9 @@ def session() -> aiohttp.ClientSession:
     """A client session whose pool never limits the load, with no total timeout (the run's
     own limit bounds it)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    # The gateway's key; the simulators and vllm-router take no key and ignore it.
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
