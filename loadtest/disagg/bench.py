@@ -196,11 +196,13 @@ async def measure(
             share_met = sum(met(arrangement, o) * len(o) for o in results) / max(1, len(pooled))
             ttfts = sorted(o.ttft for o in pooled if o.ttft is not None)
             p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None
+            p50 = ttfts[len(ttfts) // 2] if ttfts else None
             errors = sum(o.error is not None for o in pooled)
             points[rate] = {
                 "requests": len(pooled),
                 "attainment": share_met,
                 "errors": errors,
+                "p50_ttft_s": None if p50 is None else round(p50, 4),
                 "p99_ttft_s": None if p99 is None else round(p99, 4),
             }
             print(

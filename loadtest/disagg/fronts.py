@@ -122,6 +122,7 @@ async def gateway(instances: Sequence[Instance]) -> AsyncIterator[str]:
         roles=[i.role for i in instances],
         slo=GATEWAY_SLO,
         gateway={"max_connections": 512},
+        dispatch={"health_check_interval": 5.0},
     ) as gw:
         yield gw.url
 

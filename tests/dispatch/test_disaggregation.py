@@ -131,6 +131,7 @@ def test_the_prefill_hop_goes_where_it_is_predicted_to_finish_first() -> None:
     p1, p2 = sched.state("p1"), sched.state("p2")
     p1.speed.observe_prefill(10_000, 1.0)
     p2.speed.observe_prefill(2_000, 1.0)
+    p2.speed.slow = True  # the fleet's slow-card verdict (speed.py): its own rate counts
     # p1 is five times as fast: with 1,000 tokens queued there it still finishes first
     # (0.15 s against 0.256 s); with 4,000 (0.45 s) the idle slow one does.
     p1.pending_prefill_tokens = 1000
@@ -138,6 +139,15 @@ def test_the_prefill_hop_goes_where_it_is_predicted_to_finish_first() -> None:
     p1.pending_prefill_tokens = 4000
     assert fastest_prefill([p1, p2], ticket(1), rng) is p2
     assert predicted_prefill(p2, ticket(1), None) == 512 / 2000
+
+
+def test_alike_cards_are_ranked_by_work_not_by_their_noisy_rates() -> None:
+    sched, rng = pd_fleet()
+    p1, p2 = sched.state("p1"), sched.state("p2")
+    p1.speed.observe_prefill(4_800, 1.0)  # learned under load: 10% apart, no slow card
+    p2.speed.observe_prefill(4_300, 1.0)
+    p1.pending_prefill_tokens = 512
+    assert fastest_prefill([p1, p2], ticket(1), rng) is p2
 
 
 def test_a_cached_prompt_prefills_where_it_is_cached() -> None:
