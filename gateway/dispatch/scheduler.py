@@ -74,8 +74,12 @@ class Scheduler(Fleet):
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
         # A decode hop's time from sending to its first token, per prompt token: the KV
-        # blocks' transfer (and the decode instance's wait), what a second hop costs.
-        self._transfer = Ewma(higher_is_better=False)
+        # blocks' transfer, what a second hop costs. Leaning to the fast samples (a faster
+        # one weighs 0.5, a slower 0.1): the decode instance's queue slows a whole request
+        # as much, so only the quick hops show the transfer itself. Leaning slow, a busy
+        # decode instance made the second hop look dear, long prompts were served whole
+        # there, and their prefills made it busier (the mixed DistServe bench collapsed).
+        self._transfer = Ewma(higher_is_better=True)
 
     def reconfigure(
         self,

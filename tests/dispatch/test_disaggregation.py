@@ -179,3 +179,15 @@ def test_prefill_hops_are_not_departures_for_admission() -> None:
         rate = sched.predicted_wait(Lane.SHORT, 30.0)
         # After the prefill hops alone no rate is known; the whole ones teach one.
         assert (rate is None) == (hop is Hop.PREFILL)
+
+
+def test_a_busy_decode_instance_does_not_make_the_transfer_look_dear() -> None:
+    """Decode hops slowed by the decode instance's queue would slow a whole request as
+    much: the transfer estimate follows the quick ones, and long prompts keep splitting."""
+    sched, rng = pd_fleet()
+    sched.state("d").speed.observe_prefill(4370, 1.0)
+    for i, ttft in enumerate((0.05, 2.0, 3.0, 2.5, 3.5)):  # one quick hop, then a queue
+        assert assigned_to(sched.submit(ticket(i, tokens=4608, hop=Hop.DECODE), 0.0, rng)) == "d"
+        sched.prefill_done(i, 0.0, rng, ttft=ttft)
+        sched.release(i, Outcome.SUCCESS, 0.0, rng)
+    assert sched.splits(ticket(99, tokens=4608), 0.0)
