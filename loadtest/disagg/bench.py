@@ -66,8 +66,12 @@ MIXED_TOKENS = (128, 4608)
 MIXED_SLOS = (FIGURE_1, Slo(ttft=2.0, tpot=FIGURE_1.tpot))
 
 
-def prompt_tokens(arrangement: Arrangement, index: int) -> int:
-    return MIXED_TOKENS[index % 2] if arrangement.mixed else loadgen.PROMPT_TOKENS
+def prompt_tokens(arrangement: Arrangement, index: int, short: int = MIXED_TOKENS[0]) -> int:
+    """Request `index`'s prompt size: Figure 1's, or the mix's short (`short` tokens) and
+    long ones alternately."""
+    if not arrangement.mixed:
+        return loadgen.PROMPT_TOKENS
+    return short if index % 2 == 0 else MIXED_TOKENS[1]
 
 
 def met(arrangement: Arrangement, outcomes: Sequence[Outcome]) -> float:
@@ -159,7 +163,13 @@ async def _kv_counters(http: aiohttp.ClientSession, url: str) -> dict[str, float
 
 
 async def measure(
-    arrangement: Arrangement, *, duration: float, seed: int, steps: int, at: float | None = None
+    arrangement: Arrangement,
+    *,
+    duration: float,
+    seed: int,
+    steps: int,
+    at: float | None = None,
+    short: int = MIXED_TOKENS[0],
 ) -> dict[str, Any]:
     """One arrangement's capacity on a fresh fleet and front (or, with `at`, its verdict
     and latencies at that one total rate: arrangements compared at the same load)."""
@@ -186,7 +196,7 @@ async def measure(
                         url,
                         loadgen.OUTPUT_TOKENS,
                         f"{arrangement.name}-{i}",
-                        lambda index: prompt_tokens(arrangement, index),
+                        lambda index: prompt_tokens(arrangement, index, short),
                     ),
                 )
                 for i, url in enumerate(targets)
@@ -240,6 +250,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "steps": args.steps,
             "at_rps": args.at,
+            "mixed_tokens": [args.short_tokens, MIXED_TOKENS[1]],
         },
         "arrangements": {},
     }
@@ -249,7 +260,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         try:
             result = await measure(
-                arrangement, duration=args.duration, seed=args.seed, steps=args.steps, at=args.at
+                arrangement,
+                duration=args.duration,
+                seed=args.seed,
+                steps=args.steps,
+                at=args.at,
+                short=args.short_tokens,
             )
         except baselines.Unavailable as exc:
             print(f"{arrangement.name}: skipped, {exc}", flush=True)
@@ -273,6 +289,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="bisection halvings per arrangement")
     parser.add_argument(
         "--at", type=float, default=None, help="judge only this total rate (rps), no search"
+    )
+    parser.add_argument(
+        "--short-tokens", type=int, default=MIXED_TOKENS[0], help="the mix's short prompts"
     )
     parser.add_argument(
         "--arrangements",
