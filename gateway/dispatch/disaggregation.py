@@ -9,8 +9,8 @@ blocks, the decode instance reads them instead of prefilling (the proxy's
 
 Selective, as llm-d does it: the second hop is paid only by prompts whose prefill would
 stall a decode instance. A prompt goes in two hops when the fleet has a prefill instance
-up for it and its prefill on a decode instance, at the decode instances' learned prefill
-rate, would take longer than the TPOT objective (it would hold every running answer
+up for it and its prefill on a decode instance, at the fastest prefill rate learned on
+those cards, would take longer than the TPOT objective (it would hold every running answer
 there past its time per token) and longer than moving its KV blocks (the decode hops'
 learned transfer time per token). Until a rate is learned, the long-input threshold
 stands in: a prompt over it goes in two hops.
@@ -54,10 +54,12 @@ def split(
         return False
     # Where its prompt is cached on a decode instance, only the rest would be prefilled.
     uncached = ticket.tokens - max(s.cached_tokens(ticket) for s in takers)
-    # The decode instances' own rate, else the prefill instances' (alike cards, as a rule).
-    rate = median(s.speed.prefill_rate for s in takers) or median(
-        s.speed.prefill_rate for s in dedicated
-    )
+    # The fastest rate learned on these cards (alike, as a rule): a rate learned from a
+    # first token holds its fixed costs too (a decode step, the hop), which only ever
+    # lower it, most for the short prompts a decode instance serves whole. A decode
+    # instance that learned only from those would have every short prompt split.
+    rates = [s.speed.prefill_rate for s in (*takers, *dedicated) if s.speed.prefill_rate]
+    rate = max(rates, default=None)
     if rate is None:
         return uncached > long_input_threshold
     local = uncached / rate

@@ -191,3 +191,14 @@ def test_a_busy_decode_instance_does_not_make_the_transfer_look_dear() -> None:
         sched.prefill_done(i, 0.0, rng, ttft=ttft)
         sched.release(i, Outcome.SUCCESS, 0.0, rng)
     assert sched.splits(ticket(99, tokens=4608), 0.0)
+
+
+def test_short_prompts_stay_whole_though_the_decode_instance_learned_a_low_rate() -> None:
+    """A decode instance learns its rate from the short prompts it serves whole, whose
+    first tokens are mostly fixed costs: the prefill instances' long prompts show the
+    card's real rate, and the rule uses the fastest it knows."""
+    sched, _ = pd_fleet()
+    sched.state("d").speed.observe_prefill(64, 0.06)  # about 1,070 tokens/s
+    sched.state("p1").speed.observe_prefill(4608, 1.05)  # about 4,390 tokens/s
+    assert not sched.splits(ticket(1, tokens=128), 0.0)  # 29 ms at 4,390: under 40
+    assert sched.splits(ticket(2, tokens=512), 0.0)  # 117 ms
