@@ -148,7 +148,7 @@ ARRANGEMENTS = (
         ("prefill", "prefill", "decode"),
         front="gateway",
         separate_streams=False,
-        bracket=(1.0, 2.0),
+        bracket=(1.25, 2.5),
         mixed=True,
     ),
 )
