@@ -115,7 +115,7 @@ def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
 def read_again(old: Config) -> Config:
     """Both files read and validated again (ConfigError if either is bad)."""
     # Started without a key means started with --open: a reload keeps that.
-    return load(old.config_path, old.settings_path, allow_no_key=not old.api_keys)
+    return load(old.config_path, old.settings_path, allow_no_key=not old.keyed)
 
 
 def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
