@@ -6,6 +6,7 @@
     │   ├── UnsupportedContentType    400 unsupported_content_type
     │   └── InvalidHeader             400 invalid_header
     ├── Unauthorized                  401 invalid_api_key
+    ├── ModelNotAllowed               403 model_not_found       (a key without the model)
     ├── NotFound                      404 not_found
     │   └── ModelNotFound             404 model_not_found
     ├── MethodNotAllowed              405 method_not_allowed
@@ -105,6 +106,16 @@ class Unauthorized(GatewayError):
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+
+
+class ModelNotAllowed(GatewayError):
+    """A named key asked for a model it may not use: OpenAI's answer to a project key
+    without access to a model (403, `invalid_request_error`, `model_not_found`), which the
+    OpenAI SDK raises as PermissionDeniedError."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "model_not_found"
 
 
 class NotFound(GatewayError):

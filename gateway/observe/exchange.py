@@ -24,6 +24,7 @@ class Exchange:
     request_id: str
     started: float
     tag: str = ""
+    key: str = ""  # the name of the key the request carried (never the key itself)
     model: str = ""  # as a metric label: a model the fleet serves, else "other"
     lane: str = ""
     instance: str = ""
@@ -35,6 +36,7 @@ class Exchange:
     prompt_tokens: int = 0
     max_tokens: int = 0
     # For the access log only (never labels: unbounded, or chosen by the client).
+    requested_model: str = ""  # the model asked for, when `model` folded it into "other"
     method: str = ""
     path: str = ""
     client: str = ""  # the peer, or the client trusted proxies name (client_address.py)

@@ -55,6 +55,7 @@ from gateway.proxy.auth import KeyChecker
 from gateway.proxy.body import InvalidField, wants_stream
 from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
+from gateway.proxy.tenants import DEFAULT, TENANT, Tenant
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay.records import Unusable, Whole
 from gateway.relay.relay import Relay, StreamAnswer
@@ -71,6 +72,7 @@ _log = log.get("gateway.proxy")
 # A long-lane stream may wait this many `timeout.read`s for its first token (and between
 # two events): a long prefill behind others takes longer than a read should.
 LONG_TTFT_FACTOR = 4
+LOGGED_MODEL_CHARS = 100  # of a model name the fleet does not know, in the access line
 
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Endpoint", "Proxy", "Route"]
@@ -83,7 +85,7 @@ class Proxy:
         dispatcher: Dispatcher,
         upstream: Upstream,
         metrics: Metrics,
-        keys: KeyChecker,
+        keys: KeyChecker[Tenant],
         endpoints: dict[str, Endpoint],
         counter: TokenCounter,
         lifecycle: Lifecycle | None = None,
@@ -123,7 +125,9 @@ class Proxy:
         )
         self.reconfigure(config, keys, endpoints)
 
-    def reconfigure(self, config: Config, keys: KeyChecker, endpoints: dict[str, Endpoint]) -> None:
+    def reconfigure(
+        self, config: Config, keys: KeyChecker[Tenant], endpoints: dict[str, Endpoint]
+    ) -> None:
         """Take a (reloaded) configuration: what is read per request changes from here on.
 
         Requests in progress keep what they read at their start. Endpoints of removed
@@ -183,12 +187,11 @@ class Proxy:
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
             try:
-                model = self.intake.served_model(payload)
-            except errors.ModelNotFound:
-                ex.model = "other"  # counted with the models the fleet does not list
+                model = self.intake.served_model(payload, request.get(TENANT, DEFAULT))
+            except errors.GatewayError:  # not served (404), or not this key's (403)
+                self._label_model(ex, payload.get("model"))
                 raise
-            if model is not None:
-                ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
+            self._label_model(ex, model)
             # What the instance renders into the prompt: a Messages body as vLLM converts it.
             prompt = anthropic_body.as_chat(payload) if route.api == "anthropic" else payload
             ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
@@ -228,6 +231,16 @@ class Proxy:
         finally:
             if task is not None:
                 self.lifecycle.done(task)
+
+    def _label_model(self, ex: Exchange, model: object) -> None:
+        """The model as a metric label: a model the fleet knows, else "other" (and then, for
+        the access line only, the name asked for, cut short)."""
+        if not isinstance(model, str):
+            return
+        if self.dispatcher.scheduler.knows_model(model):
+            ex.model = model
+        else:
+            ex.model, ex.requested_model = "other", model[:LOGGED_MODEL_CHARS]
 
     async def _disaggregated(
         self, call: Call, ex: Exchange, ticket: Ticket, payload: dict[str, Any]

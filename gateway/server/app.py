@@ -30,8 +30,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.observe import recorder, request_id
 from gateway.observe.metrics import Metrics, Registry
 from gateway.observe.peer_metrics import PORTS_ENV, WORKER_HEADER, PeerMetrics
-from gateway.proxy import auth
-from gateway.proxy.auth import KeyChecker
+from gateway.proxy import auth, tenants
 from gateway.proxy.handler import Proxy, Route
 from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
 from gateway.routes import mount
@@ -80,7 +79,9 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
                 lambda request: request.app[PROXY].spans,
                 (route.name for _, route in mount(config.route_prefixes)),
             ),
-            auth.middleware(lambda request: request.app[PROXY].intake.keys, _UNKEYED),
+            auth.middleware(
+                lambda request: request.app[PROXY].intake.keys, _UNKEYED, tenants.identified
+            ),
         ],
     )
     admin = app[ADMIN] = AdminListener()
@@ -135,7 +136,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         interval=dispatch.health_check_interval,
         probe_timeout=dispatch.health.probe_timeout,
     )
-    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    keys = tenants.key_checker(config)
     counter = _token_counter(config, upstream, dispatcher, endpoints)
     app[METRICS] = metrics
     metrics.serving(config.digest())
@@ -283,6 +284,9 @@ async def _models(request: web.Request) -> web.StreamResponse:
             for model in sorted(instance.pinned_models - listed):
                 data.append({"id": model, "object": "model", "owned_by": "vllm"})
                 listed.add(model)
+    allowed = request.get(tenants.TENANT, tenants.DEFAULT).models
+    if allowed is not None:  # a key sees only the models it may use, as OpenAI lists them
+        data = [m for m in data if m["id"] in allowed]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -319,7 +323,7 @@ async def _admin_config(request: web.Request) -> web.StreamResponse:
         "config_path": config.config_path,
         "settings_path": config.settings_path,
         "waiting_for_restart": proxy.waiting_for_restart,
-        "keys": len(config.api_keys),
+        "keys": len(config.api_keys) + len(config.named_keys),
         "config": _without_credentials(config.file.model_dump(mode="json")),
         "settings": _without_credentials(
             _redacted_settings(config.settings.model_dump(mode="json"))
