@@ -14,6 +14,9 @@
     ├── PayloadTooLarge               413 request_too_large
     ├── ExpectationFailed             417 expectation_failed
     ├── Overloaded                    429 overloaded            (+ Retry-After)
+    ├── KeyRateLimited                429 rate_limit_exceeded   (+ Retry-After; a named key's)
+    │   ├── RequestsRateLimited           type "requests"
+    │   └── TokensRateLimited             type "tokens"
     ├── UpstreamError                 502 upstream_error
     ├── NoInstanceAvailable           503 no_instance_available (+ Retry-After)
     ├── ShuttingDown                  503 shutting_down         (+ Retry-After)
@@ -162,6 +165,30 @@ class Overloaded(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "overloaded"
+
+
+class KeyRateLimited(GatewayError):
+    """A named key over one of its limits, in OpenAI's shape for it: 429, code
+    `rate_limit_exceeded`, the type naming the limit (`requests` or `tokens`). Without a
+    `retry_after` no wait would help (the request alone is over the limit): the answer says
+    `x-should-retry: false`, which both SDKs obey."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def response(self, headers: dict[str, str] | None = None, api: Api = "openai") -> web.Response:
+        response = super().response(headers, api)
+        if self.retry_after is None:
+            response.headers["x-should-retry"] = "false"
+        return response
+
+
+class RequestsRateLimited(KeyRateLimited):
+    type = "requests"
+
+
+class TokensRateLimited(KeyRateLimited):
+    type = "tokens"
 
 
 class UpstreamError(GatewayError):

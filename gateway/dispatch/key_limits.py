@@ -12,7 +12,7 @@ and that sum is the new TAT. A key that was idle may spend its whole minute at o
 OpenAI's limits allow, and a key that keeps sending gets exactly its limit per minute;
 over a window of W seconds from a full bucket it gets the limit plus the limit x W / 60.
 A request whose cost alone is over a minute's worth is never admitted (OpenAI's "Request
-too large": no wait would help, `Refused.retry_after` is None).
+too large": no wait would help, `OverLimit.retry_after` is None).
 
 Requests cost 1. Tokens are reserved at admission (the prompt estimate plus `max_tokens`)
 and settled when the answer ends: `settle` moves the TAT by what the instance reported
@@ -89,7 +89,7 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Refused:
+class OverLimit:
     """The request may not go: the limit that refused it and when to come back."""
 
     limit: Limit
@@ -141,31 +141,31 @@ def decide(
     inflight: int,
     tokens: int,
     now: float,
-) -> tuple[Admitted | Refused, float, float]:
+) -> tuple[Admitted | OverLimit, float, float]:
     """Admit a request reserving `tokens`, or refuse it: the verdict and the new TATs.
 
     Every limit is asked; a refusal names the one that makes the client wait longest (one
     that never admits it first), and leaves both TATs as they were.
     """
-    refusals: list[Refused] = []
+    refusals: list[OverLimit] = []
     new_requests, new_tokens = requests_tat, tokens_tat
     rpm, tpm, most = limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent
     before = standings_of(limits, requests_tat, tokens_tat, inflight, now)
     if rpm is not None:
         admitted = admit_gcra(requests_tat, now, 1, rpm)
         if admitted is None:
-            refusals.append(Refused("requests", wait_gcra(requests_tat, now, 1, rpm), 1, before))
+            refusals.append(OverLimit("requests", wait_gcra(requests_tat, now, 1, rpm), 1, before))
         else:
             new_requests = admitted
     if tpm is not None:
         admitted = admit_gcra(tokens_tat, now, tokens, tpm)
         if admitted is None:
             wait = wait_gcra(tokens_tat, now, tokens, tpm)
-            refusals.append(Refused("tokens", wait, tokens, before))
+            refusals.append(OverLimit("tokens", wait, tokens, before))
         else:
             new_tokens = admitted
     if most is not None and inflight >= most:
-        refusals.append(Refused("concurrent", CONCURRENT_RETRY_S, 1, before))
+        refusals.append(OverLimit("concurrent", CONCURRENT_RETRY_S, 1, before))
     if refusals:
         worst = max(refusals, key=lambda r: math.inf if r.retry_after is None else r.retry_after)
         return worst, requests_tat, tokens_tat
@@ -195,7 +195,7 @@ class KeyQuota:
         self.tokens_tat = -math.inf
         self.inflight = 0
 
-    def admit(self, limits: KeyLimits, tokens: int, now: float) -> Admitted | Refused:
+    def admit(self, limits: KeyLimits, tokens: int, now: float) -> Admitted | OverLimit:
         """Decide, and charge the key if admitted (one place taken until `release`)."""
         verdict, self.requests_tat, self.tokens_tat = decide(
             limits, self.requests_tat, self.tokens_tat, self.inflight, tokens, now

@@ -26,13 +26,13 @@ from aiohttp.typedefs import Middleware
 from gateway import errors
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Owner = TypeVar("Owner")
+Holder = TypeVar("Holder")
 
 
-class KeyChecker(Generic[Owner]):
+class KeyChecker(Generic[Holder]):
     """The configured keys, as digests, each with its owner (who a request with it is)."""
 
-    def __init__(self, keys: Iterable[tuple[str, Owner]], anonymous: Owner | None = None) -> None:
+    def __init__(self, keys: Iterable[tuple[str, Holder]], anonymous: Holder | None = None) -> None:
         entries = list(keys)
         self._digests = tuple(hashlib.sha256(k.encode()).digest() for k, _ in entries)
         self._owners = tuple(owner for _, owner in entries)
@@ -43,12 +43,12 @@ class KeyChecker(Generic[Owner]):
         """No key configured: the operator started the gateway with --open."""
         return not self._digests
 
-    def identify(self, authorization: str | None, api_key: str | None = None) -> Owner | None:
+    def identify(self, authorization: str | None, api_key: str | None = None) -> Holder | None:
         """The owner of the key in a Bearer `authorization` or in `api_key` (`x-api-key`),
         None if neither holds one; with no key configured, `anonymous`."""
         if not self._digests:
             return self.anonymous
-        found: Owner | None = None
+        found: Holder | None = None
         for token in (_bearer(authorization), api_key):
             if token:
                 owner = self._owner(token)
@@ -59,7 +59,7 @@ class KeyChecker(Generic[Owner]):
         """Whether a Bearer token in `authorization`, or `api_key` (`x-api-key`), is a key."""
         return self.open or self.identify(authorization, api_key) is not None
 
-    def _owner(self, token: str) -> Owner | None:
+    def _owner(self, token: str) -> Holder | None:
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         index = -1
         for position, known in enumerate(self._digests):
@@ -79,7 +79,7 @@ def _bearer(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def authorize(keys: KeyChecker[Owner], request: web.BaseRequest) -> Owner | None:
+def authorize(keys: KeyChecker[Holder], request: web.BaseRequest) -> Holder | None:
     """Whose key the request carries (None only when the gateway is --open without an
     anonymous owner); 401 unless it carries one of the keys."""
     headers = request.headers
@@ -93,9 +93,9 @@ def authorize(keys: KeyChecker[Owner], request: web.BaseRequest) -> Owner | None
 
 
 def middleware(
-    keys: Callable[[web.Request], KeyChecker[Owner]],
+    keys: Callable[[web.Request], KeyChecker[Holder]],
     open_paths: Iterable[str],
-    identified: Callable[[web.Request, Owner], None],
+    identified: Callable[[web.Request, Holder], None],
 ) -> Middleware:
     """The middleware that checks the key, where `keys` gives the keys in force (a reload
     changes them) and `identified` is told whose key a request carries. Routes in

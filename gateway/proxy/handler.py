@@ -39,7 +39,7 @@ from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log, request_id
 from gateway.observe.client_address import networks
-from gateway.observe.exchange import Exchange
+from gateway.observe.exchange import Exchange, tokens_used
 from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.observe.recorder import EXCHANGE, Recorder
 from gateway.proxy import anthropic_body, jsoncodec
@@ -52,9 +52,10 @@ from gateway.proxy.attempt import (
     taken_back,
 )
 from gateway.proxy.auth import KeyChecker
-from gateway.proxy.body import InvalidField, wants_stream
+from gateway.proxy.body import InvalidField, ask_usage, wants_stream
 from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
+from gateway.proxy.limiter import Grant, Limiter
 from gateway.proxy.tenants import DEFAULT, TENANT, Tenant
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay.records import Unusable, Whole
@@ -99,6 +100,7 @@ class Proxy:
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.budget = RetryBudget()  # the core's ratio, 0.2 (docs/decisions/0017)
+        self.limiter = Limiter(dispatcher.clock)  # each named key's limits
         self.affinity = config.dispatch.prefix_index_blocks != 0
         self.clock = dispatcher.clock
         self.spans: Spans | None = None
@@ -162,7 +164,10 @@ class Proxy:
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
         ex.route = route.name  # the middleware records it (recorder.py)
+        ex.metered = route.metered
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
+        tenant = request.get(TENANT, DEFAULT)
+        grant: Grant | None = None  # the key's limits' claim, settled once it is over
         task = asyncio.current_task()
         if task is not None:
             self.lifecycle.track(task)
@@ -186,8 +191,11 @@ class Proxy:
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
+            hide_usage = False  # whose tokens these are is read from the instance's usage
+            if stream and route.asks_usage:
+                body, hide_usage = ask_usage(body, payload)
             try:
-                model = self.intake.served_model(payload, request.get(TENANT, DEFAULT))
+                model = self.intake.served_model(payload, tenant)
             except errors.GatewayError:  # not served (404), or not this key's (403)
                 self._label_model(ex, payload.get("model"))
                 raise
@@ -199,6 +207,7 @@ class Proxy:
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
+            grant = await self.limiter.admit(tenant, ex, route, headers)
             ticket = self.dispatcher.new_ticket(
                 lane,
                 ex.started + self.request_timeout,
@@ -207,7 +216,7 @@ class Proxy:
                 model=model,
                 prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
             )
-            call = Call(request, route, body, stream, lane, ticket.deadline, headers)
+            call = Call(request, route, body, stream, lane, ticket.deadline, headers, hide_usage)
             if route.disaggregates and self.dispatcher.scheduler.has_prefill_role:
                 return await self._disaggregated(call, ex, ticket, payload)
             return await self._forward(call, ex, ticket)
@@ -229,6 +238,8 @@ class Proxy:
             ex.status = 499  # the client closed the connection (nginx's code for it)
             raise
         finally:
+            if grant is not None:
+                self.limiter.settle(grant, sum(tokens_used(ex)))
             if task is not None:
                 self.lifecycle.done(task)
 
@@ -397,7 +408,7 @@ class Proxy:
         if verdict.retry is None and status == 200 and stream is not None:
             first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
             started = await self.relay.first_chunk(
-                stream, first_by - self.clock(), call.route.token_event
+                stream, first_by - self.clock(), call.route.token_event, hide_usage=call.hide_usage
             )
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
@@ -412,7 +423,7 @@ class Proxy:
                 silence=self.ttft_allowance[call.lane],  # between two data events
             )
             ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
-            ex.cut = streamed.cut
+            ex.cut, ex.usage_prompt_tokens = streamed.cut, streamed.prompt_tokens
             return Committed(streamed.response, streamed.outcome, streamed.error)
         whole = await self.relay.whole(
             response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())
@@ -424,7 +435,7 @@ class Proxy:
             return Failed(whole.reason, outcome, whole.error)
         if verdict.retry is not None:
             return Failed(verdict.retry, verdict.outcome, whole)
-        ex.status, ex.tokens = status, whole.tokens
+        ex.status, ex.tokens, ex.usage_prompt_tokens = status, whole.tokens, whole.prompt_tokens
         return Committed(whole.response, verdict.outcome)
 
     def _answer(self, failed: Failed, ex: Exchange) -> web.StreamResponse:

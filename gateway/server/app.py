@@ -148,7 +148,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(
-        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+        metrics,
+        config,
+        app.router.routes(),
+        keyed=not keys.open,
+        models=scheduler.served_models(),
+        keys=[t.name for t in tenants.tenants_of(config)],
     )
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
     try:

@@ -14,7 +14,7 @@ from gateway.dispatch.key_limits import (
     Admitted,
     KeyLimits,
     KeyQuota,
-    Refused,
+    OverLimit,
     Standing,
     admit_gcra,
     decide,
@@ -42,11 +42,11 @@ def test_a_refused_request_waits_one_interval_and_then_passes() -> None:
     quota = KeyQuota()
     admitted_at_once(quota, limits, 10)
     refused = quota.admit(limits, 0, T0 + 1.0)
-    assert isinstance(refused, Refused)
+    assert isinstance(refused, OverLimit)
     assert refused.limit == "requests"
     assert refused.retry_after == pytest.approx(5.0)  # 6 s an interval, 1 s gone
     assert isinstance(quota.admit(limits, 0, T0 + 6.0), Admitted)
-    assert isinstance(quota.admit(limits, 0, T0 + 6.0), Refused)
+    assert isinstance(quota.admit(limits, 0, T0 + 6.0), OverLimit)
 
 
 @pytest.mark.parametrize(("per_minute", "window"), [(600, 60.0), (10, 120.0), (200, 30.0)])
@@ -69,7 +69,7 @@ def test_tokens_are_reserved_at_admission_and_refunded_at_settlement() -> None:
     limits = KeyLimits(tokens_per_minute=2000)
     quota = KeyQuota()
     assert isinstance(quota.admit(limits, 1500, T0), Admitted)
-    assert isinstance(quota.admit(limits, 600, T0), Refused)
+    assert isinstance(quota.admit(limits, 600, T0), OverLimit)
     quota.settle(limits, 100 - 1500, T0)
     standing = quota.standings(limits, T0).tokens
     assert standing == Standing(2000, 1900, pytest.approx(3.0))
@@ -83,7 +83,7 @@ def test_answers_longer_than_reserved_put_the_key_in_debt() -> None:
     assert isinstance(quota.admit(limits, 1000, T0), Admitted)
     quota.settle(limits, 8000, T0)  # used 9000 in all: 3000 past a full minute
     refused = quota.admit(limits, 100, T0)
-    assert isinstance(refused, Refused)
+    assert isinstance(refused, OverLimit)
     assert refused.retry_after == pytest.approx(31.0)  # 3000 tokens of debt plus 100 more
     assert refused.standings.tokens == Standing(6000, 0, pytest.approx(90.0))
 
@@ -92,7 +92,7 @@ def test_a_request_larger_than_the_limit_is_never_admitted() -> None:
     """Tokens over a minute's worth are refused with no retry time, even from a full bucket."""
     limits = KeyLimits(tokens_per_minute=1000)
     refused = KeyQuota().admit(limits, 1001, T0)
-    assert isinstance(refused, Refused)
+    assert isinstance(refused, OverLimit)
     assert (refused.limit, refused.retry_after, refused.requested) == ("tokens", None, 1001)
     assert wait_gcra(-math.inf, T0, 1000, 1000) == 0.0
 
@@ -103,7 +103,7 @@ def test_requests_at_once_are_counted_and_given_back() -> None:
     quota = KeyQuota()
     assert admitted_at_once(quota, limits, 3) == 2
     refused = quota.admit(limits, 0, T0)
-    assert isinstance(refused, Refused)
+    assert isinstance(refused, OverLimit)
     assert (refused.limit, refused.retry_after) == ("concurrent", CONCURRENT_RETRY_S)
     quota.settle(limits, 0, T0)
     verdict = quota.admit(limits, 0, T0)
@@ -116,16 +116,16 @@ def test_a_refusal_charges_no_limit() -> None:
     limits = KeyLimits(requests_per_minute=2, tokens_per_minute=100, max_concurrent=1)
     quota = KeyQuota()
     before = repr(quota)
-    assert isinstance(quota.admit(limits, 500, T0), Refused)
+    assert isinstance(quota.admit(limits, 500, T0), OverLimit)
     assert repr(quota) == before
     assert isinstance(quota.admit(limits, 50, T0), Admitted)
 
 
 def test_the_refusal_named_is_the_longest_wait() -> None:
-    """Refused by requests (6 s) and tokens (30 s) at once, the client hears of the tokens."""
+    """OverLimit by requests (6 s) and tokens (30 s) at once, the client hears of the tokens."""
     limits = KeyLimits(requests_per_minute=10, tokens_per_minute=120)
     verdict, _, _ = decide(limits, T0 + 60.0, T0 + 60.0, 0, 60, T0)
-    assert isinstance(verdict, Refused)
+    assert isinstance(verdict, OverLimit)
     assert (verdict.limit, verdict.retry_after) == ("tokens", pytest.approx(30.0))
 
 
