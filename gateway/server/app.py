@@ -171,8 +171,10 @@ async def _stop(task: asyncio.Task[None]) -> None:
 
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
-    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py),
+    and keep the named keys' counters in Redis (shared_limits.py)."""
     from gateway.fleet.shared import SharedState, SharedStateCollector
+    from gateway.fleet.shared_limits import SharedLimits
 
     settings = app[CONFIG].file.shared
     assert settings.redis_url is not None
@@ -188,11 +190,16 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     )
     app[SHARED] = shared
     app[METRICS].registry.register(SharedStateCollector(shared))
+    limits = SharedLimits(shared, settings.namespace)
+    app[PROXY].limiter.shared = limits
     await shared.run_round()  # join the view before the first request, if Redis answers
     task = asyncio.create_task(shared.run_forever(), name="shared-state")
+    settling = asyncio.create_task(limits.run_forever(), name="shared-limits")
     try:
         yield
     finally:
+        app[PROXY].limiter.shared = None
+        await _stop(settling)
         await _stop(task)
         await shared.close()
 
