@@ -54,6 +54,10 @@ class SharedCounters(Protocol):
         """Charge `tokens` more than reserved and give the lease back, soon."""
         ...
 
+    async def standings(self, key: str, limits: KeyLimits) -> Standings | None:
+        """Where the key stands fleet-wide now; None if Redis did not say."""
+        ...
+
 
 @dataclass(frozen=True)
 class Grant:
@@ -108,10 +112,15 @@ class Limiter:
         if quota is not None:
             quota.settle(grant.limits, extra, self.clock())
 
-    def standings(self, tenant: Tenant) -> Standings:
-        """Where a key stands in this process now (/admin/usage)."""
+    async def standings(self, tenant: Tenant) -> tuple[Standings, str]:
+        """Where a key stands now and where that is counted (`redis` or `process`), for
+        /admin/usage: fleet-wide when Redis says, else this process's counters."""
+        if self.shared is not None:
+            shared = await self.shared.standings(tenant.name, tenant.limits)
+            if shared is not None:
+                return shared, "redis"
         quota = self.quotas.get(tenant.name) or KeyQuota()
-        return quota.standings(tenant.limits, self.clock())
+        return quota.standings(tenant.limits, self.clock()), "process"
 
     def __repr__(self) -> str:
         where = "redis" if self.shared is not None else "local"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import errors
 from gateway.config.load import Config
@@ -34,7 +35,7 @@ from gateway.proxy import auth, tenants
 from gateway.proxy.handler import Proxy, Route
 from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
 from gateway.routes import mount
-from gateway.server import middleware
+from gateway.server import middleware, usage
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
 
@@ -107,6 +108,7 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/instances", _admin_instances)
     app.router.add_get("/admin/config", _admin_config)
+    app.router.add_get("/admin/usage", _admin_usage)
     return app
 
 
@@ -342,6 +344,22 @@ async def _admin_config(request: web.Request) -> web.StreamResponse:
         ),
     }
     return web.json_response(body)
+
+
+async def _admin_usage(request: web.Request) -> web.StreamResponse:
+    """Each key's use since start (every worker's with --workers), its limits and what is
+    left of them now (server/usage.py)."""
+    proxy = request.app[PROXY]
+    peers = request.app.get(PEERS)
+    if peers is not None:
+        text = (await peers.exposition()).decode()
+        families = list(text_string_to_metric_families(text))
+    else:
+        families = list(request.app[METRICS].registry.collect())
+    configured = tenants.tenants_of(proxy.config)
+    standings = {t.name: await proxy.limiter.standings(t) for t in configured if t.limits.any}
+    body = usage.report(configured, families, standings)
+    return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
 
 
 def _redacted_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -216,3 +216,39 @@ async def test_a_refusal_is_counted_and_logged_against_its_key() -> None:
     )
     wanted = 'gateway_key_requests_total{key="limited",model="sim-model",outcome="limit_requests"}'
     assert f"{wanted} 1.0" in text
+
+
+async def test_admin_usage_shows_each_keys_use_limits_and_what_is_left() -> None:
+    """/admin/usage (with a key, as the other admin routes) lists each key: its requests by
+    outcome and tokens by model, its limits, and what is left now in this process."""
+    async with (
+        gateway(requests_per_minute=5, tokens_per_minute=10_000, max_concurrent=3) as gw,
+        client(gw) as c,
+        aiohttp.ClientSession() as s,
+    ):
+        answers = [(await chat(c, max_tokens=4)).parse() for _ in range(2)]
+        async with s.get(gw.url + "/admin/usage") as anonymous:
+            refused = anonymous.status
+        async with s.get(
+            gw.url + "/admin/usage", headers={"Authorization": f"Bearer {KEY}"}
+        ) as resp:
+            page = await resp.json()
+    assert refused == 401
+    default, limited = page["keys"]
+    assert (default["name"], default["limits"]["requests_per_minute"]) == ("default", None)
+    assert "remaining" not in default
+    assert limited["limits"] == {
+        "requests_per_minute": 5,
+        "tokens_per_minute": 10_000,
+        "max_concurrent": 3,
+    }
+    use = limited["usage"]["sim-model"]
+    assert use["requests"] == {"ok": 2}
+    assert use["prompt_tokens"] == sum(a.usage.prompt_tokens for a in answers)
+    assert use["completion_tokens"] == 8
+    left = limited["remaining"]
+    assert (left["requests"]["remaining"], left["concurrent"]["remaining"]) == (3, 3)
+    spent = use["prompt_tokens"] + 8  # the bucket refills 167 tokens a second meanwhile
+    assert 10_000 - spent <= left["tokens"]["remaining"] < 10_000 - spent + 100
+    assert left["counted_in"] == "process"
+    assert page["since"] > 0

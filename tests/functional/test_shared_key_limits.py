@@ -70,6 +70,11 @@ async def test_ten_a_minute_admits_exactly_ten_across_two_gateways() -> None:
                 sum(status == 200 for status, _ in results[i::2]) for i in (1, 0)
             ]  # a's, then b's
             decided = a.app[PROXY].limiter.shared, b.app[PROXY].limiter.shared
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(a.url + "/admin/usage", headers=AUTH) as resp,
+            ):
+                page = await resp.json()
     statuses = sorted(status for status, _ in results)
     assert statuses == [200] * 10 + [429] * 20
     assert sum(by_gateway) == 10
@@ -78,6 +83,10 @@ async def test_ten_a_minute_admits_exactly_ten_across_two_gateways() -> None:
     assert {h["x-ratelimit-remaining-requests"] for h in refused} == {"0"}
     assert all(5_000 < int(h["retry-after-ms"]) <= 6_000 for h in refused)
     assert sum(d.admitted for d in decided if d is not None) == 10  # Redis decided them all
+    (team,) = [k for k in page["keys"] if k["name"] == "team-a"]
+    left = team["remaining"]
+    assert (left["requests"]["remaining"], left["counted_in"]) == (0, "redis")  # fleet-wide
+    assert team["usage"]["sim-model"]["requests"]["ok"] == by_gateway[0]  # a's own count
 
 
 async def test_a_reservation_on_one_gateway_holds_back_the_other_until_settled() -> None:
