@@ -23,8 +23,8 @@ agreeing, `x-ratelimit-limit-*` the limit and `x-ratelimit-remaining-*` too litt
 Part 2, cost. CPU per streamed request (closed loop, 32 at once, instant instances, from
 /proc around each run, arms alternating so drift hits all) of one gateway process with
 the unified key alone; with 50 named keys, each with limits (too high to refuse), the
-requests spread over them; and the same with `[shared]`, every admission a Redis round
-trip.
+requests spread over them; and both again with `[shared]` (its view of the fleet costs
+something of its own), where every admission of a limited key is a Redis round trip.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ async def cost_part(opts: TenantsOptions, common: Common) -> dict[str, Any]:
     gw_core, fleet_core = cores(common)
     named = [f"sk-bench-key-{i:02d}-0123456789" for i in range(opts.cost_keys)]
     keys = {"keys": [{"name": f"k{i:02d}", "key": k, **UNREACHED} for i, k in enumerate(named)]}
-    cpu: dict[str, list[tuple[float, int]]] = {"one key": [], "50 keys": [], "50 keys, redis": []}
+    cpu: dict[str, list[tuple[float, int]]] = {}
     async with contextlib.AsyncExitStack() as stack:
         fleet = await stack.enter_async_context(
             harness.fleet_process(
@@ -303,10 +303,12 @@ async def cost_part(opts: TenantsOptions, common: Common) -> dict[str, Any]:
             )
         )
         url = await stack.enter_async_context(redis_process())
+        shared = {"shared": {"redis_url": url, "namespace": "cost"}}
         setups: dict[str, tuple[dict[str, Any] | None, dict[str, dict[str, Any]] | None]] = {
             "one key": (None, None),
             "50 keys": (keys, None),
-            "50 keys, redis": (keys, {"shared": {"redis_url": url, "namespace": "cost"}}),
+            "one key, redis": (None, shared),
+            "50 keys, redis": (keys, shared),
         }
         arms = {
             arm: await stack.enter_async_context(
@@ -324,9 +326,8 @@ async def cost_part(opts: TenantsOptions, common: Common) -> dict[str, Any]:
         }
         http = await stack.enter_async_context(session())
         clients = {
-            "one key": Client(http, harness.KEY),
-            "50 keys": ManyKeys(http, named),
-            "50 keys, redis": ManyKeys(http, named),
+            arm: ManyKeys(http, named) if channel else Client(http, harness.KEY)
+            for arm, (channel, _) in setups.items()
         }
         specs = make_workload(opts.cost_requests, COST_MIX, common.seed)
         for arm, gw in arms.items():  # warm each: connections, code paths, Redis scripts
@@ -342,15 +343,17 @@ async def cost_part(opts: TenantsOptions, common: Common) -> dict[str, Any]:
                     concurrency=opts.cost_concurrency, label=f"cost: {arm}", limit=common.limit,
                 )  # fmt: skip
                 done = sum(1 for r in run.results if r.ok)
-                cpu[arm].append((harness.cpu_seconds(gw.pid) - before, done))
+                cpu.setdefault(arm, []).append((harness.cpu_seconds(gw.pid) - before, done))
     per = {
         arm: 1000 * sum(c for c, _ in runs) / max(1, sum(n for _, n in runs))
         for arm, runs in cpu.items()
     }
-    one = per["one key"]
+    one, shared_one = per["one key"], per["one key, redis"]
     return {
         "cpu_ms_per_request": per,
         "over_one_key": {arm: value / one if one else None for arm, value in per.items()},
+        # What the keys' Redis script adds, beside the shared view both arms run.
+        "redis_keys_over_redis_one_key": per["50 keys, redis"] / shared_one if shared_one else None,
         "rounds": {arm: [list(r) for r in runs] for arm, runs in cpu.items()},
     }
 
@@ -390,3 +393,6 @@ def _print(body: dict[str, Any], opts: TenantsOptions) -> None:
         say("\ngateway CPU per streamed request:")
         for arm, value in cost["cpu_ms_per_request"].items():
             say(f"  {arm:<16} {value:.3f} ms  ({cost['over_one_key'][arm]:.3f}x one key)")
+        say(
+            f"  50 keys over one key, both with Redis: {cost['redis_keys_over_redis_one_key']:.3f}x"
+        )
