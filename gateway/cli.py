@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"ok: {config.config_path} and {config.settings_path} are valid; "
             f"{len(config.instances)} instance(s), strategy {config.dispatch.strategy}, "
-            f"{len(config.api_keys)} key(s), listening on "
+            f"{len(config.api_keys) + len(config.named_keys)} key(s), listening on "
             f"{config.gateway.host}:{config.gateway.port}"
             + (f" with {config.gateway.workers} workers" if config.gateway.workers > 1 else "")
         )

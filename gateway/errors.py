@@ -6,6 +6,7 @@
     │   ├── UnsupportedContentType    400 unsupported_content_type
     │   └── InvalidHeader             400 invalid_header
     ├── Unauthorized                  401 invalid_api_key
+    ├── ModelNotAllowed               403 model_not_found       (a key without the model)
     ├── NotFound                      404 not_found
     │   └── ModelNotFound             404 model_not_found
     ├── MethodNotAllowed              405 method_not_allowed
@@ -13,6 +14,9 @@
     ├── PayloadTooLarge               413 request_too_large
     ├── ExpectationFailed             417 expectation_failed
     ├── Overloaded                    429 overloaded            (+ Retry-After)
+    ├── KeyRateLimited                429 rate_limit_exceeded   (+ Retry-After; a named key's)
+    │   ├── RequestsRateLimited           type "requests"
+    │   └── TokensRateLimited             type "tokens"
     ├── UpstreamError                 502 upstream_error
     ├── NoInstanceAvailable           503 no_instance_available (+ Retry-After)
     ├── ShuttingDown                  503 shutting_down         (+ Retry-After)
@@ -107,6 +111,16 @@ class Unauthorized(GatewayError):
     code = "invalid_api_key"
 
 
+class ModelNotAllowed(GatewayError):
+    """A named key asked for a model it may not use: OpenAI's answer to a project key
+    without access to a model (403, `invalid_request_error`, `model_not_found`), which the
+    OpenAI SDK raises as PermissionDeniedError."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -151,6 +165,30 @@ class Overloaded(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "overloaded"
+
+
+class KeyRateLimited(GatewayError):
+    """A named key over one of its limits, in OpenAI's shape for it: 429, code
+    `rate_limit_exceeded`, the type naming the limit (`requests` or `tokens`). Without a
+    `retry_after` no wait would help (the request alone is over the limit): the answer says
+    `x-should-retry: false`, which both SDKs obey."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def response(self, headers: dict[str, str] | None = None, api: Api = "openai") -> web.Response:
+        response = super().response(headers, api)
+        if self.retry_after is None:
+            response.headers["x-should-retry"] = "false"
+        return response
+
+
+class RequestsRateLimited(KeyRateLimited):
+    type = "requests"
+
+
+class TokensRateLimited(KeyRateLimited):
+    type = "tokens"
 
 
 class UpstreamError(GatewayError):

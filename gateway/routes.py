@@ -44,6 +44,12 @@ class Route:
     # (proxy/disaggregate.py writes the hops' bodies of chat and completion requests).
     disaggregates: bool = False
     api: Api = "openai"  # whose API: the shape of the gateway's own errors on the route
+    # It runs the model: its tokens count against a key's tokens_per_minute and in the
+    # key's token counters (not so for tokenizing, counting tokens or audio).
+    metered: bool = True
+    # Its stream carries the usage only when asked (`stream_options.include_usage`): the
+    # gateway asks for it, and keeps it from a client that did not.
+    asks_usage: bool = False
 
     @property
     def client_path(self) -> str:
@@ -56,9 +62,21 @@ class Route:
 
 
 CHAT = Route(
-    "chat.completions", "/v1/chat/completions", streams=True, timed=True, disaggregates=True
+    "chat.completions",
+    "/v1/chat/completions",
+    streams=True,
+    timed=True,
+    disaggregates=True,
+    asks_usage=True,
 )
-COMPLETIONS = Route("completions", "/v1/completions", streams=True, timed=True, disaggregates=True)
+COMPLETIONS = Route(
+    "completions",
+    "/v1/completions",
+    streams=True,
+    timed=True,
+    disaggregates=True,
+    asks_usage=True,
+)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
 RESPONSES = Route(
     "responses",
@@ -76,18 +94,24 @@ MESSAGES = Route(
     api="anthropic",
 )
 COUNT_TOKENS = Route(
-    "messages.count_tokens", "/v1/messages/count_tokens", streams=False, api="anthropic"
+    "messages.count_tokens",
+    "/v1/messages/count_tokens",
+    streams=False,
+    api="anthropic",
+    metered=False,
 )
-TOKENIZE = Route("tokenize", "/tokenize", streams=False)
-DETOKENIZE = Route("detokenize", "/detokenize", streams=False)
+TOKENIZE = Route("tokenize", "/tokenize", streams=False, metered=False)
+DETOKENIZE = Route("detokenize", "/detokenize", streams=False, metered=False)
 RERANK = Route("rerank", "/rerank", streams=False)
 RERANK_V2 = Route("rerank", "/v2/rerank", streams=False, path="/v2/rerank")
 SCORE = Route("score", "/score", streams=False)
 POOLING = Route("pooling", "/pooling", streams=False)
 CLASSIFY = Route("classify", "/classify", streams=False)
 # vLLM streams transcriptions (form field `stream`) as chat-like chunks ending in [DONE].
-TRANSCRIPTIONS = Route("audio.transcriptions", "/v1/audio/transcriptions", True, form=True)
-TRANSLATIONS = Route("audio.translations", "/v1/audio/translations", True, form=True)
+TRANSCRIPTIONS = Route(
+    "audio.transcriptions", "/v1/audio/transcriptions", True, form=True, metered=False
+)
+TRANSLATIONS = Route("audio.translations", "/v1/audio/translations", True, form=True, metered=False)
 
 ROUTES = (
     CHAT,

@@ -1,5 +1,5 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead
-(see loadtest/README.md)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead,
+tenants (see loadtest/README.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from loadtest import (
     overload_bench,
     prefix_bench,
     scenarios,
+    tenants,
 )
 from loadtest.lanes import bench as lanes_bench
 from loadtest.loadgen import Mix
@@ -171,6 +172,16 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 profile=not args.no_profile,
                 fronts=not args.no_fronts,
                 front_requests=args.front_requests,
+            ),
+            common,
+        ),
+        "tenants": lambda: tenants.tenants(
+            tenants.TenantsOptions(
+                replicas=args.replicas,
+                window=args.window,
+                overdrive=args.overdrive,
+                cost_requests=args.cost_requests,
+                cost_rounds=args.cost_rounds,
             ),
             common,
         ),

@@ -318,4 +318,14 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         "--no-fronts", action="store_true", help="skip the side-by-side nginx/vllm-router part"
     )
     _common(p)
+
+    p = sub.add_parser(
+        "tenants", help="named keys' limits over replicas with and without Redis; their cost", **fmt
+    )
+    p.add_argument("--replicas", type=int, default=4, help="gateway processes")
+    p.add_argument("--window", type=float, default=120.0, help="seconds each key is driven")
+    p.add_argument("--overdrive", type=float, default=3.0, help="times each key's limit")
+    p.add_argument("--cost-requests", type=int, default=2000, help="per arm and round; 0 skips")
+    p.add_argument("--cost-rounds", type=int, default=3, help="alternating rounds of the arms")
+    _common(p)
     return parser

@@ -243,11 +243,13 @@ def gateway_files(
     slo: dict[str, Any] | None = None,
     extra: dict[str, dict[str, Any]] | None = None,
     roles: Sequence[str] | None = None,
+    channel: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     """Write the config.toml and settings.json a scenario's gateway runs with.
 
     `extra`: more sections (e.g. `shared`), written as they are; `roles`: each instance's
-    prefill/decode role, in order (none: every instance "both").
+    prefill/decode role, in order (none: every instance "both"); `channel`: more fields of
+    the channel block (e.g. named `keys`).
     """
     sections: dict[str, dict[str, Any]] = {
         "gateway": {"host": "127.0.0.1", "port": port, **(gateway or {})},
@@ -273,6 +275,7 @@ def gateway_files(
             "api_key": "${GATEWAY_API_KEY}",
             "default_model": "sim-model",
             "headers": {"X-Request-Tag": "loadtest"},
+            **(channel or {}),
         },
         "vllm": {
             "instances": [
@@ -331,6 +334,7 @@ async def gateway_process(
     slo: dict[str, Any] | None = None,
     extra: dict[str, dict[str, Any]] | None = None,
     roles: Sequence[str] | None = None,
+    channel: dict[str, Any] | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
@@ -351,6 +355,7 @@ async def gateway_process(
             slo=slo,
             extra=extra,
             roles=roles,
+            channel=channel,
         )
         log = folder / "gateway.log"
         env = {**os.environ, "GATEWAY_API_KEY": KEY}

@@ -204,7 +204,7 @@ wire_text = st.binary(max_size=80).map(lambda b: b.decode("utf-8", "surrogateesc
 @given(st.none() | st.text(max_size=80) | wire_text)
 def test_key_checker_never_raises(authorization: str | None) -> None:
     """KeyChecker.check answers a bool for any header value and never raises."""
-    assert isinstance(KeyChecker(KEYS).check(authorization), bool)
+    assert isinstance(KeyChecker((k, k) for k in KEYS).check(authorization), bool)
 
 
 @settings(max_examples=200)
@@ -213,7 +213,7 @@ def test_key_checker_never_raises(authorization: str | None) -> None:
 )
 def test_key_checker_accepts_exactly_the_configured_keys(scheme: str, token: str) -> None:
     """A bearer token is accepted exactly when it is one of the configured keys."""
-    assert KeyChecker(KEYS).check(f"{scheme} {token}") is (token in KEYS)
+    assert KeyChecker((k, k) for k in KEYS).check(f"{scheme} {token}") is (token in KEYS)
 
 
 @settings(max_examples=200)
@@ -228,7 +228,7 @@ def test_an_x_api_key_is_a_key_as_a_bearer_token_is(
     both headers, one that holds a key is enough."""
     bearer = authorization.removeprefix("Bearer ") if authorization else None
     expected = bearer in KEYS or api_key in KEYS
-    assert KeyChecker(KEYS).check(authorization, api_key) is expected
+    assert KeyChecker((k, k) for k in KEYS).check(authorization, api_key) is expected
 
 
 @pytest.mark.slow  # 400 examples of deep JSON: seconds of generating

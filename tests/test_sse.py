@@ -292,3 +292,42 @@ def test_a_stream_with_a_token_event_starts_at_its_first_token() -> None:
 def test_a_messages_stream_ends_at_message_stop_or_error(head: bytes, ends: bool) -> None:
     """Only an event named message_stop or error ends an Anthropic stream."""
     assert finished(head, MESSAGES_END) is ends
+
+
+def hidden_run(pieces: list[bytes]) -> tuple[bytes, int, int | None, int | None]:
+    framer = Framer(hide_usage=True)
+    out = b"".join(framer.feed(p) for p in pieces)
+    return out, framer.events, framer.completion_tokens(), framer.prompt_tokens()
+
+
+def test_a_usage_chunk_asked_for_by_the_gateway_is_kept_back_however_the_reads_split() -> None:
+    """With hide_usage, the client gets the stream less its usage chunk, split anywhere, and
+    the counts still come from that chunk."""
+    without = VLLM.replace(USAGE, b"")
+    assert hidden_run([VLLM]) == (without, 18, 16, 5)
+    for cut in range(len(VLLM) + 1):
+        assert hidden_run([VLLM[:cut], VLLM[cut:]]) == (without, 18, 16, 5), cut
+    assert hidden_run([VLLM[i : i + 1] for i in range(len(VLLM))]) == (without, 18, 16, 5)
+
+
+def test_only_the_usage_only_chunk_is_kept_back() -> None:
+    """A chunk with choices and a usage object (continuous usage stats) passes on."""
+    with_choices = b'data: {"choices":[{"delta":{}}],"usage":{"completion_tokens":1}}\n\n'
+    stream = ROLE + with_choices + b"data: [DONE]\n\n"
+    assert hidden_run([stream])[0] == stream
+
+
+def test_a_stream_cut_before_its_usage_has_no_usage_counts() -> None:
+    """Without the usage chunk (a stream cut short) neither count is invented."""
+    framer = Framer(hide_usage=True)
+    framer.feed(ROLE + token(0) + token(1))
+    assert (framer.completion_tokens(), framer.prompt_tokens(), framer.events) == (None, None, 3)
+
+
+def test_an_anthropic_prompt_count_comes_from_message_start_when_the_end_lacks_it() -> None:
+    """message_start names the input tokens; a stream cut after it still has the count."""
+    start = b'event: message_start\ndata: {"message":{"usage":{"input_tokens":42}}}\n\n'
+    delta = b'event: content_block_delta\ndata: {"delta":{"text":"a"}}\n\n'
+    framer = Framer(token_event="content_block_delta")
+    framer.feed(start + delta + delta)
+    assert (framer.prompt_tokens(), framer.completion_tokens()) == (42, None)

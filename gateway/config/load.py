@@ -22,12 +22,14 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from gateway.config.schema import (
+    UNNAMED_KEY,
     Channel,
     ConfigFile,
     DispatchSection,
     Frozen,
     GatewaySection,
     InstanceConfig,
+    KeyEntry,
     PrefillSection,
     Settings,
 )
@@ -44,12 +46,20 @@ class ConfigError(Exception):
 # ---------------------------------------------------------------- the result
 
 
+class NamedKey(Frozen):
+    """A `channel.keys` entry with its key read from where the entry says."""
+
+    entry: KeyEntry
+    secret: SecretStr
+
+
 class Config(Frozen):
     """Both files, validated, plus what is derived from them once."""
 
     file: ConfigFile
     settings: Settings
-    api_keys: tuple[SecretStr, ...]
+    api_keys: tuple[SecretStr, ...]  # the unnamed keys: one key named `default`
+    named_keys: tuple[NamedKey, ...] = ()
     config_path: str
     settings_path: str
     # --host/--port, kept so that a reload of the files applies them again.
@@ -76,6 +86,11 @@ class Config(Frozen):
     @property
     def instances(self) -> list[InstanceConfig]:
         return self.settings.vllm.instances
+
+    @property
+    def keyed(self) -> bool:
+        """Whether any key is configured (else the gateway runs --open)."""
+        return bool(self.api_keys or self.named_keys)
 
     @property
     def route_prefixes(self) -> tuple[str, ...]:
@@ -125,11 +140,14 @@ class Config(Frozen):
         The keys enter only as their SHA-256 each, so the digest says nothing of them, yet
         a key added or revoked changes it.
         """
-        body = self.model_dump_json(exclude={"api_keys"})  # other secrets dump masked
-        keys = sorted(
-            hashlib.sha256(k.get_secret_value().encode()).hexdigest() for k in self.api_keys
-        )
+        body = self.model_dump_json(exclude={"api_keys", "named_keys"})  # secrets dump masked
+        named = [f"{k.entry.name}={_sha256(k.secret)}" for k in self.named_keys]
+        keys = sorted([_sha256(k) for k in self.api_keys] + named)
         return hashlib.sha256(f"{body}\n{','.join(keys)}".encode()).hexdigest()[:12]
+
+
+def _sha256(secret: SecretStr) -> str:
+    return hashlib.sha256(secret.get_secret_value().encode()).hexdigest()
 
 
 def load(
@@ -149,14 +167,15 @@ def load(
     file = _validate(ConfigFile, raw_file, config_path)
     settings = _validate(Settings, raw_settings, settings_path, {"channel": block})
     keys = _api_keys(file, settings, env, settings_path, block)
-    if not keys and not allow_no_key:
+    named = _named_keys(settings, keys, env, settings_path, block)
+    if not keys and not named and not allow_no_key:
         names = list(
             dict.fromkeys(n for n in (file.gateway.api_key_env, settings.channel.api_key_env) if n)
         )
         where = " or ".join(f"the environment variable {n}" for n in names) or "no variable"
         raise ConfigError(
-            f"no API key configured: set {where}, or channel.api_key in {settings_path}, "
-            "or start with --open to run without a key"
+            f"no API key configured: set {where}, or channel.api_key or channel.keys in "
+            f"{settings_path}, or start with --open to run without a key"
         )
     for spec in settings.vllm.instances:
         if spec.api_key_env and not env.get(spec.api_key_env):
@@ -168,6 +187,7 @@ def load(
         file=file,
         settings=settings,
         api_keys=keys,
+        named_keys=named,
         config_path=str(config_path),
         settings_path=str(settings_path),
         otlp_traces_url=_otlp_traces_url(file, env, config_path),
@@ -226,6 +246,56 @@ def _api_keys(
         if name and env.get(name):
             keys.extend(k.strip() for k in env[name].split(",") if k.strip())
     return tuple(SecretStr(k) for k in dict.fromkeys(keys))
+
+
+def _named_keys(
+    settings: Settings,
+    unnamed: tuple[SecretStr, ...],
+    env: Mapping[str, str],
+    settings_path: Path,
+    block: str,
+) -> tuple[NamedKey, ...]:
+    """Each `channel.keys` entry with its key read; two entries (or an entry and the unnamed
+    keys) with one key are an error, since a request could not say whose it is."""
+    whose: dict[str, str] = {k.get_secret_value(): f"{block}.api_key" for k in unnamed}
+    named: list[NamedKey] = []
+    for index, entry in enumerate(settings.channel.keys):
+        where = f"{settings_path}: {block}.keys[{index}] ({entry.name})"
+        if entry.name == UNNAMED_KEY and unnamed:
+            raise ConfigError(
+                f"{where}: the name {UNNAMED_KEY!r} is the unnamed keys' (api_key, "
+                "api_key_env): give this key another name"
+            )
+        value = _key_value(entry, env, settings_path.parent, where)
+        other = whose.setdefault(value, f"{block}.keys[{index}] ({entry.name})")
+        if other != f"{block}.keys[{index}] ({entry.name})":
+            raise ConfigError(f"{where}: its key is the same as {other}'s: give each its own")
+        named.append(NamedKey(entry=entry, secret=SecretStr(value)))
+    return tuple(named)
+
+
+def _key_value(entry: KeyEntry, env: Mapping[str, str], folder: Path, where: str) -> str:
+    """The key an entry names: its `key`, the variable `key_env` or the file `key_file`
+    (relative to the settings file's folder), stripped; never quoted in an error."""
+    if entry.key is not None:
+        value = entry.key.get_secret_value()
+    elif entry.key_env is not None:
+        if not env.get(entry.key_env):
+            raise ConfigError(f"{where}: key_env: environment variable {entry.key_env} is not set")
+        value = env[entry.key_env]
+    else:
+        assert entry.key_file is not None  # the schema asks for exactly one source
+        path = folder / entry.key_file
+        try:
+            value = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{where}: key_file: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: key_file: {path} is not UTF-8 text") from None
+    value = value.strip()
+    if not value:
+        raise ConfigError(f"{where}: the key is empty")
+    return value
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -309,7 +379,7 @@ def _validate(
             hidden = (
                 error["type"] == "missing"
                 or (isinstance(value, dict | list) and bool(value))
-                or any(isinstance(p, str) and "api_key" in p for p in loc)
+                or any(isinstance(p, str) and ("api_key" in p or p == "key") for p in loc)
             )
             shown = "" if hidden else f" (got {_show(value)})"
             lines.append(f"  {where}: {error['msg']}{shown}")

@@ -14,8 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from pydantic import SecretStr
-
 from gateway.config.load import Config, ConfigError
 from gateway.config.schema import InstanceConfig
 from gateway.config.urls import LOOPBACK, host_key, is_address
@@ -67,7 +65,7 @@ def check(
             )
     where = f"{config.settings_path}: vllm.instances"
     warnings += shared_addresses(config.instances, where, resolve_all(config.instances, resolve))
-    warnings += weak_keys(config.api_keys)
+    warnings += weak_keys(config)
     return warnings
 
 
@@ -79,13 +77,16 @@ PLACEHOLDER_KEYS = frozenset(
 )  # fmt: skip
 
 
-def weak_keys(keys: Iterable[SecretStr]) -> list[str]:
+def weak_keys(config: Config) -> list[str]:
     """A warning for each key that is a known placeholder or shorter than MIN_KEY_LENGTH.
 
-    The warning says which key by its position, never by its value.
+    The warning names a unified key by its position, a `channel.keys` entry by its name,
+    never a key by its value.
     """
+    keys = [(f"the unified key #{n}", k) for n, k in enumerate(config.api_keys, start=1)]
+    keys += [(f"the key {k.entry.name!r}", k.secret) for k in config.named_keys]
     warnings = []
-    for position, secret in enumerate(keys, start=1):
+    for whose, secret in keys:
         key = secret.get_secret_value()
         if key.strip().lower() in PLACEHOLDER_KEYS:
             why = "a placeholder from a sample file"
@@ -93,7 +94,7 @@ def weak_keys(keys: Iterable[SecretStr]) -> list[str]:
             why = f"{len(key)} characters, under {MIN_KEY_LENGTH}"
         else:
             continue
-        warnings.append(f"the unified key #{position} is weak ({why}): anyone may guess it")
+        warnings.append(f"{whose} is weak ({why}): anyone may guess it")
     return warnings
 
 

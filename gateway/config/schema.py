@@ -28,6 +28,10 @@ from gateway.dispatch.strategies import STRATEGIES
 
 # RFC 9110 5.6.2: a field name is a token; a field value has no control character but tab.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A named key's name is a metric label and a Redis key part: short, and nothing to escape.
+KEY_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+# The unnamed keys (`api_key`, `api_key_env`) are one key by this name.
+UNNAMED_KEY = "default"
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -258,10 +262,38 @@ class RetrySettings(Frozen):
     backoff_max: float = Field(8.0, ge=0)
 
 
+class KeyEntry(Frozen):
+    """A named key: who a client is, the models it may use and its limits (channel.keys).
+
+    The key itself comes from exactly one of `key` (usually `"${VAR}"`), `key_env` or
+    `key_file` (read again by a reload: the way to rotate it without a restart).
+    """
+
+    name: str = Field(pattern=KEY_NAME)
+    key: SecretStr | None = None
+    key_env: str | None = None
+    key_file: str | None = None
+    models: list[str] | None = Field(None, min_length=1)  # None: every model
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KeyEntry:
+        given = [f for f in ("key", "key_env", "key_file") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"key {self.name!r}: give exactly one of key, key_env or key_file"
+                + (f", not {' and '.join(given)}" if given else "")
+            )
+        return self
+
+
 class Channel(Frozen):
     base_url: str | None = None
     api_key: SecretStr | list[SecretStr] | None = None
     api_key_env: str | None = None
+    keys: list[KeyEntry] = Field(default_factory=list)
     default_model: str | None = None
     timeout: Timeouts = Timeouts()
     retry: RetrySettings = RetrySettings()
@@ -272,6 +304,16 @@ class Channel(Frozen):
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None:
             check_http_url(value)
+        return value
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_names(cls, value: list[KeyEntry]) -> list[KeyEntry]:
+        seen: dict[str, int] = {}
+        for index, entry in enumerate(value):
+            first = seen.setdefault(entry.name, index)
+            if first != index:
+                raise ValueError(f"key name {entry.name!r} is used twice ([{first}] and [{index}])")
         return value
 
     @field_validator("headers")

@@ -2,7 +2,8 @@
 
 `dispatcher` (queue waits and leases around `gateway.dispatch.Scheduler`), `health` (probes,
 `/metrics` and `/v1/models` scrapes), `shared` and `shared_codec` (the view of the other
-processes' load through Redis), `inputs` (what the config makes of the fleet).
+processes' load through Redis), `shared_limits` (the named keys' counters in Redis),
+`inputs` (what the config makes of the fleet).
 May import: the vocabulary, `gateway.dispatch`, `gateway.config`, `gateway.upstream`,
 `gateway.observe`.
 """

@@ -113,8 +113,9 @@ if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
 end
 return 0
 """
-# KEYS: instances' lease sets; ARGV[1]: lease ms, then one member per key: renew if held.
-_RENEW = """
+# KEYS: lease sets; ARGV[1]: lease ms, then one member per key: renew if held (the strict
+# caps' places, and the named keys' places, shared_limits.py).
+RENEW_LEASES = """
 local t = redis.call('TIME')
 local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
@@ -184,7 +185,7 @@ class SharedState:
         self.listening = False  # subscribed to the others' pushes
         self.strict_caps = strict_caps
         self._claim_script = self._redis.register_script(_CLAIM)
-        self._renew_script = self._redis.register_script(_RENEW)
+        self._renew_script = self._redis.register_script(RENEW_LEASES)
         self._deaf = False  # the listener lost its subscription and has not got it back
 
     async def run_forever(self) -> None:
@@ -214,7 +215,7 @@ class SharedState:
         failures = 0
         while True:
             ok = await self.run_round()
-            _honour_cancel()
+            honour_cancel()
             failures = 0 if ok else failures + 1
             delay = self.interval if ok else min(BACKOFF_MAX, self.interval * 2**failures)
             await asyncio.sleep(delay)
@@ -243,6 +244,12 @@ class SharedState:
         self.rounds += 1
         self._apply()
         return self.round_ok is True
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The connection, for the features that share it (shared_limits.py): bounded
+        timeouts, and a fresh one after each failed round."""
+        return self._redis
 
     async def claim(self, instance: str, ticket: int, cap: int) -> bool | None:
         """Take one of `cap` places on `instance` in Redis: True if ours, False if all are
@@ -293,7 +300,7 @@ class SharedState:
                 raise
             except Exception as exc:  # they expire after LEASE_S in any case
                 self.failed("redis", exc)
-            _honour_cancel()
+            honour_cancel()
 
     async def _renew(self) -> None:
         """Our leases live another LEASE_S: a stream may hold its place for minutes."""
@@ -429,7 +436,7 @@ class SharedState:
                 async with asyncio.timeout(max(0.5, self.interval * 2)):
                     await self._redis.publish(self._channel, message)
                     self.pushes_sent += 1
-            _honour_cancel()
+            honour_cancel()
             await asyncio.sleep(self.push_interval)
 
     async def _listen_forever(self) -> None:
@@ -442,7 +449,7 @@ class SharedState:
                     self._refresh_up()
                     while True:
                         message = await pubsub.get_message(timeout=1.0)
-                        _honour_cancel()
+                        honour_cancel()
                         if message is not None and message.get("type") == "message":
                             self._heard(message["data"])
             except asyncio.CancelledError:
@@ -453,7 +460,7 @@ class SharedState:
                 self.failed("listener", exc)
             self.listening, self._deaf = False, True
             self._refresh_up()
-            _honour_cancel()
+            honour_cancel()
             await asyncio.sleep(min(BACKOFF_MAX, max(self.interval, 0.1)))
 
     def _heard(self, data: bytes | str) -> None:
@@ -557,7 +564,7 @@ class SharedStateCollector(Collector):
         yield errors
 
 
-def _honour_cancel() -> None:
+def honour_cancel() -> None:
     """redis-py (8.1) can swallow a cancellation that lands inside a command: the command
     returns as if nothing happened. Honour the request, or shutdown would wait forever."""
     task = asyncio.current_task()

@@ -24,6 +24,7 @@ class Exchange:
     request_id: str
     started: float
     tag: str = ""
+    key: str = ""  # the name of the key the request carried (never the key itself)
     model: str = ""  # as a metric label: a model the fleet serves, else "other"
     lane: str = ""
     instance: str = ""
@@ -31,10 +32,13 @@ class Exchange:
     attempts: int = 0
     ttft: float | None = None
     tpot: float | None = None
-    tokens: int | None = None
-    prompt_tokens: int = 0
+    tokens: int | None = None  # output tokens: the instance's usage, else those relayed
+    prompt_tokens: int = 0  # the gateway's estimate (the lane's, the key's reservation)
+    usage_prompt_tokens: int | None = None  # the instance's own count, from its usage
     max_tokens: int = 0
+    metered: bool = False  # its route runs the model: its tokens count for its key
     # For the access log only (never labels: unbounded, or chosen by the client).
+    requested_model: str = ""  # the model asked for, when `model` folded it into "other"
     method: str = ""
     path: str = ""
     client: str = ""  # the peer, or the client trusted proxies name (client_address.py)
@@ -53,3 +57,16 @@ class Exchange:
     trace: TraceContext | None = None
     span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
+    refused: str = ""  # why its key's request was refused: model, requests, tokens, concurrent
+
+
+def tokens_used(ex: Exchange) -> tuple[int, int]:
+    """The prompt and completion tokens a request cost its key: the instance's usage where
+    the answer carried it; else the prompt estimate and the output tokens relayed (a stream
+    cut short). Nothing for a route that runs no model, for a request no instance took,
+    or for an error answer; a client that left after its request was sent pays its prompt.
+    """
+    if not ex.metered or not ex.instance or (ex.status >= 400 and ex.status != 499):
+        return 0, 0
+    prompt = ex.prompt_tokens if ex.usage_prompt_tokens is None else ex.usage_prompt_tokens
+    return prompt, ex.tokens or 0

@@ -51,6 +51,17 @@ INSTANCE_STATUSES = ("200", "429", "502", "503", "504")
 # Statuses of inference requests that were placed in a lane (answered by an instance, or
 # turned away by the gateway: queue full / no instance / upstream error or timeout).
 PLACED_STATUSES = ("200", "429", "502", "503", "504")
+# What became of a named key's request (recorder.key_outcome), and its tokens' kinds.
+KEY_OUTCOMES = (
+    "ok",
+    "cut",
+    "error",
+    "denied",
+    "limit_requests",
+    "limit_tokens",
+    "limit_concurrent",
+)
+TOKEN_KINDS = ("prompt", "completion")
 
 
 class Registry(CollectorRegistry):
@@ -87,6 +98,23 @@ class Metrics:
             "Requests answered, by route (unknown paths: 'other'), status, lane, model (those "
             "the fleet serves; others fold into 'other') and (capped) X-Request-Tag.",
             ["route", "status", "lane", "model", "tag"],
+            registry=registry,
+        )
+        self.key_requests = Counter(
+            "gateway_key_requests",
+            "Requests of each key (its name; `default`: the unnamed keys), by model and "
+            "outcome: ok, cut (a stream cut short, a client that left), error, denied (a "
+            "model the key may not use), limit_requests, limit_tokens, limit_concurrent "
+            "(refused by the key's limits).",
+            ["key", "model", "outcome"],
+            registry=registry,
+        )
+        self.key_tokens = Counter(
+            "gateway_key_tokens",
+            "Tokens of each key's requests by model and kind (prompt, completion), as the "
+            "instance counted them in its usage; a stream cut short counts its prompt "
+            "estimate and the output tokens relayed.",
+            ["key", "model", "kind"],
             registry=registry,
         )
         self.instance_requests = Counter(
@@ -289,13 +317,15 @@ class Metrics:
         keyed_routes: Iterable[str] = (),
         models: Iterable[str] = (),
         tag: str = "",
+        keys: Iterable[str] = (),
     ) -> None:
-        """Create at zero the series whose labels the fleet and the routes decide.
+        """Create at zero the series whose labels the fleet, the routes and the keys decide.
 
         Per server: its answers by status (200 and the retryable ones), its error kinds, and
         TTFT, TPOT, SLO and goodput for each lane. Per route: 401 for each route that takes
         a key, 404 for unknown paths ('other'), and for each route that places requests in a
         lane, the statuses of PLACED_STATUSES by lane for each model known now (or none).
+        Per key: its outcomes and token kinds for each model known now.
         """
         lanes = list(self.lane_names.values())
         for server in servers:
@@ -316,6 +346,12 @@ class Metrics:
         tag_label = self.tag_label(tag or NONE)
         self._pinned.add(tag_label)
         known_models = list(models) or [NONE]
+        for key in keys:
+            for model in known_models:
+                for outcome in KEY_OUTCOMES:
+                    self.key_requests.labels(key, model, outcome)
+                for kind in TOKEN_KINDS:
+                    self.key_tokens.labels(key, model, kind)
         for route in placed_routes:
             for lane in lanes:
                 for model in known_models:

@@ -20,7 +20,7 @@ from aiohttp.typedefs import Middleware
 from gateway.config.load import Config
 from gateway.observe import log, request_id
 from gateway.observe.client_address import Network, client_of
-from gateway.observe.exchange import Exchange
+from gateway.observe.exchange import Exchange, tokens_used
 from gateway.observe.metrics import NONE, Metrics
 
 _access = log.get("gateway.access")
@@ -78,9 +78,11 @@ def start_series(
     *,
     keyed: bool,
     models: Iterable[str],
+    keys: Iterable[str] = (),
 ) -> None:
-    """Create the series known at start at zero: POST routes place requests in a lane, and
-    (with `keyed`) every route but the probes and /metrics can answer 401."""
+    """Create the series known at start at zero: POST routes place requests in a lane,
+    (with `keyed`) every route but the probes and /metrics can answer 401, and each of
+    `keys` (the keys' names) has its outcomes and tokens."""
     table = route_table(routes, config.route_prefixes)
     metrics.start_series(
         [i.label for i in config.instances],
@@ -88,7 +90,17 @@ def start_series(
         keyed_routes=[r for r in table if r not in PROBE_ROUTES] if keyed else [],
         models=models,
         tag=config.channel.headers.get("X-Request-Tag", ""),
+        keys=keys,
     )
+
+
+def key_outcome(ex: Exchange) -> str:
+    """What became of a key's request, as `gateway_key_requests_total` counts it."""
+    if ex.refused:
+        return "denied" if ex.refused == "model" else f"limit_{ex.refused}"
+    if ex.status == 499 or ex.cut:
+        return "cut"
+    return "ok" if ex.status < 400 else "error"
 
 
 class Owner(Protocol):
@@ -214,9 +226,22 @@ class Recorder:
         if ttft_ok and tpot_ok:
             self._series_of(self.metrics.goodput, lane, ex.instance).inc()
 
+    def _account_key(self, ex: Exchange) -> None:
+        """Count a request against its key: its outcome, and the tokens it used."""
+        model = ex.model or NONE
+        metrics = self.metrics
+        self._series_of(metrics.key_requests, ex.key, model, key_outcome(ex)).inc()
+        prompt, completion = tokens_used(ex)
+        if prompt:
+            self._series_of(metrics.key_tokens, ex.key, model, "prompt").inc(prompt)
+        if completion:
+            self._series_of(metrics.key_tokens, ex.key, model, "completion").inc(completion)
+
     def record(self, ex: Exchange, duration: float) -> None:
         lane = ex.lane or NONE
         metrics = self.metrics
+        if ex.key and ex.method == "POST":  # the proxied routes (the others are GETs)
+            self._account_key(ex)
         metrics.request_series(
             ex.route,
             str(ex.status),
@@ -241,7 +266,9 @@ class Recorder:
             method=ex.method or None,
             path=ex.path or None,
             route=ex.route,
+            key=ex.key or None,
             model=ex.model or None,
+            requested_model=ex.requested_model or None,
             status=ex.status,
             prompt_tokens=ex.prompt_tokens if ex.lane else None,
             completion_tokens=ex.tokens,
@@ -249,6 +276,7 @@ class Recorder:
             bytes_received=ex.bytes_received,
             bytes_sent=ex.bytes_sent,
             cut=ex.cut,
+            refused=ex.refused or None,
             server=ex.instance or None,
             prefill_server=ex.prefill_instance or None,
             hop=ex.hop_path or None,

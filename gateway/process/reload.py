@@ -29,7 +29,7 @@ from gateway.config.load import Config, ConfigError, load
 from gateway.config.schema import ConfigFile, Settings
 from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
 from gateway.observe import log
-from gateway.proxy.auth import KeyChecker
+from gateway.proxy.tenants import key_checker
 from gateway.server.app import DISPATCHER, HEALTH, PROXY
 
 _log = log.get("gateway.reload")
@@ -115,7 +115,7 @@ def merge(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
 def read_again(old: Config) -> Config:
     """Both files read and validated again (ConfigError if either is bad)."""
     # Started without a key means started with --open: a reload keeps that.
-    return load(old.config_path, old.settings_path, allow_no_key=not old.api_keys)
+    return load(old.config_path, old.settings_path, allow_no_key=not old.keyed)
 
 
 def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
@@ -141,7 +141,7 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
     endpoints = endpoints_of(config)
     specs, limits, policy = scheduler_inputs(config)
     app[DISPATCHER].reconfigure(specs, limits, policy)
-    proxy.reconfigure(config, KeyChecker(k.get_secret_value() for k in config.api_keys), endpoints)
+    proxy.reconfigure(config, key_checker(config), endpoints)
     app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
     proxy.metrics.config_reloads.labels("applied").inc()
     # The files on disk are not what runs while a setting waits for a restart: not a

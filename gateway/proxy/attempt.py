@@ -33,6 +33,7 @@ class Call:
     lane: Lane
     deadline: float  # the clock's time by which its answer must have started
     headers: dict[str, str]  # what every answer to the client carries (request id, tag)
+    hide_usage: bool = False  # the gateway asked for the stream's usage chunk: keep it back
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.proxy import jsoncodec
+
 # pydantic v2's lax `bool` (pydantic-core's `str_as_bool`): these strings, compared
 # without regard to case but not stripped ("0" and "1" have no case).
 _TRUE = frozenset({"1", "t", "true", "y", "yes", "on"})
@@ -54,3 +56,29 @@ def lax_bool(value: Any, field: str) -> bool | None:
 def wants_stream(payload: Mapping[str, Any]) -> bool:
     """Whether vLLM will answer this generation request as a stream (absent: no)."""
     return bool(lax_bool(payload.get("stream"), "stream"))
+
+
+def ask_usage(body: bytes, payload: dict[str, Any]) -> tuple[bytes, bool]:
+    """A stream's body asking vLLM for its usage chunk if the client did not, and whether
+    it did (then the chunk is the gateway's, to keep from the client).
+
+    vLLM sends the chunk when `stream_options` is there and its `include_usage` is not
+    false (absent, it defaults to true). A client that asked for continuous usage stats
+    without the chunk is left alone: turning it on would put usage in every chunk. So is a
+    `stream_options` vLLM would refuse.
+    """
+    options = payload.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            return body, False
+        try:
+            if lax_bool(options.get("include_usage", True), "include_usage"):
+                return body, False  # asked for
+            if lax_bool(options.get("continuous_usage_stats"), "continuous_usage_stats"):
+                return body, False
+        except InvalidField:
+            return body, False  # vLLM answers 400
+    asked = {**(options or {}), "include_usage": True}
+    body = jsoncodec.with_field(body, payload, "stream_options", asked)
+    payload["stream_options"] = asked  # a disaggregated decode hop writes its body from it
+    return body, True

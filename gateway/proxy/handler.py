@@ -39,7 +39,7 @@ from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log, request_id
 from gateway.observe.client_address import networks
-from gateway.observe.exchange import Exchange
+from gateway.observe.exchange import Exchange, tokens_used
 from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.observe.recorder import EXCHANGE, Recorder
 from gateway.proxy import anthropic_body, jsoncodec
@@ -52,9 +52,11 @@ from gateway.proxy.attempt import (
     taken_back,
 )
 from gateway.proxy.auth import KeyChecker
-from gateway.proxy.body import InvalidField, wants_stream
+from gateway.proxy.body import InvalidField, ask_usage, wants_stream
 from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
+from gateway.proxy.limiter import Grant, Limiter
+from gateway.proxy.tenants import DEFAULT, TENANT, Tenant
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay.records import Unusable, Whole
 from gateway.relay.relay import Relay, StreamAnswer
@@ -71,6 +73,7 @@ _log = log.get("gateway.proxy")
 # A long-lane stream may wait this many `timeout.read`s for its first token (and between
 # two events): a long prefill behind others takes longer than a read should.
 LONG_TTFT_FACTOR = 4
+LOGGED_MODEL_CHARS = 100  # of a model name the fleet does not know, in the access line
 
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Endpoint", "Proxy", "Route"]
@@ -83,7 +86,7 @@ class Proxy:
         dispatcher: Dispatcher,
         upstream: Upstream,
         metrics: Metrics,
-        keys: KeyChecker,
+        keys: KeyChecker[Tenant],
         endpoints: dict[str, Endpoint],
         counter: TokenCounter,
         lifecycle: Lifecycle | None = None,
@@ -97,6 +100,7 @@ class Proxy:
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.budget = RetryBudget()  # the core's ratio, 0.2 (docs/decisions/0017)
+        self.limiter = Limiter(dispatcher.clock)  # each named key's limits
         self.affinity = config.dispatch.prefix_index_blocks != 0
         self.clock = dispatcher.clock
         self.spans: Spans | None = None
@@ -123,7 +127,9 @@ class Proxy:
         )
         self.reconfigure(config, keys, endpoints)
 
-    def reconfigure(self, config: Config, keys: KeyChecker, endpoints: dict[str, Endpoint]) -> None:
+    def reconfigure(
+        self, config: Config, keys: KeyChecker[Tenant], endpoints: dict[str, Endpoint]
+    ) -> None:
         """Take a (reloaded) configuration: what is read per request changes from here on.
 
         Requests in progress keep what they read at their start. Endpoints of removed
@@ -158,7 +164,10 @@ class Proxy:
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
         ex.route = route.name  # the middleware records it (recorder.py)
+        ex.metered = route.metered
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
+        tenant = request.get(TENANT, DEFAULT)
+        grant: Grant | None = None  # the key's limits' claim, settled once it is over
         task = asyncio.current_task()
         if task is not None:
             self.lifecycle.track(task)
@@ -182,13 +191,15 @@ class Proxy:
                 stream = route.streams and wants_stream(payload)
             except InvalidField as bad:
                 raise errors.BadRequest(str(bad), param=bad.field) from None
+            hide_usage = False  # whose tokens these are is read from the instance's usage
+            if stream and route.asks_usage:
+                body, hide_usage = ask_usage(body, payload)
             try:
-                model = self.intake.served_model(payload)
-            except errors.ModelNotFound:
-                ex.model = "other"  # counted with the models the fleet does not list
+                model = self.intake.served_model(payload, tenant)
+            except errors.GatewayError:  # not served (404), or not this key's (403)
+                self._label_model(ex, payload.get("model"))
                 raise
-            if model is not None:
-                ex.model = model if self.dispatcher.scheduler.knows_model(model) else "other"
+            self._label_model(ex, model)
             # What the instance renders into the prompt: a Messages body as vLLM converts it.
             prompt = anthropic_body.as_chat(payload) if route.api == "anthropic" else payload
             ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
@@ -196,6 +207,7 @@ class Proxy:
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
+            grant = await self.limiter.admit(tenant, ex, route, headers)
             ticket = self.dispatcher.new_ticket(
                 lane,
                 ex.started + self.request_timeout,
@@ -204,7 +216,7 @@ class Proxy:
                 model=model,
                 prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
             )
-            call = Call(request, route, body, stream, lane, ticket.deadline, headers)
+            call = Call(request, route, body, stream, lane, ticket.deadline, headers, hide_usage)
             if route.disaggregates and self.dispatcher.scheduler.has_prefill_role:
                 return await self._disaggregated(call, ex, ticket, payload)
             return await self._forward(call, ex, ticket)
@@ -226,8 +238,20 @@ class Proxy:
             ex.status = 499  # the client closed the connection (nginx's code for it)
             raise
         finally:
+            if grant is not None:
+                self.limiter.settle(grant, sum(tokens_used(ex)))
             if task is not None:
                 self.lifecycle.done(task)
+
+    def _label_model(self, ex: Exchange, model: object) -> None:
+        """The model as a metric label: a model the fleet knows, else "other" (and then, for
+        the access line only, the name asked for, cut short)."""
+        if not isinstance(model, str):
+            return
+        if self.dispatcher.scheduler.knows_model(model):
+            ex.model = model
+        else:
+            ex.model, ex.requested_model = "other", model[:LOGGED_MODEL_CHARS]
 
     async def _disaggregated(
         self, call: Call, ex: Exchange, ticket: Ticket, payload: dict[str, Any]
@@ -384,7 +408,7 @@ class Proxy:
         if verdict.retry is None and status == 200 and stream is not None:
             first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
             started = await self.relay.first_chunk(
-                stream, first_by - self.clock(), call.route.token_event
+                stream, first_by - self.clock(), call.route.token_event, hide_usage=call.hide_usage
             )
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
@@ -399,7 +423,7 @@ class Proxy:
                 silence=self.ttft_allowance[call.lane],  # between two data events
             )
             ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
-            ex.cut = streamed.cut
+            ex.cut, ex.usage_prompt_tokens = streamed.cut, streamed.prompt_tokens
             return Committed(streamed.response, streamed.outcome, streamed.error)
         whole = await self.relay.whole(
             response, lease.instance, call.headers, max(0.001, call.deadline - self.clock())
@@ -411,7 +435,7 @@ class Proxy:
             return Failed(whole.reason, outcome, whole.error)
         if verdict.retry is not None:
             return Failed(verdict.retry, verdict.outcome, whole)
-        ex.status, ex.tokens = status, whole.tokens
+        ex.status, ex.tokens, ex.usage_prompt_tokens = status, whole.tokens, whole.prompt_tokens
         return Committed(whole.response, verdict.outcome)
 
     def _answer(self, failed: Failed, ex: Exchange) -> web.StreamResponse:

@@ -18,6 +18,7 @@ from gateway.dispatch import Scheduler
 from gateway.observe.metrics import Metrics
 from gateway.proxy import auth, form, jsoncodec
 from gateway.proxy.auth import KeyChecker
+from gateway.proxy.tenants import Tenant
 
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
 # Client headers an instance acts on, passed through (the rest never is): vLLM reads the
@@ -40,14 +41,14 @@ def max_tokens_of(payload: dict[str, Any]) -> int:
 
 class Intake:
     def __init__(
-        self, config: Config, keys: KeyChecker, scheduler: Scheduler, metrics: Metrics
+        self, config: Config, keys: KeyChecker[Tenant], scheduler: Scheduler, metrics: Metrics
     ) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
         self.max_body = config.gateway.max_body_bytes  # the app's own limit: fixed at start
         self.reconfigure(config, keys)
 
-    def reconfigure(self, config: Config, keys: KeyChecker) -> None:
+    def reconfigure(self, config: Config, keys: KeyChecker[Tenant]) -> None:
         """A reloaded configuration: the keys, default tag and body timeout it names."""
         self.keys = keys
         self.default_tag = config.channel.headers.get("X-Request-Tag", "")
@@ -133,19 +134,25 @@ class Intake:
                 f"{self.body_timeout:g} s"
             ) from None
 
-    def served_model(self, payload: dict[str, Any]) -> str | None:
-        """The request's model, if a string; 404 here if no instance serves it."""
+    def served_model(self, payload: dict[str, Any], tenant: Tenant) -> str | None:
+        """The request's model, if a string; 404 here if no instance serves it, 403 if the
+        tenant's key may not use it (the 404 lists only the models the key may use)."""
         model = payload.get("model")
         if not isinstance(model, str):
+            tenant.check_model(None)
             return None  # none at all, or not a string: the instance answers that
         scheduler = self.scheduler
         if not scheduler.model_served(model):
-            served = ", ".join(scheduler.served_models()) or "none yet"
+            models = scheduler.served_models()
+            if tenant.models is not None:
+                models = [m for m in models if m in tenant.models]
+            served = ", ".join(models) or "none yet"
             raise errors.ModelNotFound(
                 f"the model {model[:200]!r} does not exist on this gateway's fleet; "
                 f"available models: {served}",
                 param="model",
             )
+        tenant.check_model(model)
         return model
 
     def _too_large(self) -> errors.PayloadTooLarge:

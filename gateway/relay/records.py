@@ -32,10 +32,11 @@ class Unusable:
 
 @dataclass(frozen=True)
 class Whole:
-    """A complete answer, ready to pass on, and its completion tokens when readable."""
+    """A complete answer, ready to pass on, and its usage's counts when readable."""
 
     response: web.Response
     tokens: int | None
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,10 @@ class Streamed:
     status: int  # 200, or 499 when the client left
     outcome: Outcome  # what it says about the instance
     error: str | None  # why it ended badly, for the instance's record
-    tokens: int | None = None
+    tokens: int | None = None  # output tokens: the usage's, else those relayed
     tpot: float | None = None  # seconds per output token after the first, when measured
     cut: str | None = None  # who cut it short: client, drain or instance (None: it ended)
+    prompt_tokens: int | None = None  # the usage's (None: the stream carried none)
 
 
 def stream_decoder(response: UpstreamResponse) -> Decode | None:

@@ -21,11 +21,13 @@ time is over ends with an in-band 503 error the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import zlib
 from collections.abc import Callable
 from typing import Protocol, cast
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 from gateway import errors
 from gateway.dispatch import Outcome
@@ -76,10 +78,19 @@ class _Out(web.StreamResponse):
     """A stream answer whose bytes written below aiohttp (splice.py) count as its own."""
 
     spliced = 0
+    writer: AbstractStreamWriter | None = None
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        self.writer = await super().prepare(request)
+        return self.writer
 
     @property
     def body_length(self) -> int:
-        return super().body_length + self.spliced
+        # aiohttp counts a stream's bytes when it ends; one cut short counts what was written.
+        written = super().body_length
+        if not written and self.writer is not None:
+            written = self.writer.output_size
+        return written + self.spliced
 
 
 class Relay:
@@ -125,24 +136,31 @@ class Relay:
         # An encoding the gateway did not ask for goes on with the bytes it describes; the
         # token count is then unknown (the usage object is inside the compressed bytes).
         encoding = response.headers.get("Content-Encoding")
-        tokens = None
+        tokens = prompt = None
         if encoding:
             out_headers["Content-Encoding"] = encoding
-        else:
-            tokens = sse.completion_tokens(data, max(0, len(data) - 512))
+        else:  # vLLM writes the usage object last
+            tail = max(0, len(data) - 512)
+            tokens, prompt = sse.completion_tokens(data, tail), sse.prompt_tokens(data, tail)
         answer = web.Response(
             status=response.status,
             body=data,
             headers=out_headers,
             content_type=response.content_type or "application/json",
         )
-        return Whole(answer, tokens)
+        return Whole(answer, tokens, prompt)
 
     async def first_chunk(
-        self, response: StreamAnswer, timeout: float, token_event: str = ""
+        self,
+        response: StreamAnswer,
+        timeout: float,
+        token_event: str = "",
+        *,
+        hide_usage: bool = False,
     ) -> Started | Unusable:
         """Read until the stream's first token, within `timeout` (nothing is sent yet): its
-        first data event, or with `token_event` (the route's) the first of those.
+        first data event, or with `token_event` (the route's) the first of those. With
+        `hide_usage` the usage chunk the gateway asked for is kept from the client.
 
         Comment events before the first data event (keep-alives) are dropped: passing one
         on would commit the 200 before the instance has shown a token, and a retry would
@@ -153,7 +171,7 @@ class Relay:
             decode = stream_decoder(response)
         except ValueError as unknown:
             return Unusable("bad_response", errors.UpstreamError(str(unknown)))
-        framer = sse.Framer(_MAX_EVENT, token_event)
+        framer = sse.Framer(_MAX_EVENT, token_event, hide_usage=hide_usage)
         first = b""
         try:
             async with asyncio.timeout(max(0.001, timeout)):
@@ -218,7 +236,7 @@ class Relay:
         try:
             await out.prepare(call.request)
         except ConnectionResetError:
-            return self._client_left(out)
+            return self._client_left(out)  # nothing of it was sent
         first_at = self.clock()
         # Only a timed route's stream, committed at its first token, measures TTFT and
         # teaches least_time a prefill speed; the Responses API's first event comes before
@@ -227,7 +245,7 @@ class Relay:
         lease.prefill_done(first_at, first_at - sent_at if timed else None)
         transport = call.request.transport
         if transport is None:  # the client left before we could answer
-            return self._client_left(out)
+            return self._client_left(out)  # nothing of it was sent
         broken = await self._splice(out, response, transport, started, silence, route)
         if isinstance(broken, Streamed):
             return broken
@@ -246,19 +264,19 @@ class Relay:
         route = call.route
         if framer.done or (not route.sse_done and sse.finished(framer.last_head, route.end_events)):
             broken = None  # the client has the whole answer: what follows is moot
-        tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
         if broken is not None:
             self.metrics.stream_aborts.labels("upstream").inc()
             _log.warning("stream_aborted", side="upstream", why=broken, held=framer.held)
             message = f"the vLLM instance {lease.instance} {broken}; the answer is incomplete"
             if not await self._end(out, route, message, 502, mid_event=framer.mid_event):
-                return self._client_left(out, tokens)
-            return await self._finish(out, Outcome.FAILURE, "stream_broken", tokens)
-        result = await self._finish(out, Outcome.SUCCESS, None, tokens)
+                return self._client_left(out, framer, route)
+            return await self._finish(out, Outcome.FAILURE, "stream_broken", framer, route)
+        result = await self._finish(out, Outcome.SUCCESS, None, framer, route)
+        tokens = result.tokens
         if result.outcome is Outcome.SUCCESS and route.timed and tokens and tokens > 1:
             tpot = (self.clock() - first_at) / (tokens - 1)
             lease.observe_tpot(tpot)
-            return Streamed(out, result.status, result.outcome, None, tokens, tpot)
+            return dataclasses.replace(result, tpot=tpot)
         return result
 
     async def _splice(
@@ -285,7 +303,7 @@ class Relay:
             else:
                 await out.write(started.first)
         except (ConnectionResetError, TimeoutError):
-            return self._client_left(out)
+            return self._client_left(out, started.framer, route)
         run = splice.Splice(
             response,
             transport,
@@ -300,18 +318,22 @@ class Relay:
             end = await run.done
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not self.aborting or task is None:
-                raise  # the client left (the proxy closes the instance's connection now)
-            task.uncancel()  # the drain deadline passed: end the stream in-band
-            self.metrics.stream_aborts.labels("shutdown").inc()
+            if task is None:
+                raise
+            # Answered, not raised: what was relayed is counted and logged either way (the
+            # proxy closes the instance's connection once the attempt returns).
+            task.uncancel()
+            if not self.aborting:
+                return self._client_left(out, started.framer, route)  # aiohttp saw it go
+            self.metrics.stream_aborts.labels("shutdown").inc()  # the drain deadline passed
             message = "the gateway is shutting down and its drain time is over"
             await self._end(out, route, f"{message}; the answer is incomplete", 503)
-            return await self._finish(out, Outcome.NEUTRAL, "drain_deadline")
+            return await self._finish(out, Outcome.NEUTRAL, "drain_deadline", started.framer, route)
         finally:
             run.stop(watch)
             out.spliced += run.sent
         if end.why is splice.Why.CLIENT:
-            return self._client_left(out)
+            return self._client_left(out, started.framer, route)
         if end.why is splice.Why.QUIET:
             return f"sent no data event for {silence:g}s"
         if end.broken is not None:
@@ -344,17 +366,27 @@ class Relay:
         out: web.StreamResponse,
         outcome: Outcome,
         error: str | None,
-        tokens: int | None = None,
+        framer: sse.Framer,
+        route: Route,
     ) -> Streamed:
         try:
             await out.write_eof()
         except ConnectionResetError:
-            return self._client_left(out, tokens)
-        return Streamed(out, 200, outcome, error, tokens, cut=_CUT_BY.get(error or ""))
+            return self._client_left(out, framer, route)
+        tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
+        cut = _CUT_BY.get(error or "")
+        return Streamed(out, 200, outcome, error, tokens, None, cut, framer.prompt_tokens())
 
-    def _client_left(self, out: web.StreamResponse, tokens: int | None = None) -> Streamed:
+    def _client_left(
+        self, out: web.StreamResponse, framer: sse.Framer | None = None, route: Route = CHAT
+    ) -> Streamed:
+        """The client is gone: a 499 with what was relayed to it (nothing, without a framer)."""
         self.metrics.stream_aborts.labels("client").inc()
-        return Streamed(out, 499, Outcome.NEUTRAL, None, tokens, cut="client")
+        if framer is None:
+            return Streamed(out, 499, Outcome.NEUTRAL, None, 0, cut="client")
+        tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
+        prompt = framer.prompt_tokens()
+        return Streamed(out, 499, Outcome.NEUTRAL, None, tokens, None, "client", prompt)
 
     @staticmethod
     def _stream_tokens(framer: sse.Framer, *, chat: bool) -> int:

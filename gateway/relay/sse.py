@@ -17,6 +17,12 @@ Named events (an `event: <name>` first line, as vLLM writes the Responses API's 
 Anthropic's) are data events too, except Anthropic's keep-alive, `ping`, which is a
 comment. A stream whose first events carry no token (Anthropic's `message_start`) names
 the event that does (`token_event`): the stream has started at the first of those.
+
+The usage: the last data events (or the one before, for Anthropic's `message_delta`)
+carry it, and Anthropic's first (`message_start`) names the prompt's tokens. When the
+gateway asked vLLM for a usage chunk the client did not ask for (`hide_usage`), that
+chunk (vLLM's `"choices":[]` with a `usage` object, before `data: [DONE]`) is kept from
+the client and from the counts: every other byte passes on as it came.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ _DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
 _BLANK_LINE = re.compile(rb"\n\r?\n")  # a line end, then an empty line
 # The Responses API and Anthropic's call them output tokens.
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+# vLLM's usage-only chunk, as pydantic's compact JSON writes it.
+_NO_CHOICES = b'"choices":[]'
+_USAGE = b'"usage":{'
 _EVENT_LINE = re.compile(rb"event:[ ]?([^\r\n]*)\r?\n")
 _KEEP_ALIVE = b"ping"  # Anthropic's keep-alive event, a comment to the framer
 _HEAD = 128
@@ -55,6 +65,17 @@ def completion_tokens(data: bytes, start: int = 0) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def prompt_tokens(data: bytes, start: int = 0) -> int | None:
+    """The first `prompt_tokens` (or `input_tokens`) count in `data[start:]`, if any."""
+    match = _PROMPT_TOKENS.search(data, start)
+    return int(match.group(1)) if match else None
+
+
+def usage_only(event: bytes) -> bool:
+    """Whether a data event is vLLM's usage chunk: no choices, a usage object."""
+    return _NO_CHOICES in event and _USAGE in event
+
+
 def event_name(head: bytes) -> bytes | None:
     """The name an event's first line gives it (`event: message_stop`), if it names one."""
     match = _EVENT_LINE.match(head)
@@ -78,14 +99,19 @@ class Framer:
         "before_last",
         "done",
         "events",
+        "first",
+        "hide_usage",
         "last",
         "last_head",
         "max_event",
         "token_event",
         "tokens",
+        "usage",
     )
 
-    def __init__(self, max_event: int = 64 * 1024, token_event: str = "") -> None:
+    def __init__(
+        self, max_event: int = 64 * 1024, token_event: str = "", *, hide_usage: bool = False
+    ) -> None:
         if max_event < 16:  # [DONE] and the `data:` prefix must fit in an event's head
             raise ValueError(f"max_event must be at least 16 bytes, got {max_event}")
         self.max_event = max_event
@@ -99,6 +125,9 @@ class Framer:
         # The data event before it: Anthropic's usage (`message_delta`) comes just before
         # the event that ends its stream (`message_stop`).
         self.before_last = b""
+        self.first = b""  # the first data event (Anthropic's message_start counts the prompt)
+        self.hide_usage = hide_usage  # keep vLLM's usage chunk from the client
+        self.usage = b""  # that chunk, once kept back
         self._held = b""  # the start of an unfinished event, not passed on yet
         self._open = False  # inside an oversized event whose start was passed on
         self._tail = b""  # the last bytes passed on while `_open`: a blank line may straddle
@@ -120,10 +149,22 @@ class Framer:
         return self.tokens > 0 if self.token_event is not None else self.events > 0
 
     def completion_tokens(self) -> int | None:
-        """The usage's `completion_tokens` (or `output_tokens`), if the last data event or
-        the one before it carried one."""
-        tokens = completion_tokens(self.last)
-        return tokens if tokens is not None else completion_tokens(self.before_last)
+        """The usage's `completion_tokens` (or `output_tokens`), if the usage chunk kept
+        back, the last data event or the one before it carried one."""
+        for event in (self.usage, self.last, self.before_last):
+            tokens = completion_tokens(event)
+            if tokens is not None:
+                return tokens
+        return None
+
+    def prompt_tokens(self) -> int | None:
+        """The usage's `prompt_tokens` (or `input_tokens`): at the end as for the completion
+        tokens, else in the first data event (Anthropic's message_start)."""
+        for event in (self.usage, self.last, self.before_last, self.first):
+            tokens = prompt_tokens(event)
+            if tokens is not None:
+                return tokens
+        return None
 
     def feed(self, data: bytes) -> bytes:
         """The bytes of the events `data` completes, ready to pass on whole."""
@@ -138,20 +179,28 @@ class Framer:
             and data[-3] != 13  # CR
         ):
             # The hot path: one read, one single-line LF data event (vLLM sends one a token).
-            self.events += 1
             if data in _DONE_EVENTS:
                 self.done = True
+            elif self.hide_usage and usage_only(data):
+                self.usage = data
+                return b""
             else:
                 self.before_last = self.last
                 self.last = data if len(data) - 2 <= self.max_event else b""
                 self.last_head = data[:_HEAD]
+            self.events += 1
+            if self.events == 1:
+                self.first = self.last
             return data
         buf = held + data if held else data
         cut = _last_end(buf, max(0, len(held) - 2))
         if cut:
             out, self._held = buf[:cut], buf[cut:]
+            hidden = False
             for event in _BLANK_LINE.split(out):
-                self._classify(event.lstrip(b"\r\n"), whole=True)
+                hidden |= self._classify(event.lstrip(b"\r\n"), whole=True)
+            if hidden:
+                out = _without_usage(out)
         else:
             out, self._held = b"", buf
         # An event too long to hold is passed on as it comes. Its start is classified once
@@ -163,14 +212,18 @@ class Framer:
                 out += self._flush_oversized(start)
         return out
 
-    def _classify(self, event: bytes, *, whole: bool) -> None:
-        """Count one event (leading line ends stripped) if it is a data event."""
+    def _classify(self, event: bytes, *, whole: bool) -> bool:
+        """Count one event (leading line ends stripped) if it is a data event; True if it
+        is the usage chunk to keep back."""
         limit = self.max_event
         head = event if len(event) <= limit else event[:limit]
         if head.startswith(b"data:") or b"\ndata:" in head:
             name = event_name(head)
             if name == _KEEP_ALIVE:
-                return
+                return False
+            if whole and self.hide_usage and usage_only(event):
+                self.usage = event
+                return True
             self.events += 1
             if name is not None and name == self.token_event:
                 self.tokens += 1
@@ -180,6 +233,9 @@ class Framer:
                 self.before_last = self.last
                 self.last = event if whole and len(event) <= limit else b""
                 self.last_head = head[:_HEAD]
+                if self.events == 1:
+                    self.first = self.last
+        return False
 
     def _flush_oversized(self, start: bytes) -> bytes:
         """Pass on the start of an event too long to hold; count it by its first bytes."""
@@ -201,5 +257,19 @@ class Framer:
 
     def __repr__(self) -> str:
         state = "open" if self._open else f"held={len(self._held)}"
+        if self.usage:
+            state += " usage_kept_back"
         tokens = "" if self.token_event is None else f" tokens={self.tokens}"
         return f"<Framer events={self.events}{tokens} done={self.done} {state}>"
+
+
+def _without_usage(out: bytes) -> bytes:
+    """Whole events `out` without the usage chunk among them, every other byte as it was."""
+    kept, start = [], 0
+    for match in _BLANK_LINE.finditer(out):
+        event = out[start : match.end()]
+        if not usage_only(event):
+            kept.append(event)
+        start = match.end()
+    kept.append(out[start:])
+    return b"".join(kept)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import errors
 from gateway.config.load import Config
@@ -30,12 +31,11 @@ from gateway.lifecycle import Lifecycle
 from gateway.observe import recorder, request_id
 from gateway.observe.metrics import Metrics, Registry
 from gateway.observe.peer_metrics import PORTS_ENV, WORKER_HEADER, PeerMetrics
-from gateway.proxy import auth
-from gateway.proxy.auth import KeyChecker
+from gateway.proxy import auth, tenants
 from gateway.proxy.handler import Proxy, Route
 from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
 from gateway.routes import mount
-from gateway.server import middleware
+from gateway.server import middleware, usage
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
 
@@ -80,7 +80,9 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
                 lambda request: request.app[PROXY].spans,
                 (route.name for _, route in mount(config.route_prefixes)),
             ),
-            auth.middleware(lambda request: request.app[PROXY].intake.keys, _UNKEYED),
+            auth.middleware(
+                lambda request: request.app[PROXY].intake.keys, _UNKEYED, tenants.identified
+            ),
         ],
     )
     admin = app[ADMIN] = AdminListener()
@@ -106,6 +108,7 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/instances", _admin_instances)
     app.router.add_get("/admin/config", _admin_config)
+    app.router.add_get("/admin/usage", _admin_usage)
     return app
 
 
@@ -135,7 +138,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         interval=dispatch.health_check_interval,
         probe_timeout=dispatch.health.probe_timeout,
     )
-    keys = KeyChecker(k.get_secret_value() for k in config.api_keys)
+    keys = tenants.key_checker(config)
     counter = _token_counter(config, upstream, dispatcher, endpoints)
     app[METRICS] = metrics
     metrics.serving(config.digest())
@@ -147,7 +150,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(
-        metrics, config, app.router.routes(), keyed=not keys.open, models=scheduler.served_models()
+        metrics,
+        config,
+        app.router.routes(),
+        keyed=not keys.open,
+        models=scheduler.served_models(),
+        keys=[t.name for t in tenants.tenants_of(config)],
     )
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
     try:
@@ -165,8 +173,10 @@ async def _stop(task: asyncio.Task[None]) -> None:
 
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
-    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py)."""
+    """With `[shared] redis_url`: publish our load and read the other processes' (shared.py),
+    and keep the named keys' counters in Redis (shared_limits.py)."""
     from gateway.fleet.shared import SharedState, SharedStateCollector
+    from gateway.fleet.shared_limits import SharedLimits
 
     settings = app[CONFIG].file.shared
     assert settings.redis_url is not None
@@ -182,11 +192,16 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     )
     app[SHARED] = shared
     app[METRICS].registry.register(SharedStateCollector(shared))
+    limits = SharedLimits(shared, settings.namespace)
+    app[PROXY].limiter.shared = limits
     await shared.run_round()  # join the view before the first request, if Redis answers
     task = asyncio.create_task(shared.run_forever(), name="shared-state")
+    settling = asyncio.create_task(limits.run_forever(), name="shared-limits")
     try:
         yield
     finally:
+        app[PROXY].limiter.shared = None
+        await _stop(settling)
         await _stop(task)
         await shared.close()
 
@@ -283,6 +298,9 @@ async def _models(request: web.Request) -> web.StreamResponse:
             for model in sorted(instance.pinned_models - listed):
                 data.append({"id": model, "object": "model", "owned_by": "vllm"})
                 listed.add(model)
+    allowed = request.get(tenants.TENANT, tenants.DEFAULT).models
+    if allowed is not None:  # a key sees only the models it may use, as OpenAI lists them
+        data = [m for m in data if m["id"] in allowed]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -319,13 +337,29 @@ async def _admin_config(request: web.Request) -> web.StreamResponse:
         "config_path": config.config_path,
         "settings_path": config.settings_path,
         "waiting_for_restart": proxy.waiting_for_restart,
-        "keys": len(config.api_keys),
+        "keys": len(config.api_keys) + len(config.named_keys),
         "config": _without_credentials(config.file.model_dump(mode="json")),
         "settings": _without_credentials(
             _redacted_settings(config.settings.model_dump(mode="json"))
         ),
     }
     return web.json_response(body)
+
+
+async def _admin_usage(request: web.Request) -> web.StreamResponse:
+    """Each key's use since start (every worker's with --workers), its limits and what is
+    left of them now (server/usage.py)."""
+    proxy = request.app[PROXY]
+    peers = request.app.get(PEERS)
+    if peers is not None:
+        text = (await peers.exposition()).decode()
+        families = list(text_string_to_metric_families(text))
+    else:
+        families = list(request.app[METRICS].registry.collect())
+    configured = tenants.tenants_of(proxy.config)
+    standings = {t.name: await proxy.limiter.standings(t) for t in configured if t.limits.any}
+    body = usage.report(configured, families, standings)
+    return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
 
 
 def _redacted_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from fakes import fleet
 
 from gateway.sim.sim_vllm import SimConfig
 from loadtest import compare, overload_bench, report, scenarios, soak
+from loadtest import tenants as tenants_bench
 from loadtest.__main__ import main
 from loadtest.loadgen import Client, Mix, make_workload, run_open, session
 from loadtest.overhead import OverheadOptions, overhead
@@ -326,3 +327,31 @@ async def test_overload_smoke(tmp_path: Path) -> None:
     assert sum(saved["loads"]["3"]["setups"]["admission"]["refused"].values()) > 0
     assert body["loads"]["1"]["setups"]["admission"]["goodput_share_of_base"] == 1.0
     assert (tmp_path / "overload.png").exists() == report.can_plot()
+
+
+async def test_tenants_smoke(tmp_path: Path) -> None:
+    """tenants with small limits driven hard: with Redis two replicas together admit what
+    one bucket allows, and every refusal has OpenAI's headers; without, each replica
+    admits its own bucket's worth."""
+    keys = (
+        tenants_bench.LimitedKey("requests", "requests", 6, 10, 4),
+        tenants_bench.LimitedKey("tokens", "tokens", 600, 40, 20),
+    )
+    opts = tenants_bench.TenantsOptions(
+        replicas=2, window=6.0, overdrive=30.0, keys=keys, cost_requests=0
+    )
+    body = await tenants_bench.tenants(opts, common(tmp_path))
+    saved = json.loads((tmp_path / "tenants.json").read_text())
+    assert set(saved["limits"]) == {"with_redis", "without_redis"}
+    shared = body["limits"]["with_redis"]["keys"]
+    alone = body["limits"]["without_redis"]["keys"]
+    for name, key in shared.items():
+        assert key["refused"] > 0
+        assert key["refusals_with_openai_headers"] == key["refused"]
+        assert key["other_statuses"] == []
+        assert key["admitted"] <= key["due"]
+        assert key["answers_with_ratelimit_headers"] == key["admitted_requests"]
+        assert sum(r["admitted"] for r in key["per_replica"]) == key["admitted"]
+        assert alone[name]["admitted"] > key["admitted"]  # each replica its own bucket
+    assert shared["requests"]["admitted"] == 6  # the burst; a seventh is 10 s away
+    assert [r["admitted"] for r in alone["requests"]["per_replica"]] == [6, 6]

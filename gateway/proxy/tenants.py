@@ -1,0 +1,81 @@
+"""Who a request is: the named key it carries, the models that key may use, and its limits.
+
+Each `channel.keys` entry is a tenant, known by its name; the unnamed keys (`api_key`,
+`api_key_env`) are one tenant named `default`, with every model and no limits, and so is
+every request to a gateway started --open. The auth middleware (auth.py) finds the key
+among the digests and calls `identified`, which leaves the tenant on the request for the
+handler and names it in the access line (its name, never its key). A reload builds a new
+table (`key_checker`), so a key added, changed or revoked counts from the next request on.
+
+A per-key setting still to come (a priority class, say) is a field of `Tenant`, read from
+its `KeyEntry` in `tenant_of`: the handler already has the tenant of every request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.config.load import Config
+from gateway.config.schema import UNNAMED_KEY, KeyEntry
+from gateway.dispatch.key_limits import KeyLimits
+from gateway.observe.recorder import EXCHANGE
+from gateway.proxy.auth import KeyChecker
+
+_MODEL_CHARS = 100  # of a requested model quoted back in an error
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A configured key, by its name: the models it may use (None: any) and its limits."""
+
+    name: str
+    models: frozenset[str] | None = None
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+    def check_model(self, model: str | None) -> None:
+        """403 unless the key may use `model` (naming none, when it is restricted, is not
+        allowed either: the instance would pick one)."""
+        if self.models is None or model in self.models:
+            return
+        allowed = ", ".join(sorted(self.models))
+        named = f"model {model[:_MODEL_CHARS]!r}" if model is not None else "no model"
+        raise errors.ModelNotAllowed(
+            f"the key {self.name!r} does not have access to {named}; it may use: {allowed}",
+            param="model",
+        )
+
+
+DEFAULT = Tenant(UNNAMED_KEY)
+TENANT = web.RequestKey("tenant", Tenant)
+
+
+def tenant_of(entry: KeyEntry) -> Tenant:
+    models = frozenset(entry.models) if entry.models is not None else None
+    limits = KeyLimits(entry.requests_per_minute, entry.tokens_per_minute, entry.max_concurrent)
+    return Tenant(entry.name, models, limits)
+
+
+def tenants_of(config: Config) -> list[Tenant]:
+    """Every tenant the configuration names: `default` first if it has unnamed keys (or
+    none at all: --open), then each named key in order."""
+    named = [tenant_of(k.entry) for k in config.named_keys]
+    return [DEFAULT, *named] if config.api_keys or not named else named
+
+
+def key_checker(config: Config) -> KeyChecker[Tenant]:
+    """The keys in force, each with its tenant; without any, every request is `default`."""
+    keys = [(k.get_secret_value(), DEFAULT) for k in config.api_keys]
+    keys += [(k.secret.get_secret_value(), tenant_of(k.entry)) for k in config.named_keys]
+    return KeyChecker(keys, anonymous=DEFAULT)
+
+
+def identified(request: web.Request, tenant: Tenant) -> None:
+    """The auth middleware found the request's key: the handler reads the tenant from the
+    request, the access line its name."""
+    request[TENANT] = tenant
+    ex = request.get(EXCHANGE)
+    if ex is not None:
+        ex.key = tenant.name
