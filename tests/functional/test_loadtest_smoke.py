@@ -205,16 +205,24 @@ async def test_overhead_smoke(tmp_path: Path, figures: list[str]) -> None:
     for key in ("cpu_instant", "cpu_paced"):
         assert body[key]["run"]["ok"] == 40
         assert body[key]["gateway_cpu_s"] >= 0
-    # Side by side: direct and the gateway always, nginx and vllm-router where installed.
+    # Side by side: direct and the gateway always, nginx and vllm-router (round robin and
+    # cache_aware) where installed; instant also alone (c=1).
     cells = body["fronts"]["cells"]
     assert set(cells) == {"instant", "paced"}
+    assert set(cells["instant"]) == {"1", "32"}
     assert set(cells["paced"]) == {"32", "128"}
-    for by_front in (cells["instant"]["32"], cells["paced"]["32"], cells["paced"]["128"]):
+    for by_front in (
+        cells["instant"]["1"],
+        cells["instant"]["32"],
+        cells["paced"]["32"],
+        cells["paced"]["128"],
+    ):
         assert {"direct", "gateway"} <= set(by_front)
         assert set(by_front) | set(body["fronts"]["skipped"]) == {
             "direct",
             "gateway",
             "nginx",
+            "vllm-router-rr",
             "vllm-router",
         }
         for name, cell in by_front.items():
