@@ -20,7 +20,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 
+from gateway.proxy.disaggregate import prefill_body
 from loadtest.disagg.slo import Outcome
 from loadtest.harness import KEY
 
@@ -52,17 +54,8 @@ def completion(
 
 
 def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg of `body`, as vLLM's disaggregation proxies send it."""
-    leg = {**body, "max_tokens": 1, "stream": False}
-    leg.pop("stream_options", None)
-    leg["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    """The prefill leg of `body`, as the gateway (and vLLM's own proxies) send it."""
+    leg: dict[str, Any] = orjson.loads(prefill_body(body))
     return leg
 
 
