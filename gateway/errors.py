@@ -7,6 +7,7 @@
     │   └── InvalidHeader             400 invalid_header
     ├── Unauthorized                  401 invalid_api_key
     ├── ModelNotAllowed               403 model_not_found       (a key without the model)
+    ├── AdminOnly                     403 admin_only            (/admin/* with a client's key)
     ├── NotFound                      404 not_found
     │   └── ModelNotFound             404 model_not_found
     ├── MethodNotAllowed              405 method_not_allowed
@@ -119,6 +120,15 @@ class ModelNotAllowed(GatewayError):
     status = 403
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class AdminOnly(GatewayError):
+    """A named key without `admin` asked for an /admin route: the fleet's config and every
+    key's usage are the operator's, not one client's to read."""
+
+    status = 403
+    type = "permission_error"
+    code = "admin_only"
 
 
 class NotFound(GatewayError):

@@ -277,6 +277,9 @@ class KeyEntry(Frozen):
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=1)
+    # Opens /admin/* (the fleet's config, every key's usage): the unnamed keys always do,
+    # a named key only with this, so a client's key never reads its neighbours' usage.
+    admin: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> KeyEntry:

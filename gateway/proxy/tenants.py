@@ -25,6 +25,7 @@ from gateway.observe.recorder import EXCHANGE
 from gateway.proxy.auth import KeyChecker
 
 _MODEL_CHARS = 100  # of a requested model quoted back in an error
+ADMIN_PATHS = "/admin/"  # the operator's routes (server/app.py)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Tenant:
     name: str
     models: frozenset[str] | None = None
     limits: KeyLimits = field(default_factory=KeyLimits)
+    admin: bool = False  # may read /admin/*: the operator's unnamed keys, or `admin` set
 
     def check_model(self, model: str | None) -> None:
         """403 unless the key may use `model` (naming none, when it is restricted, is not
@@ -48,14 +50,14 @@ class Tenant:
         )
 
 
-DEFAULT = Tenant(UNNAMED_KEY)
+DEFAULT = Tenant(UNNAMED_KEY, admin=True)
 TENANT = web.RequestKey("tenant", Tenant)
 
 
 def tenant_of(entry: KeyEntry) -> Tenant:
     models = frozenset(entry.models) if entry.models is not None else None
     limits = KeyLimits(entry.requests_per_minute, entry.tokens_per_minute, entry.max_concurrent)
-    return Tenant(entry.name, models, limits)
+    return Tenant(entry.name, models, limits, admin=entry.admin)
 
 
 def tenants_of(config: Config) -> list[Tenant]:
@@ -79,3 +81,8 @@ def identified(request: web.Request, tenant: Tenant) -> None:
     ex = request.get(EXCHANGE)
     if ex is not None:
         ex.key = tenant.name
+    if not tenant.admin and request.path.startswith(ADMIN_PATHS):
+        raise errors.AdminOnly(
+            f"the key {tenant.name!r} may not read /admin: the unnamed keys may, and a "
+            'named key with "admin": true'
+        )

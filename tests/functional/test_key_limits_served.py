@@ -252,3 +252,33 @@ async def test_admin_usage_shows_each_keys_use_limits_and_what_is_left() -> None
     assert 10_000 - spent <= left["tokens"]["remaining"] < 10_000 - spent + 100
     assert left["counted_in"] == "process"
     assert page["since"] > 0
+
+
+async def test_a_named_key_reads_admin_only_when_it_is_an_admin_key() -> None:
+    """/admin/* holds the fleet's config and every key's usage: a client's named key gets
+    403 there (its neighbours' use is not its to read); the unnamed key, and a named key
+    with "admin": true, get in. The key's own API routes are not affected."""
+    keys = [
+        {"name": "client", "key": LIMITED_KEY},
+        {"name": "ops", "key": "sk-ops-0123456789abcdef", "admin": True},
+    ]
+    async with (
+        fleet(INSTANT) as sims,
+        gateway_with(sims, channel={"keys": keys}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        statuses = {}
+        for name, key in (("client", LIMITED_KEY), ("ops", keys[1]["key"]), ("unified", KEY)):
+            for path in ("/admin/usage", "/admin/config", "/admin/instances"):
+                headers = {"Authorization": f"Bearer {key}"}
+                async with s.get(gw.url + path, headers=headers) as resp:
+                    statuses[name, path] = resp.status
+                    if resp.status == 403:
+                        body = await resp.json()
+                        assert body["error"]["code"] == "admin_only"
+        answer = await chat(client(gw))
+    assert {k: v for k, v in statuses.items() if k[0] == "client"} == {
+        ("client", p): 403 for p in ("/admin/usage", "/admin/config", "/admin/instances")
+    }
+    assert all(v == 200 for k, v in statuses.items() if k[0] != "client")
+    assert answer.parse().choices
