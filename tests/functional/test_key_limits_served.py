@@ -265,6 +265,7 @@ async def test_a_named_key_reads_admin_only_when_it_is_an_admin_key() -> None:
     async with (
         fleet(INSTANT) as sims,
         gateway_with(sims, channel={"keys": keys}) as gw,
+        client(gw) as c,
         aiohttp.ClientSession() as s,
     ):
         statuses = {}
@@ -276,7 +277,7 @@ async def test_a_named_key_reads_admin_only_when_it_is_an_admin_key() -> None:
                     if resp.status == 403:
                         body = await resp.json()
                         assert body["error"]["code"] == "admin_only"
-        answer = await chat(client(gw))
+        answer = await chat(c)
     assert {k: v for k, v in statuses.items() if k[0] == "client"} == {
         ("client", p): 403 for p in ("/admin/usage", "/admin/config", "/admin/instances")
     }
