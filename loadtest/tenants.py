@@ -185,7 +185,10 @@ def _key_report(
 ) -> dict[str, Any]:
     mine = [a for a in answers if a.key == key.name]
     admitted = [a for a in mine if a.status == 200]
-    refused = [a for a in mine if a.status == 429]
+    # The key's own refusals; a 429 of the gateway's admission (it predicted too long a
+    # wait: "overloaded") says nothing of the key's limit and is counted apart.
+    refused = [a for a in mine if a.status == 429 and a.error.get("code") == "rate_limit_exceeded"]
+    overloaded = sum(1 for a in mine if a.status == 429) - len(refused)
     taken = len(admitted) if key.kind == "requests" else sum(a.used for a in admitted)
     due = key.limit * (1 + span / 60)
     first_refusal = min((a.sent for a in refused), default=None)
@@ -224,6 +227,7 @@ def _key_report(
         "refused": len(refused),
         "refusals_with_openai_headers": sum(_refusal_ok(a, key) for a in refused),
         "other_statuses": sorted({a.status for a in mine} - {200, 429}),
+        "refused_by_admission": overloaded,
         "answers_with_ratelimit_headers": sum(
             f"x-ratelimit-limit-{key.kind}" in a.headers for a in admitted
         ),
