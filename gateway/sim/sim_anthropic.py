@@ -33,6 +33,7 @@ from .sim_engine import (
     VOCAB,
     ApiError,
     Dropped,
+    DyingWriter,
     Faults,
     SimConfig,
     SimStats,
@@ -251,20 +252,12 @@ class AnthropicRoutes:
         die_after = sim.faults.die_after_chunks
         resp: web.StreamResponse | None = None
         dropped = done = False
-        sent = 0
-
-        async def send(events: list[bytes]) -> None:
-            nonlocal sent
-            assert resp is not None
-            for event in events:
-                if die_after is not None and sent >= die_after:
-                    raise Dropped
-                await resp.write(event)
-                sent += 1
+        writer = DyingWriter(die_after)
 
         try:
             if parsed.stream:
                 resp = await sim._start_stream(request)
+                writer.resp = resp
             elif die_after is not None:
                 raise Dropped
             while len(message.words) < max_tokens:
@@ -272,7 +265,7 @@ class AnthropicRoutes:
                     break
                 message.words.append(VOCAB[len(message.words) % len(VOCAB)])
                 if resp is not None:
-                    await send(message.token_events())
+                    await writer.send(message.token_events())
             if req is None:
                 sim.stats.prompt_tokens += prompt_tokens
                 sim.stats.generation_tokens += len(message.words)
@@ -280,7 +273,7 @@ class AnthropicRoutes:
             done = True
             if resp is None:
                 return _json(message.whole())
-            await send(message.tail_events())
+            await writer.send(message.tail_events())
             return resp
         except Dropped:
             dropped = True

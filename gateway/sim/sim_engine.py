@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
@@ -199,6 +199,28 @@ class Faults:
 
 class Dropped(Exception):
     """The simulated server died mid-request (Faults.die_after_chunks)."""
+
+
+class _Writable(Protocol):
+    async def write(self, data: bytes) -> None: ...
+
+
+class DyingWriter:
+    """Writes a streamed answer's events, and dies as `Faults.die_after_chunks` says:
+    `Dropped` instead of the event past that many (every route streams through one)."""
+
+    def __init__(self, die_after: int | None) -> None:
+        self.die_after = die_after
+        self.resp: _Writable | None = None  # the started stream
+        self.sent = 0
+
+    async def send(self, events: list[bytes]) -> None:
+        assert self.resp is not None
+        for event in events:
+            if self.die_after is not None and self.sent >= self.die_after:
+                raise Dropped
+            await self.resp.write(event)
+            self.sent += 1
 
 
 class ApiError(Exception):

@@ -26,6 +26,7 @@ from .sim_engine import (
     VOCAB,
     ApiError,
     Dropped,
+    DyingWriter,
     Faults,
     Generation,
     SimConfig,
@@ -300,20 +301,12 @@ class SimInstance:
         )
         resp: web.StreamResponse | None = None
         dropped = done = False
-        sent = 0
-
-        async def send(events: list[bytes]) -> None:
-            nonlocal sent
-            assert resp is not None
-            for event in events:
-                if die_after is not None and sent >= die_after:
-                    raise Dropped
-                await resp.write(event)
-                sent += 1
+        writer = DyingWriter(die_after)
 
         try:
             if stream:
                 resp = await self._start_stream(request)
+                writer.resp = resp
             elif die_after is not None:
                 raise Dropped
             while len(gen.tokens) < max_tokens:
@@ -321,7 +314,7 @@ class SimInstance:
                     break
                 gen.tokens.append(self._rng.choice(VOCAB))
                 if stream:
-                    await send(gen.token_events(last=len(gen.tokens) == max_tokens))
+                    await writer.send(gen.token_events(last=len(gen.tokens) == max_tokens))
             if req is None:
                 self.stats.prompt_tokens += prompt_tokens
                 self.stats.generation_tokens += max_tokens
@@ -338,7 +331,7 @@ class SimInstance:
                 if produced is not None:
                     answer["kv_transfer_params"] = produced
                 return _json(answer)
-            await send(gen.tail_events(include_usage))
+            await writer.send(gen.tail_events(include_usage))
             done = True
             return resp
         except Dropped:
