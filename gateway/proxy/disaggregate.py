@@ -34,7 +34,7 @@ from gateway.dispatch import Hop, Outcome, Ticket, judge_status
 from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.observe import log
 from gateway.observe.exchange import Exchange
-from gateway.observe.metrics import Metrics
+from gateway.observe.metrics import FALLBACK_REASONS, Metrics
 from gateway.proxy.attempt import Call, send_headers
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
@@ -54,8 +54,9 @@ PREFILL_PARAMS: Mapping[str, Any] = {
 # Prefill instances tried before the decode instance prefills the prompt itself: a
 # second covers one instance dying; beyond it the local prefill is sooner.
 PREFILL_ATTEMPTS = 2
-# How a prefill hop ended without params (metrics.FALLBACK_REASONS, but REFUSED).
-FAILED, UNPLACED, NO_PARAMS, REFUSED = "prefill_failed", "unplaced", "no_params", "refused"
+# How a prefill hop ended without params: a fallback (the metric's reasons), or REFUSED.
+FAILED, UNPLACED, NO_PARAMS = FALLBACK_REASONS
+REFUSED = "refused"
 _AT_MOST_ONE = ("min_tokens", "min_completion_tokens")
 
 
