@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from .sim_engine import SCHEDULING_POLICIES
 from .sim_vllm import SimConfig, SimInstance
 
 __all__ = ["main", "start_fleet", "stop_fleet"]
@@ -99,6 +100,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default=SimConfig.max_num_batched_tokens,
         help="token budget per engine step, decodes and prefill chunks (vLLM's flag)",
     )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=SimConfig.scheduling_policy,
+        help="the order waiting requests start in (vLLM's flag): arrival, or the request's "
+        "`priority` (lower first) then arrival",
+    )
     parser.add_argument("--model", default=SimConfig.model, help="model name the instances serve")
     parser.add_argument("--api-key", default=None, help="key the instances require (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="instance i gets seed+i")
@@ -170,6 +178,7 @@ async def _run(args: argparse.Namespace) -> None:
             max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduling_policy=args.scheduling_policy,
             api_key=args.api_key,
             instant=args.instant,
             decode_slowdown_per_seq=args.decode_slowdown,

@@ -244,6 +244,7 @@ class AnthropicRoutes:
             max_tokens = parse_max_tokens(
                 {"max_tokens": parsed.max_tokens}, sim.config.default_max_tokens, prompt_tokens
             )
+            # vLLM's AnthropicMessagesRequest has no `priority`: every message is priority 0.
             req = None if sim.config.instant else sim._submit(prompt_tokens, max_tokens, ids)
         except ApiError as exc:
             raise AnthropicError(exc.status, exc.message) from None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import collections
+import itertools
 from collections.abc import Callable, Sequence
 
 from .sim_engine import KV_TOKENS_PER_SEQ, SimConfig, SimStats
 from .sim_prefix_cache import PrefixCache, block_hashes
+from .sim_queue import FcfsQueue, PriorityQueue, waiting_queue
 
 
 class EngineBusy(Exception):
@@ -20,19 +21,28 @@ class EngineRequest:
     __slots__ = (
         "_queue",
         "active",
+        "arrival",
         "cached",
         "generated",
         "hashes",
         "max_tokens",
         "prefilled",
+        "priority",
         "prompt_tokens",
     )
 
     def __init__(
-        self, prompt_tokens: int, max_tokens: int, hashes: list[int] | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        hashes: list[int] | None = None,
+        priority: int = 0,
+        arrival: int = 0,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        self.priority = priority  # vLLM's request field: lower is served first
+        self.arrival = arrival  # the engine's count of requests before it
         self.hashes = hashes  # the prompt's block hashes, when the prefix cache is on
         self.cached = 0  # prompt tokens found in the prefix cache at admission
         self.prefilled = 0
@@ -51,9 +61,12 @@ class EngineRequest:
 
 
 class Engine:
-    """Continuous batching: FIFO admission into max_num_seqs slots, chunked prefill, decode steps.
+    """Continuous batching: admission into max_num_seqs slots in the order of the scheduling
+    policy (sim_queue.py), chunked prefill, decode steps.
 
     The step loop runs as a task only while there is work, so an idle instance costs nothing.
+    There is no KV pressure, so nothing is preempted: the priority policy orders the waiting
+    queue and never evicts a running request (vLLM preempts only when KV blocks run out).
     """
 
     def __init__(
@@ -67,7 +80,10 @@ class Engine:
         self.config = config
         self.speed = config.speed
         self._stats = stats
-        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._waiting: FcfsQueue[EngineRequest] | PriorityQueue[EngineRequest] = waiting_queue(
+            config.scheduling_policy
+        )
+        self._arrivals = itertools.count()
         self._running: list[EngineRequest] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -95,8 +111,11 @@ class Engine:
         max_tokens: int,
         token_ids: Sequence[int] | None = None,
         computed: int = 0,
+        priority: int = 0,
     ) -> EngineRequest:
         """Queue a request; raises EngineBusy when the waiting queue is full.
+
+        priority: the request's own; orders the waiting queue under the priority policy.
 
         token_ids (the prompt's, when known) let the prefix cache skip a cached prefix.
         computed: prompt tokens whose KV is already here (read from a prefill instance); only
@@ -108,7 +127,9 @@ class Engine:
         if self.prefix_cache is not None and token_ids is not None:
             hashes = block_hashes(token_ids, self.config.block_size)
         # Every prompt costs at least one prefill token, so each request reaches decode.
-        req = EngineRequest(max(1, prompt_tokens), max_tokens, hashes)
+        req = EngineRequest(
+            max(1, prompt_tokens), max_tokens, hashes, priority, next(self._arrivals)
+        )
         req.prefilled = max(0, min(computed, req.prompt_tokens - 1))
         # A request that finds a free slot is admitted at once rather than at the next step
         # boundary, so that admission control only counts requests that really queue.
@@ -117,7 +138,7 @@ class Engine:
         elif self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
             raise EngineBusy("waiting queue full")
         else:
-            self._waiting.append(req)
+            self._waiting.add(req)
         self._sync_stats()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -157,7 +178,7 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
-            self._start(self._waiting.popleft())
+            self._start(self._waiting.pop())
         self._sync_stats()
 
     def _start(self, req: EngineRequest) -> None:

@@ -12,14 +12,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 MAX_MODEL_LEN = 32768
 # KV capacity per running slot, so kv_cache_usage_perc reaches 1.0 only with full, long sequences.
 KV_TOKENS_PER_SEQ = 2048
 _VOCAB_SIZE = 32000
+# vLLM's --scheduling-policy values the simulator models (vLLM also has "sjf").
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 # Ids reserved for the chat template's per-message framing tokens.
 _TEMPLATE_IDS = (1, 2, 3, 4)
 # Every word is exactly 4 bytes, so count_tokens() of generated text equals the tokens generated.
@@ -43,6 +46,8 @@ class SimConfig:
     max_num_seqs: int = 16  # running slots
     max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
     max_waiting: int | None = None  # queued requests beyond this get 503 engine busy
+    # vLLM's --scheduling-policy: the order the waiting queue is served in (sim_queue.py).
+    scheduling_policy: SchedulingPolicy = "fcfs"
     default_max_tokens: int = 16
     api_key: str | None = None  # like vLLM --api-key: guards /v1/* only
     instant: bool = False  # no timing model: answer at once
@@ -74,6 +79,11 @@ class SimConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.prefix_cache_blocks < 0 or self.block_size < 1:
             raise ValueError("prefix_cache_blocks must be >= 0 and block_size >= 1")
         if self.model in self.lora_adapters:
@@ -293,6 +303,29 @@ def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise ApiError(400, problems) from None
     options = fields.stream_options
     return bool(fields.stream), bool(options is not None and options.include_usage)
+
+
+class _PriorityField(BaseModel):
+    """The `priority` field of vLLM's request models (its PriorityRequestMixin)."""
+
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+
+def parse_priority(body: Mapping[str, Any]) -> int:
+    """A generation or pooling request's `priority`, as vLLM validates it (lax: "3" is 3).
+
+    Lower is served earlier under the priority policy. Under fcfs vLLM (v1 engine) takes any
+    value and ignores it: the check that refused a nonzero one went with the v0 engine.
+    """
+    try:
+        return _PriorityField.model_validate(
+            {"priority": body["priority"]} if "priority" in body else {}
+        ).priority
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ApiError(400, problems) from None
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -37,6 +37,7 @@ from .sim_engine import (
     embedding_inputs,
     embedding_vector,
     parse_max_tokens,
+    parse_priority,
     parse_stream,
     prompt_token_count,
     prompt_token_ids,
@@ -230,9 +231,10 @@ class SimInstance:
         max_tokens: int,
         token_ids: list[int] | None = None,
         computed: int = 0,
+        priority: int = 0,
     ) -> EngineRequest:
         try:
-            return self.engine.submit(prompt_tokens, max_tokens, token_ids, computed)
+            return self.engine.submit(prompt_tokens, max_tokens, token_ids, computed, priority)
         except EngineBusy as exc:
             self.stats.rejected += 1
             raise ApiError(503, BUSY_MESSAGE) from exc
@@ -276,6 +278,7 @@ class SimInstance:
     ) -> web.StreamResponse:
         max_tokens = parse_max_tokens(body, self.config.default_max_tokens, prompt_tokens)
         stream, include_usage = parse_stream(body)
+        priority = parse_priority(body)
         prefix = "chatcmpl-" if chat else "cmpl-"
         # vLLM names the adapter that answered, or else the base model.
         model = body.get("model")
@@ -297,7 +300,7 @@ class SimInstance:
         req = (
             None
             if self.config.instant
-            else self._submit(prompt_tokens, max_tokens, token_ids, computed)
+            else self._submit(prompt_tokens, max_tokens, token_ids, computed, priority)
         )
         resp: web.StreamResponse | None = None
         dropped = done = False
@@ -369,6 +372,7 @@ class SimInstance:
         await self._apply_faults()
         body = await self._read_body(request)
         inputs = embedding_inputs(body.get("input"))
+        priority = parse_priority(body)
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
             raise ApiError(400, f"Unsupported encoding_format: {encoding}")
@@ -381,7 +385,7 @@ class SimInstance:
             self.stats.prompt_tokens += total
             self.stats.completed += 1
         else:
-            req = self._submit(total, 0)
+            req = self._submit(total, 0, priority=priority)
             try:
                 while await req.next_token() is not None:
                     pass
