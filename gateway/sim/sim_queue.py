@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from .sim_engine import SchedulingPolicy
 
 
-class Queued(Protocol):
+class Waiter(Protocol):
     """What the queues read of a request: its priority and its arrival number."""
 
     @property
@@ -26,7 +26,7 @@ class Queued(Protocol):
     def arrival(self) -> int: ...
 
 
-T = TypeVar("T", bound=Queued)
+T = TypeVar("T", bound=Waiter)
 
 
 class FcfsQueue(Generic[T]):
