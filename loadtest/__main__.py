@@ -1,5 +1,5 @@
 """`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead,
-tenants (see loadtest/README.md)."""
+tenants, priority (see loadtest/README.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from loadtest import (
     overhead,
     overload_bench,
     prefix_bench,
+    priority,
     scenarios,
     tenants,
 )
@@ -172,6 +173,19 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 profile=not args.no_profile,
                 fronts=not args.no_fronts,
                 front_requests=args.front_requests,
+            ),
+            common,
+        ),
+        "priority": lambda: priority.priority(
+            priority.PriorityOptions(
+                speeds=args.speeds,
+                max_num_seqs=args.max_num_seqs,
+                decode_s_per_token=args.decode_s_per_token,
+                load=args.load,
+                chat_share=args.chat_share,
+                duration=args.duration,
+                capacity=args.capacity,
+                mix=Mix(long_share=0.0, short_tokens=args.short_tokens, max_tokens=args.max_tokens),
             ),
             common,
         ),

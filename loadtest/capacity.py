@@ -95,15 +95,17 @@ async def measure(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     common: Common,
+    decode_s_per_token: float = SimConfig.decode_s_per_token,
+    window: float = WINDOW,
 ) -> Measured:
-    """Keep every card of a fresh fleet full for about WARM + WINDOW seconds (longer where
+    """Keep every card of a fresh fleet full for about WARM + `window` seconds (longer where
     the cards serve less than the estimate) and measure what share of the estimate it
     serves."""
-    sim = SimConfig(max_num_seqs=max_num_seqs)
+    sim = SimConfig(max_num_seqs=max_num_seqs, decode_s_per_token=decode_s_per_token)
     estimate = compare.capacity(speeds, mix, sim)
     clients = (max_num_seqs + QUEUED) * len(speeds)
     # Every client sends several, so the last goes out well after the first ones end.
-    count = max(math.ceil(estimate * (WARM + WINDOW)), ROUNDS * clients)
+    count = max(math.ceil(estimate * (WARM + window)), ROUNDS * clients)
     specs = make_workload(count, mix, common.seed + SEED_OFFSET)
     _, fleet_core = cores(common)
     async with (
@@ -113,6 +115,7 @@ async def measure(
             seed=common.seed,
             core=fleet_core,
             max_num_batched_tokens=max_num_batched_tokens,
+            decode_s_per_token=decode_s_per_token,
         ) as fleet,
         client_session() as http,
     ):

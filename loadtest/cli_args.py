@@ -320,6 +320,26 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     _common(p)
 
     p = sub.add_parser(
+        "priority",
+        help="an interactive and a batch key at 2x capacity, with and without classes",
+        **fmt,
+    )
+    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 1.0), help=SPEEDS_HELP)
+    p.add_argument("--max-num-seqs", type=int, default=8, help=SEQS_HELP)
+    p.add_argument(
+        "--decode-s-per-token", type=float, default=0.02, help="the instances' decode step, s"
+    )
+    p.add_argument("--load", type=float, default=2.0, help="x capacity, both keys together")
+    p.add_argument("--chat-share", type=float, default=0.25, help="the interactive key's share")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per arm")
+    p.add_argument(
+        "--capacity", type=float, help="req/s of the fleet (default: measured, ~25 s more)"
+    )
+    p.add_argument("--short-tokens", type=_range, default="100-400", metavar="LO-HI")
+    p.add_argument("--max-tokens", type=_range, default="32-64", metavar="LO-HI")
+    _common(p)
+
+    p = sub.add_parser(
         "tenants", help="named keys' limits over replicas with and without Redis; their cost", **fmt
     )
     p.add_argument("--replicas", type=int, default=4, help="gateway processes")

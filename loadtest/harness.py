@@ -178,12 +178,14 @@ async def fleet_process(
     kv_transfer: bool = False,
     kv_bytes_per_token: int | None = None,
     kv_link_bytes_per_s: float | None = None,
+    scheduling_policy: str | None = None,
 ) -> AsyncIterator[FleetProc]:
     """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
 
     prefix_cache_blocks > 0 turns on the simulated prefix cache, that many blocks each.
     kv_transfer runs every instance with vLLM's NixlConnector (kv_both): the instances of
-    one fleet process can read each other's KV blocks. None: the simulator's default.
+    one fleet process can read each other's KV blocks. scheduling_policy: vLLM's
+    --scheduling-policy (fcfs, priority). None: the simulator's default.
     """
     args = [
         *pin_prefix(core),
@@ -217,6 +219,8 @@ async def fleet_process(
         args += ["--kv-bytes-per-token", str(kv_bytes_per_token)]
     if kv_link_bytes_per_s is not None:
         args += ["--kv-link-bytes-per-s", str(kv_link_bytes_per_s)]
+    if scheduling_policy is not None:
+        args += ["--scheduling-policy", scheduling_policy]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -244,12 +248,14 @@ def gateway_files(
     extra: dict[str, dict[str, Any]] | None = None,
     roles: Sequence[str] | None = None,
     channel: dict[str, Any] | None = None,
+    instance_fields: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     """Write the config.toml and settings.json a scenario's gateway runs with.
 
     `extra`: more sections (e.g. `shared`), written as they are; `roles`: each instance's
     prefill/decode role, in order (none: every instance "both"); `channel`: more fields of
-    the channel block (e.g. named `keys`).
+    the channel block (e.g. named `keys`); `instance_fields`: more fields of every
+    instance object (e.g. `scheduling_policy`).
     """
     sections: dict[str, dict[str, Any]] = {
         "gateway": {"host": "127.0.0.1", "port": port, **(gateway or {})},
@@ -279,7 +285,12 @@ def gateway_files(
         },
         "vllm": {
             "instances": [
-                {"url": u, "max_num_seqs": max_num_seqs, **({"role": r} if r else {})}
+                {
+                    "url": u,
+                    "max_num_seqs": max_num_seqs,
+                    **({"role": r} if r else {}),
+                    **(instance_fields or {}),
+                }
                 for u, r in zip(instances, roles or [""] * len(instances), strict=True)
             ]
         },
@@ -335,6 +346,7 @@ async def gateway_process(
     extra: dict[str, dict[str, Any]] | None = None,
     roles: Sequence[str] | None = None,
     channel: dict[str, Any] | None = None,
+    instance_fields: dict[str, Any] | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
@@ -356,6 +368,7 @@ async def gateway_process(
             extra=extra,
             roles=roles,
             channel=channel,
+            instance_fields=instance_fields,
         )
         log = folder / "gateway.log"
         env = {**os.environ, "GATEWAY_API_KEY": KEY}
@@ -384,3 +397,36 @@ async def gateway_process(
             yield GatewayProc(proc, url, log)
         finally:
             await _stop(proc)
+
+
+def gateway_accepts(
+    source: Path | None,
+    *,
+    extra: dict[str, dict[str, Any]] | None = None,
+    channel: dict[str, Any] | None = None,
+    instance_fields: dict[str, Any] | None = None,
+) -> str | None:
+    """None when `gateway --check` (from `source`, see gateway_process) accepts these
+    configuration files, else the last line it printed: whether the gateway under test
+    knows a setting a scenario wants."""
+    with tempfile.TemporaryDirectory(prefix="loadtest-check-") as tmp:
+        config, settings = gateway_files(
+            Path(tmp),
+            free_port(),
+            ["http://127.0.0.1:9"],
+            strategy="least_busy",
+            max_num_seqs=1,
+            extra=extra,
+            channel=channel,
+            instance_fields=instance_fields,
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "--config", str(config), "--settings", str(settings),
+             "--check"],
+            env={**os.environ, "GATEWAY_API_KEY": KEY}, cwd=source, capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
