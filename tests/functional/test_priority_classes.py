@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from fakes import Gateway, gateway_with
+from fakes import KEY, Gateway, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.proxy import jsoncodec
@@ -157,3 +157,44 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+async def test_both_hops_of_a_disaggregated_request_carry_the_priority() -> None:
+    """In a fleet with prefill instances, the prefill leg and the decode leg of a batch
+    request both reach priority instances with the key's priority."""
+    card = SimConfig(
+        decode_s_per_token=0.002, prefill_tokens_per_s=50_000, kv_transfer=True,
+        kv_link_bytes_per_s=1e12,
+    )  # fmt: skip
+    sections = {
+        "dispatch": {"health_check_interval": 0.1},
+        "prefill": {"long_input_threshold": 400},
+        "slo": {"tpot": 0.005},
+    }
+    async with recorded(card) as (prefill, on_prefill), recorded(card) as (decode, on_decode):
+        instances = [
+            {"url": prefill.url, "role": "prefill", "scheduling_policy": "priority"},
+            {"url": decode.url, "role": "decode", "scheduling_policy": "priority"},
+        ]
+        async with gateway_with(
+            [prefill, decode], instances=instances, sections=sections, channel={"keys": KEYS}
+        ) as gw:
+            await _until_available(gw)
+            long = [{"role": "user", "content": "tell me more " * 300}]
+            async with client(gw, JOBS_KEY) as c:
+                await c.chat.completions.create(model="sim-model", messages=long, max_tokens=3)
+    (prefill_leg,) = on_prefill.bodies
+    assert prefill_leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill_leg["priority"] == 1
+    assert on_decode.bodies[-1]["kv_transfer_params"]["remote_block_ids"]
+    assert on_decode.bodies[-1]["priority"] == 1
+
+
+async def _until_available(gw: Gateway, timeout: float = 5.0) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as s, asyncio.timeout(timeout):
+        while True:
+            body = await (await s.get(gw.url + "/admin/instances", headers=auth)).json()
+            if all(i["available"] for i in body["instances"]):
+                return
+            await asyncio.sleep(0.05)
