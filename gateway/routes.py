@@ -50,6 +50,9 @@ class Route:
     # Its stream carries the usage only when asked (`stream_options.include_usage`): the
     # gateway asks for it, and keeps it from a client that did not.
     asks_usage: bool = False
+    # vLLM reads a `priority` field on it: the key's is written there for instances that
+    # run the priority scheduler.
+    prioritized: bool = False
 
     @property
     def client_path(self) -> str:
@@ -68,6 +71,7 @@ CHAT = Route(
     timed=True,
     disaggregates=True,
     asks_usage=True,
+    prioritized=True,
 )
 COMPLETIONS = Route(
     "completions",
@@ -76,6 +80,7 @@ COMPLETIONS = Route(
     timed=True,
     disaggregates=True,
     asks_usage=True,
+    prioritized=True,
 )
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
 RESPONSES = Route(

@@ -8,8 +8,12 @@ from typing import Any
 
 import pytest
 from _config_helpers import ENV, KEY, channel, load_error, load_ok
+from pydantic import SecretStr, ValidationError
 
 from gateway.config.preflight import weak_keys
+from gateway.config.schema import KeyEntry, SloSection
+from gateway.dispatch import Priority
+from gateway.proxy.tenants import tenant_of
 
 TEAM_KEY = "sk-team-a-0123456789abcdef"
 CI_KEY = "sk-ci-key-fedcba9876543210"
@@ -128,3 +132,32 @@ def test_weak_named_keys_are_named_in_the_warning(tmp_path: Path) -> None:
     config = load_ok(tmp_path, settings=keys({"name": "team-a", "key": "changeme"}))
     (warning,) = weak_keys(config)
     assert warning.startswith("the key 'team-a' is weak (a placeholder")
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("interactive", (Priority.INTERACTIVE, 0)),
+        ("batch", (Priority.BATCH, 1)),
+        (0, (Priority.INTERACTIVE, 0)),
+        (-2, (Priority.INTERACTIVE, -2)),
+        (3, (Priority.BATCH, 3)),
+    ],
+)
+def test_a_keys_priority_is_its_class_and_vllms_value(
+    setting: str | int, expected: tuple[Priority, int]
+) -> None:
+    entry = KeyEntry(name="k", key=SecretStr("sk-k-0123456789"), priority=setting)
+    tenant = tenant_of(entry)
+    assert (tenant.priority, tenant.vllm_priority) == expected
+
+
+@pytest.mark.parametrize("setting", ["urgent", "1", True, 1.5])
+def test_a_priority_that_is_neither_class_nor_integer_is_refused(setting: object) -> None:
+    with pytest.raises(ValidationError, match="priority"):
+        KeyEntry.model_validate({"name": "k", "key": "sk-k-0123456789", "priority": setting})
+
+
+def test_batch_objectives_shorter_than_interactive_ones_are_refused() -> None:
+    with pytest.raises(ValidationError, match=r"batch.long_ttft \(10 s\) must be at least"):
+        SloSection.model_validate({"long_ttft": 20, "batch": {"long_ttft": 10}})

@@ -13,6 +13,7 @@ from gateway.dispatch import (
     Limits,
     LocalShare,
     PeerLoad,
+    Priority,
     Scheduler,
     Ticket,
 )
@@ -104,12 +105,45 @@ def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> 
     assert decode(three).share.loads["a"] == PeerLoad(3, 500, 1, 0)
 
 
-def test_drain_rates_travel_by_lane_and_model_and_sum() -> None:
-    """Each process's saturated drain rates survive the codec and add up per lane and model."""
-    share = LocalShare({}, {}, {}, {(Lane.SHORT, None): 2.0, (Lane.LONG, "m"): 0.5})
+INTER, BATCH = Priority.INTERACTIVE, Priority.BATCH
+
+
+def test_drain_rates_travel_by_lane_model_and_class_and_sum() -> None:
+    """Each process's saturated drain rates survive the codec and add up per lane, model
+    and class; so does its count of batch requests queued."""
+    rates = {
+        (Lane.SHORT, None, INTER): 2.0,
+        (Lane.LONG, "m", INTER): 0.5,
+        (Lane.SHORT, None, BATCH): 0.25,
+    }
+    share = LocalShare({}, {}, {Lane.SHORT: 5}, rates, {Lane.SHORT: 3})
     entry = decode(encode(share, 0, 0))
     assert entry.share.rates == share.rates
-    assert combine([entry, entry]).rates == {(Lane.SHORT, None): 4.0, (Lane.LONG, "m"): 1.0}
+    assert entry.share.queued_batch == {Lane.SHORT: 3}
+    view = combine([entry, entry])
+    assert view.rates == {
+        (Lane.SHORT, None, INTER): 4.0,
+        (Lane.LONG, "m", INTER): 1.0,
+        (Lane.SHORT, None, BATCH): 0.5,
+    }
+    assert view.queued_batch == {Lane.SHORT: 6}
+
+
+def test_a_publication_from_before_classes_is_all_interactive() -> None:
+    """A process that knows no classes publishes rates of three items and no batch count:
+    its rates are the interactive class's, its queue none of it batch."""
+    old = b'{"loads":{},"speeds":{},"queued":{"short":4},"rates":[["short",null,2.0]],'
+    old += b'"budget":[0,0]}'
+    share = decode(old).share
+    assert share.rates == {(Lane.SHORT, None, INTER): 2.0}
+    assert share.queued_batch == {}
+
+
+def test_a_rate_of_an_unknown_class_is_refused() -> None:
+    bad = b'{"loads":{},"speeds":{},"queued":{},"rates":[["short",null,2.0,"vip"]],'
+    bad += b'"budget":[0,0]}'
+    with pytest.raises(ValueError, match="vip"):
+        decode(bad)
 
 
 @pytest.mark.parametrize(

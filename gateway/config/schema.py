@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
@@ -32,6 +32,7 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 KEY_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 # The unnamed keys (`api_key`, `api_key_env`) are one key by this name.
 UNNAMED_KEY = "default"
+PRIORITIES = ("interactive", "batch")  # a key's class (dispatch.Priority), first the default
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -184,13 +185,38 @@ class PrefillSection(Frozen):
         return value
 
 
+class BatchSlo(Frozen):
+    """The batch class's objectives per lane, in seconds ([slo.batch]): a batch request
+    waits in the gateway queue up to its TTFT objective, behind interactive ones."""
+
+    ttft: float = Field(30.0, gt=0)
+    tpot: float = Field(0.2, gt=0)
+    long_ttft: float = Field(120.0, gt=0)
+    long_tpot: float = Field(0.2, gt=0)
+
+
 class SloSection(Frozen):
-    """Objectives per lane, in seconds; goodput counts streamed requests that meet both."""
+    """Objectives per lane, in seconds; goodput counts streamed requests that meet both.
+    These are the interactive class's (every key's unless it says `"priority": "batch"`)."""
 
     ttft: float = Field(2.0, gt=0)
     tpot: float = Field(0.1, gt=0)
     long_ttft: float = Field(15.0, gt=0)
     long_tpot: float = Field(0.1, gt=0)
+    batch: BatchSlo = BatchSlo()
+
+    @model_validator(mode="after")
+    def _batch_waits_longer(self) -> SloSection:
+        # Batch waits behind interactive until its own limit nears: a shorter one would
+        # put it first.
+        for name in ("ttft", "long_ttft"):
+            if getattr(self.batch, name) < getattr(self, name):
+                raise ValueError(
+                    f"batch.{name} ({getattr(self.batch, name):g} s) must be at least "
+                    f"{name} ({getattr(self, name):g} s): batch requests wait behind "
+                    "interactive ones"
+                )
+        return self
 
 
 class SharedSection(Frozen):
@@ -280,6 +306,16 @@ class KeyEntry(Frozen):
     # Opens /admin/* (the fleet's config, every key's usage): the unnamed keys always do,
     # a named key only with this, so a client's key never reads its neighbours' usage.
     admin: bool = False
+    # "interactive", "batch", or vLLM's own priority value (lower runs first; above 0 is
+    # the batch class here), sent to instances whose scheduling_policy is "priority".
+    priority: str | int = PRIORITIES[0]
+
+    @field_validator("priority")
+    @classmethod
+    def _priority_class(cls, value: str | int) -> str | int:
+        if isinstance(value, str) and value not in PRIORITIES:
+            raise ValueError(f"expected {' or '.join(map(repr, PRIORITIES))}, or a number")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> KeyEntry:
@@ -352,6 +388,10 @@ class InstanceConfig(Frozen):
     # Prefill/decode disaggregation (vLLM's KV connector on both): "prefill" takes only
     # the prompts worth a second hop, "decode" the answers (and short prompts whole).
     role: Role = "both"
+    # As started with vLLM's --scheduling-policy: with "priority" it orders its own queue
+    # by the `priority` field the gateway writes from the key (vLLM refuses the field
+    # otherwise, so it is written only there).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @field_validator("url")
     @classmethod

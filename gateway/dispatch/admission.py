@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from .model import Lane
+from .model import Lane, Priority, RateKey
 
 MIN_DEPARTURES = 3
 WINDOW = 30.0  # seconds of saturated departures the drain rate is measured over
@@ -103,30 +103,45 @@ def refusal(ahead: int, rate: float | None, budget: float) -> float | None:
     return max(1.0 / rate, wait - budget)
 
 
-RateKey = tuple[Lane, "str | None"]
-
-
 class DrainRates:
-    """The fleet's saturated drain rate per lane and model: our own departures, measured,
-    plus the other gateway processes' rates as they last said (their queues count in the
-    requests ahead, so their rates must count too)."""
+    """The fleet's saturated drain rate per lane, model and class: our own departures,
+    measured, plus the other gateway processes' rates as they last said (their queues
+    count in the requests ahead, so their rates must count too).
+
+    Per class, so that Little's law holds for each: a batch request waits for the batch
+    requests ahead of it, at the rate batch requests leave while some wait (what the
+    interactive ones, served first, leave to them). With one rate for both, batch would
+    be admitted by the whole fleet's rate, wait behind every interactive request that
+    came after it, and run out its wait in the queue instead of being refused at once.
+    """
 
     def __init__(self) -> None:
         self._own: dict[RateKey, Throughput] = {}
         self.peers: Mapping[RateKey, float] = {}
 
-    def record(self, lane: Lane, model: str | None, now: float, saturated: bool) -> None:
-        key = (lane, model)
+    def record(
+        self,
+        lane: Lane,
+        model: str | None,
+        now: float,
+        saturated: bool,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> None:
+        key = (lane, model, priority)
         throughput = self._own.get(key)
         if throughput is None:
             throughput = self._own[key] = Throughput()
         throughput.record(now, saturated)
 
-    def rate(self, lane: Lane, model: str | None, now: float) -> float | None:
-        """Requests a second the fleet starts while saturated (None: not known yet)."""
-        throughput = self._own.get((lane, model))
+    def rate(
+        self, lane: Lane, model: str | None, now: float, priority: Priority = Priority.INTERACTIVE
+    ) -> float | None:
+        """Requests of a class a second the fleet starts while saturated (None: not known
+        yet)."""
+        key = (lane, model, priority)
+        throughput = self._own.get(key)
         own = throughput.rate(now) if throughput is not None else None
-        peers = self.peers.get((lane, model))
+        peers = self.peers.get(key)
         return own if peers is None else (own or 0.0) + peers
 
     def own(self, now: float) -> dict[RateKey, float]:

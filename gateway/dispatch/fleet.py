@@ -34,6 +34,7 @@ from .model import (
     LoadReport,
     LocalShare,
     PeerLoad,
+    RateKey,
     SharedView,
     Ticket,
 )
@@ -265,10 +266,14 @@ class Fleet:
         return True
 
     def local_share(
-        self, queued: Mapping[Lane, int], rates: Mapping[tuple[Lane, str | None], float]
+        self,
+        queued: Mapping[Lane, int],
+        rates: Mapping[RateKey, float],
+        queued_batch: Mapping[Lane, int],
     ) -> LocalShare:
         """What this process tells the others: its own load and learned speed of each
-        instance, with its `queued` requests per lane and drain `rates`."""
+        instance, with its `queued` requests per lane (of those, `queued_batch` batch
+        ones) and drain `rates`."""
         return LocalShare(
             loads={
                 s.name: PeerLoad(
@@ -279,6 +284,7 @@ class Fleet:
             speeds={s.name: s.speed.own() for s in self.states},
             queued=queued,
             rates=rates,
+            queued_batch=queued_batch,
         )
 
     def report_load(self, name: str, report: LoadReport) -> None:

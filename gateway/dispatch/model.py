@@ -40,6 +40,18 @@ class Hop(enum.StrEnum):
     DECODE = "decode"
 
 
+class Priority(enum.StrEnum):
+    """A request's class, from its key: batch waits behind interactive, but only until
+    its own, longer, wait limit comes near (the queue serves the earliest limit first)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+# Admission measures a drain rate per lane, model and class (admission.py).
+RateKey = tuple[Lane, str | None, Priority]
+
+
 class Outcome(enum.Enum):
     """How an attempt on an instance ended, as far as that instance's health goes."""
 
@@ -98,8 +110,11 @@ class SharedView:
     speeds: Mapping[str, Sequence[PeerSpeed]] = field(default_factory=dict)
     queued: Mapping[Lane, int] = field(default_factory=dict)  # their gateway queues
     peers: int = 0  # how many other processes contributed
-    # Their saturated drain rates (departures/s) per lane and model, summed (admission.py).
-    rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
+    # Their saturated drain rates (departures/s) per lane, model and class, summed
+    # (admission.py).
+    rates: Mapping[RateKey, float] = field(default_factory=dict)
+    # Of `queued`, the batch requests (an interactive one waits only behind the rest).
+    queued_batch: Mapping[Lane, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,9 +124,10 @@ class LocalShare:
     loads: Mapping[str, PeerLoad]
     speeds: Mapping[str, PeerSpeed]
     queued: Mapping[Lane, int]
-    # Our saturated drain rate per lane and model, where known: with several processes
-    # each drains a share of the fleet's, and admission predicts with the sum.
-    rates: Mapping[tuple[Lane, str | None], float] = field(default_factory=dict)
+    # Our saturated drain rate per lane, model and class, where known: with several
+    # processes each drains a share of the fleet's, and admission predicts with the sum.
+    rates: Mapping[RateKey, float] = field(default_factory=dict)
+    queued_batch: Mapping[Lane, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,6 +144,10 @@ class Limits:
     # queue`); the app sets each lane's TTFT objective unless configured otherwise.
     max_queue_wait_short: float = math.inf
     max_queue_wait_long: float = math.inf
+    # A batch request's, per lane: [slo.batch]'s TTFT objectives, never shorter than the
+    # interactive class's (config/schema.py checks).
+    batch_queue_wait_short: float = math.inf
+    batch_queue_wait_long: float = math.inf
     # A long request whose uncached part on an instance is at most this is cheap to
     # prefill there and takes no `max_long_per_instance` place.
     long_input_threshold: int = 4096
@@ -138,8 +158,11 @@ class Limits:
     # stalls every answer decoding there past it (disaggregation.split).
     tpot_objective: float = 0.05
 
-    def max_queue_wait(self, lane: Lane) -> float:
-        return self.max_queue_wait_short if lane is Lane.SHORT else self.max_queue_wait_long
+    def max_queue_wait(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> float:
+        short = lane is Lane.SHORT
+        if priority is Priority.BATCH:
+            return self.batch_queue_wait_short if short else self.batch_queue_wait_long
+        return self.max_queue_wait_short if short else self.max_queue_wait_long
 
 
 @dataclass(frozen=True)
@@ -166,6 +189,7 @@ class Ticket:
     model: str | None = None  # None: any instance may serve it
     prefix: tuple[int, ...] = ()  # the prompt's block hashes (affinity.prompt_blocks)
     hop: Hop = Hop.WHOLE
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,23 @@
 """The gateway's own queues: what waits, in which order, and until when.
 
-A request waits in the FIFO of its lane, model and hop: requests for one model never
-hold up those for another, which other instances serve, nor a prompt waiting for a
-prefill instance one that a decode instance may serve whole. Retries wait apart, each for an untried
-instance (in one FIFO, one could head its lane and block requests an idle instance could
-run). Each waiting ticket has the time its wait runs out. Only the scheduler uses this.
+A request waits in the FIFO of its lane, model, hop and class: requests for one model
+never hold up those for another, which other instances serve, nor a prompt waiting for a
+prefill instance one that a decode instance may serve whole. Retries wait apart, each
+for an untried instance (in one FIFO, one could head its lane and block requests an idle
+instance could run). Each waiting ticket has the time its wait runs out, and the FIFOs'
+heads go out earliest-limit-first: an interactive request (whose wait is short) before a
+batch one that came earlier, until the batch one's longer wait nears its end and it goes
+first. So batch is delayed by at most its own limit, never starved, and within a class
+the order is arrival order. Only the scheduler uses this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .model import Hop, Lane, Ticket
+from .model import Hop, Lane, Priority, Ticket
 
-QueueKey = tuple[Lane, str | None, Hop]
+QueueKey = tuple[Lane, str | None, Hop, Priority]
 _RETRIES = None  # where a retry waits, in `_where`
 
 
@@ -36,9 +40,10 @@ class WaitQueues:
             yield from fifo.values()
 
     def waiting_before(self, ticket: Ticket) -> int:
-        """How many wait in the FIFO a new `ticket` would join (FIFO: none may be overtaken)."""
-        fifo = self._fifos.get((ticket.lane, ticket.model, ticket.hop))
-        return len(fifo) if fifo else 0
+        """How many wait for the places a new `ticket` wants (its lane, model and hop, of
+        any class): while any does, it queues too, and the queue's order decides."""
+        lane, model, hop = ticket.lane, ticket.model, ticket.hop
+        return sum(len(self._fifos.get((lane, model, hop, p), ())) for p in Priority)
 
     def fifo_length(self, lane: Lane) -> int:
         """New requests of `lane` waiting, over all models (the gateway queue bound's count)."""
@@ -47,15 +52,30 @@ class WaitQueues:
     def retry_count(self) -> int:
         return len(self._retries)
 
-    def length_for(self, lane: Lane, model: str | None, hop: Hop = Hop.WHOLE) -> int:
-        """What waits for `lane`, `model` and `hop`: its FIFO and its retries."""
-        fifo = self._fifos.get((lane, model, hop))
+    def length_for(
+        self,
+        lane: Lane,
+        model: str | None,
+        hop: Hop = Hop.WHOLE,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> int:
+        """What waits for `lane`, `model` and `hop` in `priority`'s class: its FIFO and
+        its retries."""
+        fifo = self._fifos.get((lane, model, hop, priority))
         retries = sum(
             1
             for t in self._retries.values()
-            if t.lane is lane and t.model == model and t.hop is hop
+            if t.lane is lane and t.model == model and t.hop is hop and t.priority is priority
         )
         return (len(fifo) if fifo else 0) + retries
+
+    def batch_length(self, lane: Lane) -> int:
+        """New batch requests of `lane` waiting, over all models (told to the peers)."""
+        return sum(
+            len(fifo)
+            for (of_lane, _, _, priority), fifo in self._fifos.items()
+            if of_lane is lane and priority is Priority.BATCH
+        )
 
     def length(self, lane: Lane) -> int:
         """Everything of `lane` that waits: new requests and retries."""
@@ -67,7 +87,7 @@ class WaitQueues:
             queue, where = self._retries, _RETRIES
             self._retry_count[ticket.lane] += 1
         else:
-            where = (ticket.lane, ticket.model, ticket.hop)
+            where = (ticket.lane, ticket.model, ticket.hop, ticket.priority)
             queue = self._fifos.setdefault(where, {})
             self._fifo_count[ticket.lane] += 1
         queue[ticket.id] = ticket
@@ -102,9 +122,13 @@ class WaitQueues:
         return [(key, list(fifo.values())) for key, fifo in self._fifos.items()]
 
     def heads(self) -> list[Ticket]:
-        """Who may be placed next: every retry, then each FIFO's oldest, oldest first."""
-        firsts = sorted((next(iter(f.values())) for f in self._fifos.values()), key=_ticket_id)
+        """Who may be placed next: every retry, then each FIFO's oldest, the one whose
+        wait runs out first first (then the oldest)."""
+        firsts = sorted((next(iter(f.values())) for f in self._fifos.values()), key=self._due)
         return [*self._retries.values(), *firsts]
+
+    def _due(self, ticket: Ticket) -> tuple[float, int]:
+        return self._wait_until[ticket.id], ticket.id
 
     def clear(self) -> list[Ticket]:
         """Empty every queue; return what waited."""
@@ -118,7 +142,3 @@ class WaitQueues:
     def __repr__(self) -> str:
         fifos = " ".join(f"{lane.value}={n}" for lane, n in self._fifo_count.items())
         return f"<WaitQueues {fifos} retries={len(self._retries)}>"
-
-
-def _ticket_id(ticket: Ticket) -> int:
-    return ticket.id

@@ -40,6 +40,7 @@ from .model import (
     Limits,
     LocalShare,
     Outcome,
+    Priority,
     Queued,
     Rejected,
     SharedView,
@@ -109,18 +110,36 @@ class Scheduler(Fleet):
     def queue_length(self, lane: Lane) -> int:
         return self._queues.length(lane)
 
-    def ahead(self, lane: Lane, model: str | None = None, hop: Hop = Hop.WHOLE) -> int:
-        """Requests that start before a new `lane` request for `model` would: queued for
-        the same, and waiting at its instances beyond their running slots."""
+    def ahead(
+        self,
+        lane: Lane,
+        model: str | None = None,
+        hop: Hop = Hop.WHOLE,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> int:
+        """Requests that start before a new `lane` request for `model` of `priority`'s
+        class would: of its class, queued for the same; and waiting at its instances
+        beyond their running slots. The other processes' queues count whole for a batch
+        request, their interactive part for an interactive one."""
         peers_queued = self._shared.queued.get(lane, 0)
+        if priority is Priority.INTERACTIVE:
+            peers_queued -= self._shared.queued_batch.get(lane, 0)
         at_instances = self._beyond_slots(lane, model, hop)
-        return self._queues.length_for(lane, model, hop) + peers_queued + at_instances
+        own = self._queues.length_for(lane, model, hop, priority)
+        return own + max(0, peers_queued) + at_instances
 
     def predicted_wait(
-        self, lane: Lane, now: float, model: str | None = None, hop: Hop = Hop.WHOLE
+        self,
+        lane: Lane,
+        now: float,
+        model: str | None = None,
+        hop: Hop = Hop.WHOLE,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> float | None:
-        """How long a new `lane` request would wait to start (None: rate not known yet)."""
-        return predicted_wait(self.ahead(lane, model, hop), self._drained.rate(lane, model, now))
+        """How long a new `lane` request of `priority`'s class would wait to start (None:
+        its class's rate not known yet)."""
+        ahead = self.ahead(lane, model, hop, priority)
+        return predicted_wait(ahead, self._drained.rate(lane, model, now, priority))
 
     def splits(self, ticket: Ticket, now: float) -> bool:
         """Whether `ticket` goes in two hops: prefill on a prefill instance, then decode
@@ -153,12 +172,13 @@ class Scheduler(Fleet):
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
+        lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
-            wait = self.predicted_wait(ticket.lane, now, ticket.model, ticket.hop)
+            wait = self.predicted_wait(lane, now, model, hop, priority)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
-        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
-        rate = self._drained.rate(ticket.lane, ticket.model, now)
-        ahead = self.ahead(ticket.lane, ticket.model, ticket.hop)
+        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(lane, priority))
+        rate = self._drained.rate(lane, model, now, priority)
+        ahead = self.ahead(lane, model, hop, priority)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
@@ -177,7 +197,8 @@ class Scheduler(Fleet):
         if self._queues.retry_count() >= self.limits.gateway_queue_size:
             return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
         # A retry was admitted once already; it waits apart, bounded like any other.
-        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(ticket.lane))
+        wait = self.limits.max_queue_wait(ticket.lane, ticket.priority)
+        wait_until = min(ticket.deadline, now + wait)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def cancel(self, ticket_id: int) -> bool:
@@ -258,11 +279,12 @@ class Scheduler(Fleet):
         """`held` frees the place that held the next request of its lane back: a departure,
         saturated if requests of its lane and model were waiting for it. A prefill hop is
         not one: its request departs when its decode hop does."""
-        lane, model, hop = held.ticket.lane, held.ticket.model, held.ticket.hop
-        if hop is Hop.PREFILL:
+        ticket = held.ticket
+        if ticket.hop is Hop.PREFILL:
             return
-        saturated = self._queues.length_for(lane, model, hop) > 0
-        self._drained.record(lane, model, now, saturated)
+        lane, model, priority = ticket.lane, ticket.model, ticket.priority
+        saturated = self._queues.length_for(lane, model, ticket.hop, priority) > 0
+        self._drained.record(lane, model, now, saturated, priority)
 
     def holder(self, ticket_id: int) -> str | None:
         held = self._holding.get(ticket_id)
@@ -298,9 +320,10 @@ class Scheduler(Fleet):
         """
         # Each peer's queue is bounded as ours is: more than that is not believed.
         bound = self.limits.gateway_queue_size * max(1, view.peers)
-        if any(n > bound for n in view.queued.values()):
+        if any(n > bound for n in (*view.queued.values(), *view.queued_batch.values())):
             queued = {lane: min(n, bound) for lane, n in view.queued.items()}
-            view = dataclasses.replace(view, queued=queued)
+            batch = {lane: min(n, bound) for lane, n in view.queued_batch.items()}
+            view = dataclasses.replace(view, queued=queued, queued_batch=batch)
         self._shared = view
         self._drained.peers = view.rates
         self.hear_peers(view, now)
@@ -352,7 +375,8 @@ class Scheduler(Fleet):
     def share(self, now: float) -> LocalShare:
         """What this process tells the others: its own load, queues and learned speeds."""
         queued = {lane: self._queues.length(lane) for lane in Lane}
-        return self.local_share(queued, self._drained.own(now))
+        batch = {lane: n for lane in Lane if (n := self._queues.batch_length(lane))}
+        return self.local_share(queued, self._drained.own(now), batch)
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -385,10 +409,11 @@ class Scheduler(Fleet):
         return Assigned(ticket, state.name)
 
     def _drain(self, now: float, rng: random.Random) -> list[Decision]:
-        """Place queued requests while any FIFO's head fits somewhere, oldest head first."""
+        """Place queued requests while any FIFO's head fits somewhere, the head whose wait
+        runs out first first."""
         out: list[Decision] = []
         after = self.limits.queue_retry_after
-        for (lane, model, hop), tickets in self._queues.fifos():
+        for (lane, model, hop, _), tickets in self._queues.fifos():
             if not self._alive(lane, model, now, hop):
                 for ticket in tickets:
                     self._queues.remove(ticket.id)

@@ -25,6 +25,7 @@ from gateway.dispatch import (
     Limits,
     LoadReport,
     Outcome,
+    Priority,
     Queued,
     Rejected,
     Scheduler,
@@ -147,8 +148,19 @@ class Dispatcher:
         *,
         model: str | None = None,
         prefix: tuple[int, ...] = (),
+        priority: Priority = Priority.INTERACTIVE,
     ) -> Ticket:
-        return Ticket(next(_ids), lane, deadline, exclude, tokens, max_tokens, model, prefix)
+        return Ticket(
+            next(_ids),
+            lane,
+            deadline,
+            exclude,
+            tokens,
+            max_tokens,
+            model,
+            prefix,
+            priority=priority,
+        )
 
     def retry_ticket(self, ticket: Ticket, exclude: frozenset[str]) -> Ticket:
         """The same request again, under a new id, avoiding the instances in `exclude`."""

@@ -50,6 +50,9 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         queue_retry_after=retry_after_503(config),
         max_queue_wait_short=dispatch.max_queue_wait or config.file.slo.ttft,
         max_queue_wait_long=dispatch.max_queue_wait or config.file.slo.long_ttft,
+        # Never shorter than the interactive class's: batch would go first.
+        batch_queue_wait_short=max(dispatch.max_queue_wait or 0.0, config.file.slo.batch.ttft),
+        batch_queue_wait_long=max(dispatch.max_queue_wait or 0.0, config.file.slo.batch.long_ttft),
         long_input_threshold=config.prefill.long_input_threshold,
         prefix_index_blocks=DEFAULT_INDEX_BLOCKS
         if dispatch.prefix_index_blocks is None
@@ -67,7 +70,12 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
 def endpoints_of(config: Config) -> dict[str, Endpoint]:
     """Each instance as the proxy sends to it, by name."""
     return {
-        i.label: Endpoint(i.label, i.url, _instance_headers(config, i.api_key_env))
+        i.label: Endpoint(
+            i.label,
+            i.url,
+            _instance_headers(config, i.api_key_env),
+            priority_scheduling=i.scheduling_policy == "priority",
+        )
         for i in config.instances
     }
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.dispatch import Lane, LocalShare, PeerLoad, PeerSpeed, SharedView
+from gateway.dispatch import Lane, LocalShare, PeerLoad, PeerSpeed, Priority, SharedView
+from gateway.dispatch.model import RateKey
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,13 @@ def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> byte
             for name, s in share.speeds.items()
         },
         "queued": {lane.value: n for lane, n in share.queued.items()},
-        "rates": [[lane.value, model, rate] for (lane, model), rate in share.rates.items()],
+        # A batch class's rate carries its class; an interactive one's is three items, as
+        # before classes were.
+        "rates": [
+            [lane.value, model, rate] + ([priority.value] if priority is Priority.BATCH else [])
+            for (lane, model, priority), rate in share.rates.items()
+        ],
+        "queued_batch": {lane.value: n for lane, n in share.queued_batch.items()},
         "budget": [requests, retries],
         "seq": seq,
     }
@@ -135,14 +142,17 @@ def _decode(body: dict[str, Any], known: Collection[str] | None) -> PeerEntry:
     listed = body.get("rates", ())
     if len(listed) > MAX_RATES:
         raise Refused("out_of_bounds", f"{len(listed)} rates, over {MAX_RATES}")
-    rates: dict[tuple[Lane, str | None], float] = {}
-    for lane, model, rate in listed:
+    rates: dict[RateKey, float] = {}
+    for lane, model, rate, *of_class in listed:
         if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
             raise Refused("out_of_bounds", "a model name that is not one")
-        rates[(Lane(lane), model)] = _real(rate)
+        priority = Priority(*of_class) if of_class else Priority.INTERACTIVE
+        rates[(Lane(lane), model, priority)] = _real(rate)
+    queued_batch = {Lane(lane): _count(n) for lane, n in body.get("queued_batch", {}).items()}
     requests, retries = (_count(n) for n in body["budget"])
     seq = _count(body.get("seq", 0), 2**62)
-    return PeerEntry(LocalShare(loads, speeds, queued, rates), requests, retries, seq)
+    share = LocalShare(loads, speeds, queued, rates, queued_batch)
+    return PeerEntry(share, requests, retries, seq)
 
 
 def newest(old: PeerEntry | None, new: PeerEntry) -> PeerEntry:
@@ -209,7 +219,8 @@ def combine(entries: list[PeerEntry]) -> SharedView:
     loads: dict[str, PeerLoad] = {}
     speeds: dict[str, list[PeerSpeed]] = {}
     queued: dict[Lane, int] = {}
-    rates: dict[tuple[Lane, str | None], float] = {}
+    rates: dict[RateKey, float] = {}
+    queued_batch: dict[Lane, int] = {}
     for entry in entries:
         for name, load in entry.share.loads.items():
             total = loads.get(name, PeerLoad())
@@ -223,9 +234,18 @@ def combine(entries: list[PeerEntry]) -> SharedView:
             speeds.setdefault(name, []).append(speed)
         for lane, n in entry.share.queued.items():
             queued[lane] = queued.get(lane, 0) + n
+        for lane, n in entry.share.queued_batch.items():
+            queued_batch[lane] = queued_batch.get(lane, 0) + n
         for key, rate in entry.share.rates.items():
             rates[key] = rates.get(key, 0.0) + rate
-    return SharedView(loads=loads, speeds=speeds, queued=queued, peers=len(entries), rates=rates)
+    return SharedView(
+        loads=loads,
+        speeds=speeds,
+        queued=queued,
+        peers=len(entries),
+        rates=rates,
+        queued_batch=queued_batch,
+    )
 
 
 def redacted(url: str) -> str:

@@ -27,6 +27,7 @@ class Exchange:
     key: str = ""  # the name of the key the request carried (never the key itself)
     model: str = ""  # as a metric label: a model the fleet serves, else "other"
     lane: str = ""
+    priority: str = "interactive"  # its key's class: whose objectives it is counted by
     instance: str = ""
     status: int = 0
     attempts: int = 0

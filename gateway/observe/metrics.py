@@ -23,8 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway import __version__
-from gateway.dispatch import GiveUp, Lane, Rejected, Snapshot
+from gateway.dispatch import GiveUp, Lane, Priority, Rejected, Snapshot
 from gateway.dispatch.retry import RetryReason
+
+PRIORITIES = [p.value for p in Priority]  # the SLO series' class label
 
 # TTFT spans a cached short prompt (tens of ms) to a long prefill behind a queue (a minute).
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
@@ -169,14 +171,15 @@ class Metrics:
         )
         self.slo = Counter(
             "gateway_slo_requests",
-            "Streamed requests by whether they met their lane's TTFT / TPOT objective.",
-            ["lane", "server", "objective", "result"],
+            "Streamed requests by whether they met their lane's and class's TTFT / TPOT objective.",
+            ["lane", "server", "objective", "result", "priority"],
             registry=registry,
         )
         self.goodput = Counter(
             "gateway_goodput_requests",
-            "Streamed requests that met both objectives of their lane (rate() = goodput).",
-            ["lane", "server"],
+            "Streamed requests that met both objectives of their lane and class "
+            "(rate() = goodput).",
+            ["lane", "server", "priority"],
             registry=registry,
         )
         self.ttft = Histogram(
@@ -336,10 +339,11 @@ class Metrics:
             for lane in lanes:
                 self.ttft.labels(lane, server)
                 self.tpot.labels(lane, server)
-                self.goodput.labels(lane, server)
-                for objective in ("ttft", "tpot"):
-                    for result in ("met", "missed"):
-                        self.slo.labels(lane, server, objective, result)
+                for priority in PRIORITIES:
+                    self.goodput.labels(lane, server, priority)
+                    for objective in ("ttft", "tpot"):
+                        for result in ("met", "missed"):
+                            self.slo.labels(lane, server, objective, result, priority)
         self.requests.labels("other", "404", NONE, NONE, NONE)
         for route in keyed_routes:
             self.requests.labels(route, "401", NONE, NONE, NONE)

@@ -174,9 +174,10 @@ def record_refusal(
 
 
 class Recorder:
-    def __init__(self, metrics: Metrics, slo: dict[str, tuple[float, float]]) -> None:
+    def __init__(self, metrics: Metrics, slo: dict[tuple[str, str], tuple[float, float]]) -> None:
         self.metrics = metrics
-        self.slo = slo  # lane name -> (ttft objective, tpot objective), seconds
+        # (lane name, priority class) -> (ttft objective, tpot objective), seconds
+        self.slo = slo
         self.trusted: tuple[Network, ...] = ()  # [gateway] trusted_proxies
         # Each labelled series once: prometheus_client's labels() checks and locks per call.
         self._series: dict[tuple[object, ...], Any] = {}
@@ -215,16 +216,17 @@ class Recorder:
         return ex
 
     def _account_slo(self, ex: Exchange, lane: str) -> None:
-        """Count a finished stream against its lane's TTFT and TPOT objectives."""
+        """Count a finished stream against its lane's and class's TTFT and TPOT objectives."""
         assert ex.ttft is not None
         assert ex.tpot is not None
-        ttft_goal, tpot_goal = self.slo[lane]
+        priority = ex.priority
+        ttft_goal, tpot_goal = self.slo[lane, priority]
         ttft_ok, tpot_ok = ex.ttft <= ttft_goal, ex.tpot <= tpot_goal
-        slo = self.metrics.slo
-        self._series_of(slo, lane, ex.instance, "ttft", "met" if ttft_ok else "missed").inc()
-        self._series_of(slo, lane, ex.instance, "tpot", "met" if tpot_ok else "missed").inc()
+        slo, server = self.metrics.slo, ex.instance
+        self._series_of(slo, lane, server, "ttft", "met" if ttft_ok else "missed", priority).inc()
+        self._series_of(slo, lane, server, "tpot", "met" if tpot_ok else "missed", priority).inc()
         if ttft_ok and tpot_ok:
-            self._series_of(self.metrics.goodput, lane, ex.instance).inc()
+            self._series_of(self.metrics.goodput, lane, server, priority).inc()
 
     def _account_key(self, ex: Exchange) -> None:
         """Count a request against its key: its outcome, and the tokens it used."""

@@ -9,13 +9,16 @@ does not). The proxy decides what to do with each; nothing here waits or raises.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
 from gateway import errors
 from gateway.dispatch import Lane, Limits, Outcome
 from gateway.observe.exchange import Exchange
+from gateway.proxy import jsoncodec
 from gateway.relay.records import Whole
 from gateway.routes import Route
 from gateway.upstream.endpoint import Endpoint
@@ -34,6 +37,9 @@ class Call:
     deadline: float  # the clock's time by which its answer must have started
     headers: dict[str, str]  # what every answer to the client carries (request id, tag)
     hide_usage: bool = False  # the gateway asked for the stream's usage chunk: keep it back
+    # The `priority` an instance running vLLM's priority scheduler gets, where it is not
+    # what the body says already (None: the body as it is, everywhere).
+    priority: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,25 @@ def taken_back(instance: str, limits: Limits) -> Failed:
         retry_after=limits.queue_retry_after,
     )
     return Failed("taken_back", Outcome.NEUTRAL, error)
+
+
+def vllm_priority(call: Call, payload: dict[str, Any], key_priority: int) -> Call:
+    """`call` with the `priority` its key gives it on vLLM's priority scheduler: the key's,
+    or the client's own if that is later (a client may yield, never jump the queue). A
+    value that is not an integer is left as sent: vLLM answers it (400)."""
+    sent = payload.get("priority", 0)
+    if type(sent) is not int:
+        return call
+    priority = max(sent, key_priority)
+    return call if priority == sent else dataclasses.replace(call, priority=priority)
+
+
+def send_body(call: Call, endpoint: Endpoint) -> bytes:
+    """The body as `endpoint` gets it: with the key's `priority` where it runs vLLM's
+    priority scheduler (elsewhere vLLM refuses a nonzero one)."""
+    if call.priority is None or not endpoint.priority_scheduling:
+        return call.body
+    return jsoncodec.with_field(call.body, jsoncodec.loads(call.body), "priority", call.priority)
 
 
 def send_headers(

@@ -35,7 +35,7 @@ from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.observe import log
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import FALLBACK_REASONS, Metrics
-from gateway.proxy.attempt import Call, send_headers
+from gateway.proxy.attempt import Call, send_body, send_headers
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
 from gateway.upstream.response import AttemptFailed, UpstreamResponse, read_whole
@@ -139,7 +139,8 @@ class PrefillHop:
         payload: Mapping[str, Any],
         allowance: float,
     ) -> tuple[dict[str, Any] | None, str]:
-        body = prefill_body(payload)
+        # The prefill leg's body; a priority instance also gets the key's priority there.
+        prefill = dataclasses.replace(call, body=prefill_body(payload))
         tried: frozenset[str] = frozenset()
         fallback = UNPLACED
         for _ in range(PREFILL_ATTEMPTS):
@@ -154,7 +155,7 @@ class PrefillHop:
                 ex.queue_wait += waited
                 self.metrics.hop_seconds.labels("prefill_queue").observe(waited)
             ex.prefill_instance = lease.instance
-            params, ended = await self._attempt(call, ex, lease, body, allowance)
+            params, ended = await self._attempt(prefill, ex, lease, allowance)
             if ended != FAILED:  # params, or an answer another instance would give too
                 return params, ended
             fallback = FAILED
@@ -168,7 +169,7 @@ class PrefillHop:
         return None, fallback
 
     async def _attempt(
-        self, call: Call, ex: Exchange, lease: Lease, body: bytes, allowance: float
+        self, call: Call, ex: Exchange, lease: Lease, allowance: float
     ) -> tuple[dict[str, Any] | None, str]:
         """One prefill attempt: the params it got, and how it ended: "params",
         NO_PARAMS (a 200 without them: the connector is off there), REFUSED (a client
@@ -184,7 +185,7 @@ class PrefillHop:
                 response = await self.upstream.open(
                     "POST",
                     endpoint.url + call.route.upstream_path,
-                    body=body,
+                    body=send_body(call, endpoint),
                     headers=headers,
                     timeout=timeout,
                 )

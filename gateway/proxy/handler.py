@@ -29,6 +29,7 @@ from gateway.dispatch import (
     Hop,
     Lane,
     Outcome,
+    Priority,
     RetryBudget,
     Ticket,
     judge_status,
@@ -48,8 +49,10 @@ from gateway.proxy.attempt import (
     Committed,
     Failed,
     failed_to_send,
+    send_body,
     send_headers,
     taken_back,
+    vllm_priority,
 )
 from gateway.proxy.auth import KeyChecker
 from gateway.proxy.body import InvalidField, ask_usage, wants_stream
@@ -117,12 +120,15 @@ class Proxy:
         self.relay = Relay(
             metrics, config.channel.timeout.write, dispatcher.clock, lambda: self.aborting
         )
-        slo = config.file.slo
+        slo, batch = config.file.slo, config.file.slo.batch
+        short, long = self.lane_names[Lane.SHORT], self.lane_names[Lane.LONG]
         self.recorder = Recorder(
             metrics,
             {
-                self.lane_names[Lane.SHORT]: (slo.ttft, slo.tpot),
-                self.lane_names[Lane.LONG]: (slo.long_ttft, slo.long_tpot),
+                (short, Priority.INTERACTIVE): (slo.ttft, slo.tpot),
+                (long, Priority.INTERACTIVE): (slo.long_ttft, slo.long_tpot),
+                (short, Priority.BATCH): (batch.ttft, batch.tpot),
+                (long, Priority.BATCH): (batch.long_ttft, batch.long_tpot),
             },
         )
         self.reconfigure(config, keys, endpoints)
@@ -208,6 +214,7 @@ class Proxy:
             ex.lane = self.lane_names[lane]
             structlog.contextvars.bind_contextvars(lane=ex.lane)
             grant = await self.limiter.admit(tenant, ex, route, headers)
+            ex.priority = tenant.priority
             ticket = self.dispatcher.new_ticket(
                 lane,
                 ex.started + self.request_timeout,
@@ -215,8 +222,11 @@ class Proxy:
                 max_tokens=ex.max_tokens,
                 model=model,
                 prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
+                priority=tenant.priority,
             )
             call = Call(request, route, body, stream, lane, ticket.deadline, headers, hide_usage)
+            if route.prioritized:
+                call = vllm_priority(call, payload, tenant.vllm_priority)
             if route.disaggregates and self.dispatcher.scheduler.has_prefill_role:
                 return await self._disaggregated(call, ex, ticket, payload)
             return await self._forward(call, ex, ticket)
@@ -355,7 +365,11 @@ class Proxy:
                 url = endpoint.url + call.route.upstream_path
                 headers = send_headers(call, ex, endpoint, span.span_id if span else None)
                 response = await self.upstream.open(
-                    "POST", url, body=call.body, headers=headers, timeout=max(0.001, allowance)
+                    "POST",
+                    url,
+                    body=send_body(call, endpoint),
+                    headers=headers,
+                    timeout=max(0.001, allowance),
                 )
                 ex.answered = True
                 lease.evictable(response.close)  # until it commits (Scheduler.overbooked)

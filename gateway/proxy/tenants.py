@@ -7,8 +7,10 @@ among the digests and calls `identified`, which leaves the tenant on the request
 handler and names it in the access line (its name, never its key). A reload builds a new
 table (`key_checker`), so a key added, changed or revoked counts from the next request on.
 
-A per-key setting still to come (a priority class, say) is a field of `Tenant`, read from
-its `KeyEntry` in `tenant_of`: the handler already has the tenant of every request.
+A per-key setting is a field of `Tenant`, read from its `KeyEntry` in `tenant_of`: the
+handler has the tenant of every request. Its priority is two things: its class in the
+gateway's queue (dispatch.Priority) and the `priority` value vLLM's priority scheduler
+reads (lower first), which the proxy writes for instances that run it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from aiohttp import web
 from gateway import errors
 from gateway.config.load import Config
 from gateway.config.schema import UNNAMED_KEY, KeyEntry
+from gateway.dispatch import Priority
 from gateway.dispatch.key_limits import KeyLimits
 from gateway.observe.recorder import EXCHANGE
 from gateway.proxy.auth import KeyChecker
@@ -36,6 +39,8 @@ class Tenant:
     models: frozenset[str] | None = None
     limits: KeyLimits = field(default_factory=KeyLimits)
     admin: bool = False  # may read /admin/*: the operator's unnamed keys, or `admin` set
+    priority: Priority = Priority.INTERACTIVE
+    vllm_priority: int = 0  # vLLM's own value: interactive 0, batch 1, or the key's number
 
     def check_model(self, model: str | None) -> None:
         """403 unless the key may use `model` (naming none, when it is restricted, is not
@@ -57,7 +62,21 @@ TENANT = web.RequestKey("tenant", Tenant)
 def tenant_of(entry: KeyEntry) -> Tenant:
     models = frozenset(entry.models) if entry.models is not None else None
     limits = KeyLimits(entry.requests_per_minute, entry.tokens_per_minute, entry.max_concurrent)
-    return Tenant(entry.name, models, limits, admin=entry.admin)
+    priority, vllm_priority = priority_of(entry.priority)
+    return Tenant(entry.name, models, limits, entry.admin, priority, vllm_priority)
+
+
+def priority_of(setting: str | int) -> tuple[Priority, int]:
+    """A key's `priority` as its class and vLLM's value: a number is vLLM's own, and above
+    0 (vLLM's default) it runs after the default, so it is the batch class here.
+
+    >>> priority_of("batch"), priority_of(-5)
+    ((<Priority.BATCH: 'batch'>, 1), (<Priority.INTERACTIVE: 'interactive'>, -5))
+    """
+    if isinstance(setting, str):
+        priority = Priority(setting)
+        return priority, int(priority is Priority.BATCH)
+    return (Priority.BATCH if setting > 0 else Priority.INTERACTIVE), setting
 
 
 def tenants_of(config: Config) -> list[Tenant]:

@@ -63,6 +63,7 @@ def report(
         entry: dict[str, Any] = {
             "name": tenant.name,
             "models": None if tenant.models is None else sorted(tenant.models),
+            "priority": tenant.priority.value,
             "limits": {
                 "requests_per_minute": limits.requests_per_minute,
                 "tokens_per_minute": limits.tokens_per_minute,

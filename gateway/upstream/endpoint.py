@@ -12,3 +12,5 @@ class Endpoint:
     name: str
     url: str
     headers: dict[str, str]
+    # It runs vLLM's priority scheduler: requests to it carry their key's `priority`.
+    priority_scheduling: bool = False

@@ -16,6 +16,7 @@ from gateway.dispatch import (
     Outcome,
     PeerLoad,
     PeerSpeed,
+    Priority,
     Queued,
     Rejected,
     RetryBudget,
@@ -25,6 +26,8 @@ from gateway.dispatch import (
     score_all,
 )
 from gateway.dispatch.speed import BLEND_CAP
+
+INTERACTIVE = Priority.INTERACTIVE
 
 FAR = 1e9
 
@@ -130,9 +133,9 @@ def test_the_drain_rate_for_admission_adds_the_peers_rates() -> None:
         assert isinstance(sched.submit(Ticket(i, Lane.SHORT, FAR), now - 0.1, rng), Queued)
         (moved,) = sched.release(i - 1, Outcome.SUCCESS, now, rng)
         assert isinstance(moved, Assigned)
-    assert sched.share(2.5).rates == {(Lane.SHORT, None): pytest.approx(2.0)}
+    assert sched.share(2.5).rates == {(Lane.SHORT, None, INTERACTIVE): pytest.approx(2.0)}
     assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)  # 1 ahead, 2/s
-    view = SharedView(rates={(Lane.SHORT, None): 6.0}, peers=3)
+    view = SharedView(rates={(Lane.SHORT, None, INTERACTIVE): 6.0}, peers=3)
     sched.apply_shared(view, 2.5, rng)
     assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(1 / 8.0)
     sched.apply_shared(SharedView(), 2.5, rng)  # Redis away: our own rate again

@@ -60,12 +60,14 @@ async def test_labelled_series_exist_at_zero_before_any_request() -> None:
         for lane in ("short", "prefill"):
             assert series(samples, "gateway_ttft_seconds_count", lane=lane, server=server) == 0
             assert series(samples, "gateway_tpot_seconds_count", lane=lane, server=server) == 0
-            assert series(samples, "gateway_goodput_requests_total", lane=lane, server=server) == 0
-            for objective in ("ttft", "tpot"):
-                for result in ("met", "missed"):
-                    labels = {"objective": objective, "result": result}
-                    name = "gateway_slo_requests_total"
-                    assert series(samples, name, lane=lane, server=server, **labels) == 0
+            for priority in ("interactive", "batch"):
+                at = {"lane": lane, "server": server, "priority": priority}
+                assert series(samples, "gateway_goodput_requests_total", **at) == 0
+                for objective in ("ttft", "tpot"):
+                    for result in ("met", "missed"):
+                        labels = {"objective": objective, "result": result}
+                        name = "gateway_slo_requests_total"
+                        assert series(samples, name, **at, **labels) == 0
     for reason in ("queue_full", "predicted_wait", "no_instance", "deadline", "shutting_down"):
         assert series(samples, "gateway_rejections_total", reason=reason) == 0
     for reason in ("connect", "timeout", "bad_response", "status_429", "status_503"):
