@@ -46,6 +46,7 @@ async def start_simulated(config: Config) -> list[object]:
             SimConfig(
                 model=config.channel.default_model or "sim-model",
                 max_num_seqs=spec.max_num_seqs or config.dispatch.max_num_seqs,
+                scheduling_policy=spec.scheduling_policy,
                 # A tensor-parallel group of N cards prefills about N times faster.
                 prefill_tokens_per_s=SimConfig.prefill_tokens_per_s * tp,
             )
