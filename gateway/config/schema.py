@@ -389,8 +389,8 @@ class InstanceConfig(Frozen):
     # the prompts worth a second hop, "decode" the answers (and short prompts whole).
     role: Role = "both"
     # As started with vLLM's --scheduling-policy: with "priority" it orders its own queue
-    # by the `priority` field the gateway writes from the key (vLLM refuses the field
-    # otherwise, so it is written only there).
+    # by the `priority` field the gateway writes from the key. Under fcfs the field means
+    # nothing (vLLM v1 ignores it, v0 refused a nonzero one): it is written only there.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @field_validator("url")

@@ -9,7 +9,9 @@ the instances that stay.
 Limits an instance holds:
 - at most `slots + max_queue_per_instance` of the fleet's requests (`slots` is its
   `max_num_seqs`): that is, at most `max_queue_per_instance` waiting beyond what it runs;
-  a request that would exceed it goes to another instance (overflow);
+  a request that would exceed it goes to another instance (overflow). A batch request
+  takes a running slot only: it waits in the gateway's queue, whose order puts
+  interactive requests first, never in an instance's, where it would be ahead of them;
 - on an instance shared by both lanes, at most `max_long_per_instance` long requests
   still in prefill, so short requests never wait behind a wall of long ones; the other
   long prompts wait in the gateway queue for the first long place free.
@@ -34,6 +36,7 @@ from .model import (
     LoadReport,
     LocalShare,
     PeerLoad,
+    Priority,
     RateKey,
     SharedView,
     Ticket,
@@ -355,7 +358,10 @@ class Fleet:
         )
 
     def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
-        if state.fleet_inflight >= state.slots + self.limits.max_queue_per_instance:
+        beyond_slots = (
+            0 if ticket.priority is Priority.BATCH else self.limits.max_queue_per_instance
+        )
+        if state.fleet_inflight >= state.slots + beyond_slots:
             return False
         if self._capped_long(state) and self._takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.

@@ -39,11 +39,17 @@ class WaitQueues:
         for fifo in self._fifos.values():
             yield from fifo.values()
 
-    def waiting_before(self, ticket: Ticket) -> int:
-        """How many wait for the places a new `ticket` wants (its lane, model and hop, of
-        any class): while any does, it queues too, and the queue's order decides."""
+    def waiting_before(self, ticket: Ticket, wait_until: float) -> bool:
+        """Whether a request waits for the places a new `ticket` (waiting until
+        `wait_until`) wants, which it may not overtake: of its lane, model and hop, one
+        whose wait runs out no later (every one of its class; a batch one only near its
+        limit, for an interactive ticket)."""
         lane, model, hop = ticket.lane, ticket.model, ticket.hop
-        return sum(len(self._fifos.get((lane, model, hop, p), ())) for p in Priority)
+        for priority in Priority:
+            fifo = self._fifos.get((lane, model, hop, priority))
+            if fifo and self._wait_until[next(iter(fifo))] <= wait_until:
+                return True
+        return False
 
     def fifo_length(self, lane: Lane) -> int:
         """New requests of `lane` waiting, over all models (the gateway queue bound's count)."""

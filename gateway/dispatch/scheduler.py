@@ -166,17 +166,18 @@ class Scheduler(Fleet):
             return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
-        # FIFO: nobody may overtake requests already waiting for the same lane and model.
-        if not self._queues.waiting_before(ticket):
+        lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
+        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(lane, priority))
+        # In the queue's order: nobody may overtake requests already waiting for the same
+        # lane, model and hop whose wait runs out first (of its class, all of them).
+        if not self._queues.waiting_before(ticket, wait_until):
             candidates = self._candidates(ticket, now, len(self._holding))
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
-        lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
         if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
             wait = self.predicted_wait(lane, now, model, hop, priority)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
-        wait_until = min(ticket.deadline, now + self.limits.max_queue_wait(lane, priority))
         rate = self._drained.rate(lane, model, now, priority)
         ahead = self.ahead(lane, model, hop, priority)
         # It must also have its first token in time once it starts: the lane's usual time

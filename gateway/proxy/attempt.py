@@ -111,7 +111,7 @@ def vllm_priority(call: Call, payload: dict[str, Any], key_priority: int) -> Cal
 
 def send_body(call: Call, endpoint: Endpoint) -> bytes:
     """The body as `endpoint` gets it: with the key's `priority` where it runs vLLM's
-    priority scheduler (elsewhere vLLM refuses a nonzero one)."""
+    priority scheduler (elsewhere it means nothing: vLLM v1 ignores it, v0 refused it)."""
     if call.priority is None or not endpoint.priority_scheduling:
         return call.body
     return jsoncodec.with_field(call.body, jsoncodec.loads(call.body), "priority", call.priority)

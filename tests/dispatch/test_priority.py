@@ -147,3 +147,20 @@ def test_a_retry_keeps_its_class_and_waits_its_class_limit() -> None:
     queued = sched.submit(retry, 0.0, rng)
     assert isinstance(queued, Queued)
     assert queued.wait_until == 30.0
+
+
+def test_a_batch_request_takes_a_running_slot_only() -> None:
+    """An instance's own queue is served in arrival order: a batch request waits in the
+    gateway's instead, where interactive ones go first; an interactive one may still
+    queue at the instance (max_queue_per_instance)."""
+    rng = random.Random(0)
+    limits = Limits(max_queue_per_instance=4, max_queue_wait_short=2.0, batch_queue_wait_short=30.0)
+    sched = Scheduler([InstanceSpec("a", slots=1)], STRATEGIES["least_busy"](30.0), limits)
+    sched.probe("a", True, 0.0, rng)
+    assert isinstance(sched.submit(ticket(1, BATCH), 0.0, rng), Assigned)  # the slot
+    assert isinstance(sched.submit(ticket(2, BATCH), 0.0, rng), Queued)  # here, not there
+    assert isinstance(sched.submit(ticket(3, INTERACTIVE), 0.0, rng), Assigned)
+    assert sched.ahead(Lane.SHORT, priority=INTERACTIVE) == 1  # 3, at the instance
+    assert sched.release(1, Outcome.SUCCESS, 1.0, rng) == []  # 3 runs in the freed slot
+    (placed,) = sched.release(3, Outcome.SUCCESS, 2.0, rng)
+    assert placed.ticket.id == 2

@@ -90,7 +90,8 @@ async def test_a_priority_instance_gets_the_keys_priority(
 
 
 async def test_an_fcfs_instance_gets_the_body_as_sent() -> None:
-    """vLLM refuses a nonzero priority without the priority scheduler: nothing is added."""
+    """Without the priority scheduler the field means nothing (vLLM v1 ignores it, v0
+    refused a nonzero one): nothing is added."""
     async with (
         recorded(SimConfig(instant=True)) as (sim, recording),
         gateway_with([sim], channel={"keys": KEYS}) as gw,
