@@ -152,7 +152,7 @@ def test_a_keys_priority_is_its_class_and_vllms_value(
     assert (tenant.priority, tenant.vllm_priority) == expected
 
 
-@pytest.mark.parametrize("setting", ["urgent", "1", True, 1.5])
+@pytest.mark.parametrize("setting", ["urgent", "1", True, 1.5, 2**63])
 def test_a_priority_that_is_neither_class_nor_integer_is_refused(setting: object) -> None:
     with pytest.raises(ValidationError, match="priority"):
         KeyEntry.model_validate({"name": "k", "key": "sk-k-0123456789", "priority": setting})

@@ -315,6 +315,8 @@ class KeyEntry(Frozen):
     def _priority_class(cls, value: str | int) -> str | int:
         if isinstance(value, str) and value not in PRIORITIES:
             raise ValueError(f"expected {' or '.join(map(repr, PRIORITIES))}, or a number")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ValueError("vLLM's priority is a 64-bit integer")
         return value
 
     @model_validator(mode="after")
