@@ -79,6 +79,9 @@ class _Out(web.StreamResponse):
 
     spliced = 0
     writer: AbstractStreamWriter | None = None
+    # The head waits for the first event and goes out in the same write (aiohttp's own
+    # `Response` does the same; a stream answer otherwise sends its head alone).
+    _send_headers_immediately = False
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         self.writer = await super().prepare(request)
