@@ -145,7 +145,8 @@ async def test_an_answer_split_at_any_byte_reads_the_same(answer: bytes, body: b
 
 
 async def test_each_chunk_is_handed_on_as_it_arrives() -> None:
-    """A chunked body's chunks come out of `next_chunk` one by one, before the answer ends."""
+    """A chunked body's chunks come out of `next_chunk` as they arrive, before the answer
+    ends; those that arrived together come out together."""
     conn, transport, _ = opened()
     head = ask(conn)
     transport.feed(CHUNKED_HEAD + chunk(EVENTS[0]))
@@ -157,6 +158,11 @@ async def test_each_chunk_is_handed_on_as_it_arrives() -> None:
     transport.feed(b"0\r\n\r\n")
     assert await response.next_chunk() == b""
     assert response.complete
+    conn, transport, _ = opened()
+    head = ask(conn)
+    transport.feed(CHUNKED_HEAD + chunk(EVENTS[0]) + chunk(EVENTS[1]))
+    response = head.result()
+    assert await response.next_chunk() == EVENTS[0] + EVENTS[1]
 
 
 async def test_headers_are_case_insensitive_repeatable_and_the_content_type_bare() -> None:
@@ -278,7 +284,7 @@ async def test_an_answer_without_a_length_ends_with_its_connection() -> None:
     ("answer", "arrived"),
     [
         (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ndata: 1\n\n", [b"data: 1\n\n"]),
-        (CHUNKED_HEAD + chunk(EVENTS[0]) + b"40\r\npartial", [EVENTS[0], b"partial"]),
+        (CHUNKED_HEAD + chunk(EVENTS[0]) + b"40\r\npartial", [EVENTS[0] + b"partial"]),
     ],
     ids=["content-length", "chunked"],
 )
@@ -414,7 +420,7 @@ async def test_pulled_bytes_over_the_high_water_mark_pause_reading_until_read() 
     transport.feed(chunk(block))
     assert transport.reading_paused
     assert conn.paused
-    assert await response.next_chunk() == block
+    assert await response.next_chunk() == block + block
     assert not transport.reading_paused
     assert transport.pauses == 1
 

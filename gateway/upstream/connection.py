@@ -87,10 +87,16 @@ class Response:
         value = self.headers.get("Content-Type", "")
         return value.partition(";")[0].strip().lower()
 
+    @property
+    def drained(self) -> bool:
+        """The whole body arrived and has been pulled: nothing is left to read or splice."""
+        return self.complete and not self._chunks
+
     # -------------------------------------------------------- pulling
 
     async def next_chunk(self, timeout: float | None = None) -> bytes:
-        """The next body bytes as they arrived; b"" at the end (AttemptFailed if it broke)."""
+        """The body bytes that arrived since the last call, at least one chunk; b"" at the end
+        (AttemptFailed if it broke)."""
         while not self._chunks:
             if self.complete:
                 return b""
@@ -107,7 +113,9 @@ class Response:
                 raise AttemptFailed("timeout", f"no bytes within {timeout:.1f}s") from None
             finally:
                 self._waiter = None
-        data = self._chunks.popleft()
+        chunks = self._chunks  # all that arrived so far, as one read brought it
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
         self._queued -= len(data)
         if self._queued < _HIGH_WATER and self._conn is not None:
             self._conn.resume_reading()
