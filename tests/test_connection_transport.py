@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from mock_transport import MockTransport, Network, connect
@@ -844,3 +844,22 @@ async def test_cancelled_while_reading_the_body(network: Network) -> None:
     assert first.aborted
     await _next_request_is_served(pool, network)
     assert network.last is not first
+
+
+async def test_a_kept_alive_connection_keeps_one_timer_across_requests() -> None:
+    """Request after request on one connection moves only the phase's deadline: the timer
+    armed at accept stays (re-armed when it fires, not twice a request), and the idle
+    deadline still ends the connection."""
+    limits = ConnectionLimits(header_timeout=0.05, idle_timeout=0.1, max_open=8)
+    connections = ClientConnections(limits, Metrics(CollectorRegistry()))
+    protocol = connections.protocol_factory(asyncio.Protocol)()
+    transport = connect(protocol)
+    conn = cast(Any, protocol)
+    timer = conn._timer
+    for _ in range(3):
+        protocol.data_received(b"G")
+        conn.request_started()
+        conn.request_finished(True)
+    assert conn._timer is timer
+    await asyncio.sleep(0.3)
+    assert transport.closed
