@@ -70,6 +70,11 @@ class FakeResponse:
         except TimeoutError:
             raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
 
+    @property
+    def drained(self) -> bool:
+        """Nothing is left to replay: the next read would be the clean end."""
+        return not self._items
+
     async def next_chunk(self, timeout: float | None = None) -> bytes:
         if timeout is None:
             return await self._next()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from mock_transport import MockTransport, Network, connect
@@ -32,6 +32,18 @@ CHUNKED_HEAD = (
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def dechunk(framed: bytes) -> list[bytes]:
+    """The payloads of HTTP/1.1 chunk framing (the last, empty chunk not included)."""
+    payloads = []
+    while framed:
+        size, _, framed = framed.partition(b"\r\n")
+        n = int(size, 16)
+        assert framed[n : n + 2] == b"\r\n"
+        payloads.append(framed[:n])
+        framed = framed[n + 2 :]
+    return payloads
 
 
 def fixed(body: bytes, *extra: bytes) -> bytes:
@@ -133,7 +145,8 @@ async def test_an_answer_split_at_any_byte_reads_the_same(answer: bytes, body: b
 
 
 async def test_each_chunk_is_handed_on_as_it_arrives() -> None:
-    """A chunked body's chunks come out of `next_chunk` one by one, before the answer ends."""
+    """A chunked body's chunks come out of `next_chunk` as they arrive, before the answer
+    ends; those that arrived together come out together."""
     conn, transport, _ = opened()
     head = ask(conn)
     transport.feed(CHUNKED_HEAD + chunk(EVENTS[0]))
@@ -145,6 +158,11 @@ async def test_each_chunk_is_handed_on_as_it_arrives() -> None:
     transport.feed(b"0\r\n\r\n")
     assert await response.next_chunk() == b""
     assert response.complete
+    conn, transport, _ = opened()
+    head = ask(conn)
+    transport.feed(CHUNKED_HEAD + chunk(EVENTS[0]) + chunk(EVENTS[1]))
+    response = head.result()
+    assert await response.next_chunk() == EVENTS[0] + EVENTS[1]
 
 
 async def test_headers_are_case_insensitive_repeatable_and_the_content_type_bare() -> None:
@@ -266,7 +284,7 @@ async def test_an_answer_without_a_length_ends_with_its_connection() -> None:
     ("answer", "arrived"),
     [
         (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ndata: 1\n\n", [b"data: 1\n\n"]),
-        (CHUNKED_HEAD + chunk(EVENTS[0]) + b"40\r\npartial", [EVENTS[0], b"partial"]),
+        (CHUNKED_HEAD + chunk(EVENTS[0]) + b"40\r\npartial", [EVENTS[0] + b"partial"]),
     ],
     ids=["content-length", "chunked"],
 )
@@ -402,7 +420,7 @@ async def test_pulled_bytes_over_the_high_water_mark_pause_reading_until_read() 
     transport.feed(chunk(block))
     assert transport.reading_paused
     assert conn.paused
-    assert await response.next_chunk() == block
+    assert await response.next_chunk() == block + block
     assert not transport.reading_paused
     assert transport.pauses == 1
 
@@ -657,7 +675,8 @@ def client_connection() -> tuple[splice.Watch, MockTransport]:
 
 async def test_sse_events_go_from_the_instance_to_the_client_whole_and_chunk_framed() -> None:
     """Spliced events reach the client's transport whole, in HTTP/1.1 chunk framing, however
-    the instance's bytes were split; the end is clean and the connection goes back."""
+    the instance's bytes were split (the events of one read in one chunk); the end is clean
+    and the connection goes back."""
     stream = b"".join(chunk(e) for e in EVENTS) + b"0\r\n\r\n"
     for cut in range(1, len(stream)):
         conn, upstream, owner = opened()
@@ -672,7 +691,10 @@ async def test_sse_events_go_from_the_instance_to_the_client_whole_and_chunk_fra
         upstream.feed(stream[:cut])
         client.take()  # the client keeps up
         upstream.feed(stream[cut:])
-        assert bytes(client.written) == b"".join(chunk(e) for e in EVENTS), cut
+        payloads = dechunk(bytes(client.written))
+        assert b"".join(payloads) == b"".join(EVENTS), cut
+        assert all(p.endswith(b"\n\n") for p in payloads), cut  # whole events only
+        assert len(payloads) <= 2, cut  # one write per read of the instance's socket
         assert run.done.result() == splice.End(splice.Why.ENDED)
         assert run.framer.done
         run.stop(watch)
@@ -822,3 +844,22 @@ async def test_cancelled_while_reading_the_body(network: Network) -> None:
     assert first.aborted
     await _next_request_is_served(pool, network)
     assert network.last is not first
+
+
+async def test_a_kept_alive_connection_keeps_one_timer_across_requests() -> None:
+    """Request after request on one connection moves only the phase's deadline: the timer
+    armed at accept stays (re-armed when it fires, not twice a request), and the idle
+    deadline still ends the connection."""
+    limits = ConnectionLimits(header_timeout=0.05, idle_timeout=0.1, max_open=8)
+    connections = ClientConnections(limits, Metrics(CollectorRegistry()))
+    protocol = connections.protocol_factory(asyncio.Protocol)()
+    transport = connect(protocol)
+    conn = cast(Any, protocol)
+    timer = conn._timer
+    for _ in range(3):
+        protocol.data_received(b"G")
+        conn.request_started()
+        conn.request_finished(True)
+    assert conn._timer is timer
+    await asyncio.sleep(0.3)
+    assert transport.closed

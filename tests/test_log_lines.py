@@ -69,3 +69,34 @@ def test_a_library_logging_through_the_standard_module_writes_json_too() -> None
         "error",
         "Failed to export x",
     )
+
+
+def test_a_line_written_directly_is_the_line_the_chain_writes() -> None:
+    """`log.line` writes, in one write, the bytes structlog's configured chain writes for the
+    same call (context fields, level and key order included; only the time differs), keeps
+    to the level, and declines when another chain is set."""
+    fields = {"client": "127.0.0.1", "peer": None, "status": 200, "ttft_ms": 1.5, "server": "a"}
+    saved = structlog.get_config()
+    stream = Writes()
+    log.configure("info", stream=stream, json=True)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id="r1", trace_id="t1", server="bound")
+    try:
+        log.get("test").info("request", **fields)
+        assert log.line("info", "request", dict(fields))
+        assert log.line("debug", "request", dict(fields))  # below the level: nothing
+        with structlog.testing.capture_logs() as captured:
+            assert not log.line("info", "request", dict(fields))
+        assert captured == []
+    finally:
+        structlog.contextvars.clear_contextvars()
+        structlog.configure(**saved)
+    assert len(stream.calls) == 2
+    through_chain, direct = (orjson.loads(call) for call in stream.calls)
+    assert list(through_chain) == list(direct)
+    assert (direct["server"], direct["trace_id"]) == ("a", "t1")
+    assert through_chain.pop("timestamp").endswith("Z")
+    assert direct.pop("timestamp").endswith("Z")
+    assert through_chain == direct
+    chain_text, direct_text = (call.split('"timestamp"')[0] for call in stream.calls)
+    assert chain_text == direct_text

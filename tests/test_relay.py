@@ -128,7 +128,7 @@ def client(
     writer = mock.Mock()
     writer.write_headers = mock.AsyncMock()
     writer.write = transport.write_body
-    writer.write_eof = mock.AsyncMock()
+    writer.write_eof = transport.write_body  # the last bytes, when the answer ends with them
     writer.drain = mock.AsyncMock()
     request = make_mocked_request(
         "POST", "/v1/chat/completions", writer=writer, transport=transport
@@ -284,6 +284,27 @@ async def test_events_reach_the_client_whole_however_the_reads_split_them(size: 
     sent_headers = record.response.headers
     assert (sent_headers["X-Gateway-Instance"], sent_headers["X-Request-ID"]) == ("a", "r1")
     assert lease.prefills == [(100.0, 1.0)]  # first token at 100, sent at 99
+
+
+async def test_a_stream_that_arrives_whole_goes_out_in_one_write_with_its_end() -> None:
+    """A stream whose every event came with its first token is sent in one write that ends
+    the answer (nothing is left to splice); one that came whole but without [DONE] is not,
+    so its in-band error can follow."""
+    wire = b"".join(token(i) for i in range(5)) + USAGE + DONE
+    record, body, _, _ = await relay_stream([wire])
+    assert body == wire
+    assert (record.status, record.outcome, record.tokens) == (200, Outcome.SUCCESS, 7)
+    request, got = client()
+    r = relay()
+    response = FakeResponse(200, [wire], SSE)
+    started = await r.first_chunk(response, timeout=5.0)
+    assert isinstance(started, Started)
+    await r.stream(call_of(request), response, started, FakeLease(), 99.0, silence=5.0)
+    assert got.sent == [wire]  # one write, with the end
+    assert response._pusher is None  # never spliced
+    record, body, _, _ = await relay_stream([token(0) + token(1)])
+    assert events(body)[-1] == DONE
+    assert record.error == "stream_broken"
 
 
 async def test_a_stream_without_done_ends_with_one_in_band_error_event() -> None:

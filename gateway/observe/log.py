@@ -9,12 +9,16 @@ library's plain text never breaks a log reader's JSON.
 
 from __future__ import annotations
 
+import contextvars
+import datetime
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import orjson
 import structlog
+from structlog.contextvars import STRUCTLOG_KEY_PREFIX, STRUCTLOG_KEY_PREFIX_LEN
 
 
 def configure(
@@ -22,21 +26,23 @@ def configure(
 ) -> None:
     stream = stream or sys.stderr
     as_json = json if json is not None else not stream.isatty()
+    min_level = logging.getLevelNamesMapping()[level.upper()]
     renderer: Any = (
-        structlog.processors.JSONRenderer(serializer=_orjson_text)
+        JsonLines(stream, min_level)
         if as_json
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
+    processors = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        renderer,
+    ]
+    if isinstance(renderer, JsonLines):
+        renderer.chain = processors
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(min_level),
         # One write per line, newline included: the workers of `--workers N` share one
         # stderr, and print()'s two writes (the line, then "\n") let their lines interleave.
         logger_factory=structlog.WriteLoggerFactory(stream),
@@ -64,6 +70,48 @@ class _StructlogHandler(logging.Handler):
 
 
 _LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
+
+
+class JsonLines(structlog.processors.JSONRenderer):
+    """The JSON lines' renderer; it can also write a line itself (`line`), which the access
+    line of every request does: the chain's work in one call, to the same bytes."""
+
+    def __init__(self, stream: TextIO, min_level: int) -> None:
+        super().__init__(serializer=_orjson_text)
+        self.stream = stream
+        self.min_level = min_level
+        self.chain: list[Callable[..., Any]] = []  # the processors it ends, as configured
+
+    def line(self, method: str, event: str, fields: dict[str, Any]) -> None:
+        """What `logger.<method>(event, **fields)` writes through the chain configure() set
+        up: the fields, the event, the context's fields, level and time; one write."""
+        if _LEVEL_NUMBERS[method] < self.min_level:
+            return
+        fields["event"] = event
+        ctx = contextvars.copy_context()  # as merge_contextvars
+        for var in ctx:
+            if var.name.startswith(STRUCTLOG_KEY_PREFIX) and ctx[var] is not Ellipsis:
+                fields.setdefault(var.name[STRUCTLOG_KEY_PREFIX_LEN:], ctx[var])
+        fields["level"] = method
+        now = datetime.datetime.now(tz=datetime.UTC)  # as TimeStamper(fmt="iso", utc=True)
+        fields["timestamp"] = now.isoformat().replace("+00:00", "Z")
+        self.stream.write(_orjson_text(fields, default=self._dumps_kw["default"]) + "\n")
+        self.stream.flush()
+
+
+_LEVEL_NUMBERS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+
+
+def line(method: str, event: str, fields: dict[str, Any]) -> bool:
+    """Write a line straight through configure()'s JSON chain if that is the one in use
+    (`fields` becomes the line's); False: log it through structlog (another chain is set,
+    such as a test's `capture_logs()` or a worker's, or a console)."""
+    processors = structlog.get_config()["processors"]
+    renderer = processors[-1] if processors else None
+    if not isinstance(renderer, JsonLines) or renderer.chain is not processors:
+        return False
+    renderer.line(method, event, fields)
+    return True
 
 
 def _orjson_text(event: dict[str, Any], **options: Any) -> str:

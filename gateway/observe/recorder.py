@@ -261,8 +261,8 @@ class Recorder:
                     self._series_of(metrics.tpot, lane, ex.instance).observe(ex.tpot)
                     self._account_slo(ex, lane)
         quiet = ex.route in PROBE_ROUTES and 200 <= ex.status < 300
-        (_access.debug if quiet else _access.info)(
-            "request",
+        method = "debug" if quiet else "info"
+        fields = dict(
             client=ex.client or None,
             peer=ex.peer if ex.peer and ex.peer != ex.client else None,
             method=ex.method or None,
@@ -291,3 +291,7 @@ class Recorder:
             tag=ex.tag or None,
             lane=ex.lane or None,
         )
+        if not log.line(
+            method, "request", fields
+        ):  # one call, unless structlog's chain is not ours
+            getattr(_access, method)("request", **fields)

@@ -45,7 +45,13 @@ class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
     `Response`), pulled chunk by chunk until the first event, then spliced."""
 
     async def next_chunk(self, timeout: float | None = None) -> bytes:
-        """The next body bytes as they arrived; b"" at the end (AttemptFailed if it broke)."""
+        """The body bytes that arrived since the last call, at least one chunk; b"" at the end
+        (AttemptFailed if it broke)."""
+        ...
+
+    @property
+    def drained(self) -> bool:
+        """The whole body arrived and has been pulled: nothing is left to splice."""
         ...
 
 
@@ -79,6 +85,9 @@ class _Out(web.StreamResponse):
 
     spliced = 0
     writer: AbstractStreamWriter | None = None
+    # The head waits for the first event and goes out in the same write (aiohttp's own
+    # `Response` does the same; a stream answer otherwise sends its head alone).
+    _send_headers_immediately = False
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         self.writer = await super().prepare(request)
@@ -91,6 +100,12 @@ class _Out(web.StreamResponse):
         if not written and self.writer is not None:
             written = self.writer.output_size
         return written + self.spliced
+
+
+def _ended_well(framer: sse.Framer, route: Route) -> bool:
+    """The stream's events so far make a whole answer: `data: [DONE]`, or the route's final
+    event where it sends no [DONE]."""
+    return framer.done or (not route.sse_done and sse.finished(framer.last_head, route.end_events))
 
 
 class Relay:
@@ -262,7 +277,7 @@ class Relay:
     ) -> Streamed:
         """End a committed stream: in-band error if it broke, the last chunk, the counts."""
         route = call.route
-        if framer.done or (not route.sse_done and sse.finished(framer.last_head, route.end_events)):
+        if _ended_well(framer, route):
             broken = None  # the client has the whole answer: what follows is moot
         if broken is not None:
             self.metrics.stream_aborts.labels("upstream").inc()
@@ -296,14 +311,20 @@ class Relay:
         # Every client connection is served by server/connections.py's protocol, which
         # reports its write buffer (the runner wraps each one).
         watch = cast(splice.Watch, transport.get_protocol())
+        # The whole answer came with its first token (one burst): head, events and the last
+        # chunk go out in one write, with nothing left to splice.
+        whole = response.drained and _ended_well(started.framer, route)
+        write = out.write_eof if whole else out.write
         try:
             if transport.get_write_buffer_size() + len(started.first) > _BACKLOG:
                 async with asyncio.timeout(self.write_timeout):
-                    await out.write(started.first)
+                    await write(started.first)
             else:
-                await out.write(started.first)
+                await write(started.first)
         except (ConnectionResetError, TimeoutError):
             return self._client_left(out, started.framer, route)
+        if whole:
+            return None
         run = splice.Splice(
             response,
             transport,

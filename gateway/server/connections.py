@@ -160,6 +160,8 @@ class _Connection(asyncio.Protocol):
         self.phase = Phase.HEADERS
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when the timer fires
+        self._due: float | None = None  # when the phase's time is up (None: no limit now)
         self._got_bytes = False  # of the request whose head is awaited
         self._writing_paused = False  # the transport's buffer is over its high-water mark
         self._on_writing: Callable[[bool], None] | None = None  # a spliced stream (splice.py)
@@ -211,6 +213,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self in self.owner.open:
             self.owner.open.discard(self)
             self.owner.metrics.client_connections.dec()
@@ -234,17 +239,34 @@ class _Connection(asyncio.Protocol):
 
     # the timer
 
-    def _arm(self, delay: float) -> None:
-        self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(delay, self._expired)
+    # One timer, re-armed lazily (as splice._check_quiet): a phase only moves `_due`, and
+    # the timer is moved when it fires early or must fire sooner, not twice a request.
 
-    def _disarm(self) -> None:
+    def _arm(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        due = self._due = loop.time() + delay
+        if self._timer is not None and self._timer_at <= due:
+            return  # it fires first, and re-arms for `due` then
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+        self._timer, self._timer_at = loop.call_at(due, self._check), due
+
+    def _disarm(self) -> None:
+        self._due = None
+
+    def _check(self) -> None:
+        self._timer = None
+        due = self._due
+        if due is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < due:
+            self._timer, self._timer_at = loop.call_at(due, self._check), due
+            return
+        self._due = None
+        self._expired()
 
     def _expired(self) -> None:
-        self._timer = None
         if self.transport is None or self.transport.is_closing():
             return
         if self.phase is Phase.CLOSING:
@@ -275,6 +297,8 @@ class _Refusal(asyncio.Protocol):
         self.owner = owner
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when the timer fires
+        self._due: float | None = None  # when the phase's time is up (None: no limit now)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass).

@@ -60,6 +60,7 @@ class Response:
     __slots__ = (
         "_chunks",
         "_conn",
+        "_held",
         "_queued",
         "_sink",
         "_waiter",
@@ -79,16 +80,23 @@ class Response:
         self._queued = 0
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Sink | None = None
+        self._held: list[bytes] = []  # spliced chunks of the read being parsed (see _flush)
 
     @property
     def content_type(self) -> str:
         value = self.headers.get("Content-Type", "")
         return value.partition(";")[0].strip().lower()
 
+    @property
+    def drained(self) -> bool:
+        """The whole body arrived and has been pulled: nothing is left to read or splice."""
+        return self.complete and not self._chunks
+
     # -------------------------------------------------------- pulling
 
     async def next_chunk(self, timeout: float | None = None) -> bytes:
-        """The next body bytes as they arrived; b"" at the end (AttemptFailed if it broke)."""
+        """The body bytes that arrived since the last call, at least one chunk; b"" at the end
+        (AttemptFailed if it broke)."""
         while not self._chunks:
             if self.complete:
                 return b""
@@ -105,7 +113,9 @@ class Response:
                 raise AttemptFailed("timeout", f"no bytes within {timeout:.1f}s") from None
             finally:
                 self._waiter = None
-        data = self._chunks.popleft()
+        chunks = self._chunks  # all that arrived so far, as one read brought it
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
         self._queued -= len(data)
         if self._queued < _HIGH_WATER and self._conn is not None:
             self._conn.resume_reading()
@@ -125,9 +135,15 @@ class Response:
     # -------------------------------------------------------- pushing
 
     def splice(self, sink: Sink) -> None:
-        """From now on hand every body chunk to `sink` as it arrives (queued ones first)."""
-        while self._chunks:
-            sink.body(self._chunks.popleft())
+        """From now on hand every body chunk to `sink` as it arrives (queued ones first).
+
+        The chunks of one read go on together (the queued ones, then those each read
+        brings): an instance that sends a burst of events costs one write to the client,
+        not one per event."""
+        if self._chunks:
+            queued = self._chunks
+            sink.body(queued[0] if len(queued) == 1 else b"".join(queued))
+            queued.clear()
         self._queued = 0
         if self.complete or self.broken is not None:
             sink.ended(None if self.complete else self.broken)
@@ -153,6 +169,7 @@ class Response:
         for its body is told it broke. Idempotent."""
         conn, self._conn = self._conn, None
         self._sink = None
+        self._held.clear()
         if conn is not None:
             conn.finished(self)
         self._end("closed by the gateway before it ended")
@@ -163,7 +180,7 @@ class Response:
 
     def _body(self, data: bytes) -> None:
         if self._sink is not None:
-            self._sink.body(data)
+            self._held.append(data)  # handed on once the read is parsed (_flush)
             return
         self._chunks.append(data)
         self._queued += len(data)
@@ -171,9 +188,18 @@ class Response:
             self._conn.pause_reading()
         self._wake()
 
+    def _flush(self) -> None:
+        """Hand the sink the chunks the read being parsed brought, in one piece."""
+        held = self._held
+        if held and self._sink is not None:
+            data = held[0] if len(held) == 1 else b"".join(held)
+            held.clear()
+            self._sink.body(data)
+
     def _end(self, broken: str | None) -> None:
         if self.complete or self.broken is not None:
             return
+        self._flush()  # what arrived before the end goes first
         if broken is None:
             self.complete = True
         else:
@@ -253,6 +279,8 @@ class H1Connection(asyncio.Protocol):
             self._head_read += len(data)
         try:
             self.parser.feed_data(data)
+            if self.response is not None:
+                self.response._flush()
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             cause = exc.__context__
             if isinstance(cause, _AfterTheEnd):
