@@ -96,11 +96,12 @@ async def measure(
     max_num_batched_tokens: int,
     common: Common,
     decode_s_per_token: float = SimConfig.decode_s_per_token,
-    window: float = WINDOW,
+    window: float | None = None,
 ) -> Measured:
     """Keep every card of a fresh fleet full for about WARM + `window` seconds (longer where
     the cards serve less than the estimate) and measure what share of the estimate it
-    serves."""
+    serves. `window`: None is WINDOW, read at the call (a test shortens it)."""
+    window = WINDOW if window is None else window
     sim = SimConfig(max_num_seqs=max_num_seqs, decode_s_per_token=decode_s_per_token)
     estimate = compare.capacity(speeds, mix, sim)
     clients = (max_num_seqs + QUEUED) * len(speeds)
