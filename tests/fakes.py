@@ -7,6 +7,7 @@ does (handler cancellation on, our own access log). Everything it starts it stop
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from gateway.config import load as gateway_config
@@ -165,3 +167,15 @@ def log_events(text: str) -> list[dict[str, Any]]:
             if isinstance(event, dict):
                 events.append(event)
     return events
+
+
+async def until_available(gw: Gateway, tries: int = 100) -> None:
+    """Wait until /admin/instances says every instance is available (probed up)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(tries):
+            body = await (await s.get(gw.url + "/admin/instances", headers=auth)).json()
+            if all(i["available"] for i in body["instances"]):
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the fleet did not come up")

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakes import KEY, Gateway, fleet, gateway_with
+from fakes import KEY, Gateway, fleet, gateway_with, until_available
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import VllmSection
@@ -48,18 +48,8 @@ async def pd_gateway(
         async with gateway_with(
             sims, instances=instances, sections=SECTIONS, channel=channel or None
         ) as gw:
-            await _until_up(gw)
+            await until_available(gw)
             yield gw
-
-
-async def _until_up(gw: Gateway) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(100):
-            body = await (await s.get(gw.url + "/admin/instances", headers=AUTH)).json()
-            if all(i["available"] for i in body["instances"]):
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError("the fleet did not come up")
 
 
 async def chat(gw: Gateway, content: str, **fields: Any) -> tuple[int, str, Mapping[str, str]]:
@@ -147,7 +137,7 @@ async def test_a_decode_instance_that_fails_is_retried_elsewhere_with_the_same_p
             {"url": sims[2].url, "name": "d2", "role": "decode"},
         ]
         async with gateway_with(sims, instances=instances, sections=sections) as gw:
-            await _until_up(gw)
+            await until_available(gw)
             sims[1].faults.busy = True
             sims[2].faults.busy = False
             for _ in range(2):  # round robin: one of the two starts at d1
@@ -267,7 +257,7 @@ async def test_a_prefill_instance_killed_mid_run_loses_no_request_and_leaves_no_
             {"url": sims[2].url, "name": "d", "role": "decode"},
         ]
         async with gateway_with(sims, instances=instances, sections=SECTIONS) as gw:
-            await _until_up(gw)
+            await until_available(gw)
 
             async def later(delay: float) -> tuple[int, str, Mapping[str, str]]:
                 await asyncio.sleep(delay)

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from fakes import KEY, Gateway, gateway_with
+from fakes import Gateway, gateway_with, until_available
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.proxy import jsoncodec
@@ -180,7 +180,7 @@ async def test_both_hops_of_a_disaggregated_request_carry_the_priority() -> None
         async with gateway_with(
             [prefill, decode], instances=instances, sections=sections, channel={"keys": KEYS}
         ) as gw:
-            await _until_available(gw)
+            await until_available(gw)
             long = [{"role": "user", "content": "tell me more " * 300}]
             async with client(gw, JOBS_KEY) as c:
                 await c.chat.completions.create(model="sim-model", messages=long, max_tokens=3)
@@ -189,13 +189,3 @@ async def test_both_hops_of_a_disaggregated_request_carry_the_priority() -> None
     assert prefill_leg["priority"] == 1
     assert on_decode.bodies[-1]["kv_transfer_params"]["remote_block_ids"]
     assert on_decode.bodies[-1]["priority"] == 1
-
-
-async def _until_available(gw: Gateway, timeout: float = 5.0) -> None:
-    auth = {"Authorization": f"Bearer {KEY}"}
-    async with aiohttp.ClientSession() as s, asyncio.timeout(timeout):
-        while True:
-            body = await (await s.get(gw.url + "/admin/instances", headers=auth)).json()
-            if all(i["available"] for i in body["instances"]):
-                return
-            await asyncio.sleep(0.05)
