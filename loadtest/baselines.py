@@ -5,7 +5,10 @@
   up (one process, keep-alive to the instances, no buffering of the streams);
 - `vllm-router`: vLLM's Rust router from `pip install vllm-router`, `--policy cache_aware`
   with its default thresholds; `vllm-router-rr`: the same router's cheapest policy,
-  `round_robin`, what a user picks who wants only a fast front.
+  `round_robin`, what a user picks who wants only a fast front;
+- `floor-aiohttp`, `floor-httptools`: not fronts to pick but the least a Python forwarder
+  on our HTTP client costs, on aiohttp's server and on a bare httptools one
+  (loadtest/floor.py), for `overhead`.
 
 Each is its own process (pinned where the gateway would be) and yields its base URL
 (without /v1). One that is not installed raises `Unavailable` before anything starts:
@@ -29,7 +32,7 @@ import aiohttp
 from loadtest.harness import _stop, free_port, pin_prefix
 
 _STARTUP_LIMIT = 30.0
-BASELINES = ("sticky", "nginx", "vllm-router", "vllm-router-rr")
+BASELINES = ("sticky", "nginx", "vllm-router", "vllm-router-rr", "floor-aiohttp", "floor-httptools")
 
 
 class Unavailable(RuntimeError):
@@ -78,19 +81,27 @@ async def _wait_http(url: str, proc: asyncio.subprocess.Process, log: Path | Non
 
 
 @contextlib.asynccontextmanager
-async def sticky_process(
-    instances: Sequence[str], *, core: int | None, seed: int
+async def python_front(
+    module: str,
+    options: Sequence[str],
+    instances: Sequence[str],
+    *,
+    core: int | None,
+    pids: list[int] | None = None,
 ) -> AsyncIterator[str]:
-    """`python -m loadtest.sticky` before `instances`; yields its URL."""
-    args = [*pin_prefix(core), sys.executable, "-m", "loadtest.sticky", "--seed", str(seed)]
+    """`python -m <module> <options> --instances ...`, which prints its URL once serving;
+    yields that URL."""
+    args = [*pin_prefix(core), sys.executable, "-m", module, *options]
     proc = await asyncio.create_subprocess_exec(
         *args, "--instances", *instances, stdout=asyncio.subprocess.PIPE
     )
+    if pids is not None:  # taskset execs the interpreter: the pid is the front's
+        pids.append(proc.pid)
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), _STARTUP_LIMIT)
         if not line:
-            raise RuntimeError(f"the sticky front exited with status {await proc.wait()}")
+            raise RuntimeError(f"{module} exited with status {await proc.wait()}")
         url = line.decode().strip()
         await _wait_http(url + "/health", proc, None)
         yield url
@@ -215,7 +226,10 @@ def front(
     """The context manager that starts baseline `name` before `instances`; nginx's and
     vllm-router's process id is appended to `pids` (for their CPU time)."""
     if name == "sticky":
-        return sticky_process(instances, core=core, seed=seed)
+        return python_front("loadtest.sticky", ["--seed", str(seed)], instances, core=core)
+    if name.startswith("floor-"):
+        server = ["--server", name.removeprefix("floor-")]
+        return python_front("loadtest.floor", server, instances, core=core, pids=pids)
     if name == "nginx":
         return nginx_process(instances, core=core, pids=pids)
     if name == "vllm-router":

@@ -7,6 +7,8 @@ simulator's batch slowdown is off so every front sees the same pace). In front o
 
 - `direct`: the load generator spreads requests over the instances itself (round robin);
 - `gateway`: ours, `least_busy`, every feature on, as `overhead` runs it;
+- `floor-aiohttp` and `floor-httptools` (loadtest/floor.py): the least a Python forwarder
+  on our HTTP client costs, on aiohttp's server and on a bare httptools one;
 - `nginx` (`least_conn`), and vLLM's Rust router in its cheapest policy (`vllm-router-rr`,
   `round_robin`) and its default (`vllm-router`, `cache_aware`), where installed.
 
@@ -30,7 +32,15 @@ from loadtest.loadgen import Client, Mix, make_workload, run_closed, session
 from loadtest.scenarios import Common, cores, say, summarize, to_v1
 
 FRONT_MIX = Mix(long_share=0.0, short_tokens=(200, 200), max_tokens=(16, 16))
-FRONTS = ("direct", "gateway", "nginx", "vllm-router-rr", "vllm-router")
+FRONTS = (
+    "direct",
+    "gateway",
+    "floor-aiohttp",
+    "floor-httptools",
+    "nginx",
+    "vllm-router-rr",
+    "vllm-router",
+)
 # Whose CPU each front's is compared with: the router's cheapest and default policies, nginx.
 BASES = ("vllm-router-rr", "vllm-router", "nginx")
 INSTANCES = 4

@@ -205,8 +205,8 @@ async def test_overhead_smoke(tmp_path: Path, figures: list[str]) -> None:
     for key in ("cpu_instant", "cpu_paced"):
         assert body[key]["run"]["ok"] == 40
         assert body[key]["gateway_cpu_s"] >= 0
-    # Side by side: direct and the gateway always, nginx and vllm-router (round robin and
-    # cache_aware) where installed; instant also alone (c=1).
+    # Side by side: direct, the gateway and the two Python floors always, nginx and
+    # vllm-router (round robin and cache_aware) where installed; instant also alone (c=1).
     cells = body["fronts"]["cells"]
     assert set(cells) == {"instant", "paced"}
     assert set(cells["instant"]) == {"1", "32"}
@@ -217,10 +217,12 @@ async def test_overhead_smoke(tmp_path: Path, figures: list[str]) -> None:
         cells["paced"]["32"],
         cells["paced"]["128"],
     ):
-        assert {"direct", "gateway"} <= set(by_front)
+        assert {"direct", "gateway", "floor-aiohttp", "floor-httptools"} <= set(by_front)
         assert set(by_front) | set(body["fronts"]["skipped"]) == {
             "direct",
             "gateway",
+            "floor-aiohttp",
+            "floor-httptools",
             "nginx",
             "vllm-router-rr",
             "vllm-router",

@@ -52,7 +52,7 @@ async def test_sticky_front_routes_a_repeated_prefix_to_one_instance() -> None:
     prefix = group_prefix(0, 300, seed=2)
     async with (
         harness.fleet_process([1.0, 1.0, 1.0], max_num_seqs=4, seed=0, instant=True) as fleet,
-        baselines.sticky_process(fleet.urls, core=None, seed=0) as url,
+        baselines.front("sticky", fleet.urls, core=None, seed=0) as url,
         aiohttp.ClientSession() as http,
     ):
         seen = []
