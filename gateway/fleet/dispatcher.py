@@ -240,7 +240,7 @@ class Dispatcher:
             timer.cancel()
             self._waiters.pop(ticket.id, None)
         lane = self.metrics.lane_names[ticket.lane]
-        self.metrics.queue_wait.labels(lane).observe(self.clock() - started)
+        self.metrics.queue_wait.labels(lane, ticket.priority).observe(self.clock() - started)
         return instance
 
     def _expire(self, ticket_id: int) -> None:

@@ -205,8 +205,9 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
-            "Time requests spent in the gateway queue before an instance took them.",
-            ["lane"],
+            "Time requests spent in the gateway queue before an instance took them, by their "
+            "key's class.",
+            ["lane", "priority"],
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
@@ -283,7 +284,8 @@ class Metrics:
             self.hop_seconds.labels(phase)
         for lane in self.lane_names.values():
             self.duration.labels(lane)
-            self.queue_wait.labels(lane)
+            for priority in PRIORITIES:
+                self.queue_wait.labels(lane, priority)
         self.config_reloads = Counter(
             "gateway_config_reloads",
             "SIGHUP reloads of config.toml and settings.json, by result (applied or failed).",

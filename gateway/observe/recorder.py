@@ -269,6 +269,7 @@ class Recorder:
             path=ex.path or None,
             route=ex.route,
             key=ex.key or None,
+            priority=None if ex.priority == "interactive" else ex.priority,
             model=ex.model or None,
             requested_model=ex.requested_model or None,
             status=ex.status,

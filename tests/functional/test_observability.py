@@ -49,8 +49,10 @@ async def test_labelled_series_exist_at_zero_before_any_request() -> None:
     ):
         samples = await scrape(gw)
         servers = gw.names()
-    assert series(samples, "gateway_queue_wait_seconds_count", lane="short") == 0
-    assert series(samples, "gateway_queue_wait_seconds_count", lane="prefill") == 0
+    for lane in ("short", "prefill"):
+        for priority in ("interactive", "batch"):
+            waits = "gateway_queue_wait_seconds_count"
+            assert series(samples, waits, lane=lane, priority=priority) == 0
     assert series(samples, "gateway_request_duration_seconds_count", lane="prefill") == 0
     for server in servers:
         assert series(samples, "gateway_instance_requests_total", server=server, status="200") == 0

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import structlog
 from aiohttp import web
 from fakes import Gateway, gateway_with, until_available
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,7 +105,8 @@ async def test_an_fcfs_instance_gets_the_body_as_sent() -> None:
 async def test_a_batch_request_waits_behind_a_later_interactive_one() -> None:
     """One running slot, no queue at the instance: while an interactive request runs, a
     batch request and then an interactive one wait in the gateway's queue; the
-    interactive one goes first."""
+    interactive one goes first. The queue wait is counted per class, and the batch
+    request's access line names its class."""
     slow = SimConfig(max_num_seqs=1, decode_s_per_token=0.05)
     async with recorded(slow) as (sim, recording):
         instance = {"url": sim.url, "max_num_seqs": 1}
@@ -112,13 +114,32 @@ async def test_a_batch_request_waits_behind_a_later_interactive_one() -> None:
         async with gateway_with(
             [sim], instances=[instance], sections=sections, channel={"keys": KEYS}
         ) as gw:
-            first = asyncio.create_task(chat(gw, CHAT_KEY, max_tokens=10))
-            await _until(lambda: len(recording.bodies) == 1)
-            batch = asyncio.create_task(chat(gw, JOBS_KEY, user="batch"))
-            await asyncio.sleep(0.05)  # the batch one is queued first
-            interactive = asyncio.create_task(chat(gw, CHAT_KEY, user="interactive"))
-            await asyncio.gather(first, batch, interactive)
+            with structlog.testing.capture_logs() as events:
+                first = asyncio.create_task(chat(gw, CHAT_KEY, max_tokens=10))
+                await _until(lambda: len(recording.bodies) == 1)
+                batch = asyncio.create_task(chat(gw, JOBS_KEY, user="batch"))
+                await asyncio.sleep(0.05)  # the batch one is queued first
+                interactive = asyncio.create_task(chat(gw, CHAT_KEY, user="interactive"))
+                await asyncio.gather(first, batch, interactive)
+            async with aiohttp.ClientSession() as session:
+                text = await (await session.get(gw.url + "/metrics")).text()
     assert [b.get("user") for b in recording.bodies[1:]] == ["interactive", "batch"]
+    waits = {
+        (sample.labels["priority"], sample.name.rpartition("_")[2]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in ("gateway_queue_wait_seconds_count", "gateway_queue_wait_seconds_sum")
+        and sample.labels["lane"] == "short"
+    }
+    # The batch request waited out the first one's answer and the later interactive one's.
+    assert waits["batch", "count"] == 1
+    assert waits["batch", "sum"] > waits["interactive", "sum"] > 0
+    lines = [e for e in events if e["event"] == "request"]
+    assert sorted((line["key"], line["priority"]) for line in lines) == [
+        ("chat", None),
+        ("chat", None),
+        ("jobs", "batch"),
+    ]
 
 
 async def test_a_batch_stream_is_counted_against_the_batch_objectives() -> None:
