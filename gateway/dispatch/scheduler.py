@@ -128,6 +128,19 @@ class Scheduler(Fleet):
         own = self._queues.length_for(lane, model, hop, priority)
         return own + max(0, peers_queued) + at_instances
 
+    def bounded(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> int:
+        """What a new `lane` request of `priority`'s class finds against the bound
+        `gateway_queue_size` (fleet-wide, with a shared view): every new request waiting
+        for a batch one; the interactive ones alone for an interactive one, so batch
+        requests never fill the queue that interactive ones need. The queue may then hold
+        up to the bound of each class."""
+        waiting = self._queues.fifo_length(lane)
+        peers = self._shared.queued.get(lane, 0)
+        if priority is Priority.INTERACTIVE:
+            waiting -= self._queues.batch_length(lane)
+            peers -= self._shared.queued_batch.get(lane, 0)
+        return waiting + max(0, peers)
+
     def predicted_wait(
         self,
         lane: Lane,
@@ -174,8 +187,7 @@ class Scheduler(Fleet):
             candidates = self._candidates(ticket, now, len(self._holding))
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
-        queued = self._queues.fifo_length(ticket.lane) + self._shared.queued.get(ticket.lane, 0)
-        if queued >= self.limits.gateway_queue_size:  # fleet-wide, with a shared view
+        if self.bounded(lane, priority) >= self.limits.gateway_queue_size:
             wait = self.predicted_wait(lane, now, model, hop, priority)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         rate = self._drained.rate(lane, model, now, priority)

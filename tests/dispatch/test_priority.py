@@ -164,3 +164,54 @@ def test_a_batch_request_takes_a_running_slot_only() -> None:
     assert sched.release(1, Outcome.SUCCESS, 1.0, rng) == []  # 3 runs in the freed slot
     (placed,) = sched.release(3, Outcome.SUCCESS, 2.0, rng)
     assert placed.ticket.id == 2
+
+
+def test_batch_requests_never_fill_the_queue_for_interactive_ones() -> None:
+    """With the gateway queue bound at 2: two waiting batch requests refuse a third with
+    queue_full, but an interactive one still waits, and goes first; two waiting
+    interactive requests refuse both classes."""
+    rng = random.Random(0)
+    limits = Limits(
+        max_queue_per_instance=0,
+        gateway_queue_size=2,
+        max_queue_wait_short=2.0,
+        batch_queue_wait_short=30.0,
+    )
+    sched = Scheduler([InstanceSpec("a", slots=1)], STRATEGIES["least_busy"](30.0), limits)
+    sched.probe("a", True, 0.0, rng)
+    assert isinstance(sched.submit(ticket(1, INTERACTIVE), 0.0, rng), Assigned)
+    for i in (2, 3):
+        assert isinstance(sched.submit(ticket(i, BATCH), 0.0, rng), Queued)
+    full = sched.submit(ticket(4, BATCH), 0.0, rng)
+    assert isinstance(full, Rejected)
+    assert full.reason == "queue_full"
+    assert (sched.bounded(Lane.SHORT, BATCH), sched.bounded(Lane.SHORT, INTERACTIVE)) == (2, 0)
+    for i in (5, 6):
+        assert isinstance(sched.submit(ticket(i, INTERACTIVE), 0.0, rng), Queued)
+    for i, priority in ((7, INTERACTIVE), (8, BATCH)):
+        refused = sched.submit(ticket(i, priority), 0.0, rng)
+        assert isinstance(refused, Rejected)
+        assert refused.reason == "queue_full"
+    (placed,) = sched.release(1, Outcome.SUCCESS, 0.5, rng)
+    assert placed.ticket.id == 5
+
+
+def test_the_peers_batch_queue_does_not_fill_the_bound_for_interactive_ones() -> None:
+    """Fleet-wide, the same: the other processes' batch requests count against the bound
+    for batch requests only."""
+    rng = random.Random(0)
+    limits = Limits(max_queue_per_instance=0, gateway_queue_size=4)
+    sched = Scheduler([InstanceSpec("a", slots=1)], STRATEGIES["least_busy"](30.0), limits)
+    sched.probe("a", True, 0.0, rng)
+    view = SharedView(
+        loads={"a": PeerLoad(inflight=1)},
+        queued={Lane.SHORT: 4},
+        queued_batch={Lane.SHORT: 3},
+        peers=1,
+    )
+    sched.apply_shared(view, 0.0, rng)
+    assert (sched.bounded(Lane.SHORT, BATCH), sched.bounded(Lane.SHORT, INTERACTIVE)) == (4, 1)
+    refused = sched.submit(ticket(1, BATCH), 0.0, rng)
+    assert isinstance(refused, Rejected)
+    assert refused.reason == "queue_full"
+    assert isinstance(sched.submit(ticket(2, INTERACTIVE), 0.0, rng), Queued)

@@ -142,6 +142,28 @@ async def test_a_batch_request_waits_behind_a_later_interactive_one() -> None:
     ]
 
 
+async def test_a_full_queue_of_batch_requests_refuses_batch_not_interactive() -> None:
+    """gateway_queue_size 1, one running slot: with a batch request waiting, another batch
+    request gets 429 queue_full, while an interactive one waits and is answered."""
+    slow = SimConfig(max_num_seqs=1, decode_s_per_token=0.05)
+    async with recorded(slow) as (sim, recording):
+        instance = {"url": sim.url, "max_num_seqs": 1}
+        dispatch = {"max_queue_per_instance": 0, "gateway_queue_size": 1}
+        async with gateway_with(
+            [sim], instances=[instance], sections={"dispatch": dispatch}, channel={"keys": KEYS}
+        ) as gw:
+            first = asyncio.create_task(chat(gw, CHAT_KEY, max_tokens=10))
+            await _until(lambda: len(recording.bodies) == 1)
+            batch = asyncio.create_task(chat(gw, JOBS_KEY, user="batch"))
+            await asyncio.sleep(0.05)  # the batch one fills the queue
+            with pytest.raises(openai.RateLimitError) as refused:
+                await chat(gw, JOBS_KEY, user="second batch")
+            await chat(gw, CHAT_KEY, user="interactive")
+            await asyncio.gather(first, batch)
+    assert refused.value.response.headers["Retry-After"]
+    assert [b.get("user") for b in recording.bodies[1:]] == ["interactive", "batch"]
+
+
 async def test_a_batch_stream_is_counted_against_the_batch_objectives() -> None:
     """A batch stream is counted with priority="batch" against [slo.batch]: a TTFT
     objective the interactive class would miss, the batch one meets."""
