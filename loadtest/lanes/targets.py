@@ -1,7 +1,7 @@
 """Issue 10's targets, judged inside one `lanes` run: each gateway setup against the best
 baseline that ran beside it on the same requests.
 
-    python -m loadtest.lanes.targets results/lanes/lanes-6e72517.json [more.json ...]
+    python -m loadtest.lanes.targets results/lanes/lanes-6e72517-run2.json [more.json ...]
     python -m loadtest.lanes.targets FILE --setup least_time:cap1+queue_all
 
 The targets (issue 10, "Targets"), per load:
