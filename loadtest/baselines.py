@@ -223,8 +223,8 @@ def front(
     seed: int,
     pids: list[int] | None = None,
 ) -> contextlib.AbstractAsyncContextManager[str]:
-    """The context manager that starts baseline `name` before `instances`; nginx's and
-    vllm-router's process id is appended to `pids` (for their CPU time)."""
+    """The context manager that starts baseline `name` before `instances`; the process id
+    of nginx, vllm-router and the floors is appended to `pids` (for their CPU time)."""
     if name == "sticky":
         return python_front("loadtest.sticky", ["--seed", str(seed)], instances, core=core)
     if name.startswith("floor-"):

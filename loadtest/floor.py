@@ -42,6 +42,11 @@ _TIMEOUT = 60.0
 _FORWARDED = {"content-type": "application/json"}
 
 
+def _chunk(data: bytes) -> bytes:
+    """`data` as one chunk of HTTP/1.1 chunked framing."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 class _Forwarder:
     """Round robin over the instances through one `Upstream` pool."""
 
@@ -74,7 +79,7 @@ def aiohttp_app(forwarder: _Forwarder) -> web.Application:
             await out.write(await response.next_chunk(_TIMEOUT))
             transport = request.transport
             while (data := await response.next_chunk(_TIMEOUT)) and transport is not None:
-                transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+                transport.write(_chunk(data))
         finally:
             response.release()
         await out.write_eof()
@@ -136,7 +141,7 @@ class HttptoolsExchange(asyncio.Protocol):
         )
         try:
             while data := await response.next_chunk(_TIMEOUT):
-                self._write(head + b"%x\r\n%s\r\n" % (len(data), data))
+                self._write(head + _chunk(data))
                 head = b""
             self._write(head + b"0\r\n\r\n")
         finally:

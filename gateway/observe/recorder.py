@@ -292,7 +292,6 @@ class Recorder:
             tag=ex.tag or None,
             lane=ex.lane or None,
         )
-        if not log.line(
-            method, "request", fields
-        ):  # one call, unless structlog's chain is not ours
+        # One call through our JSON chain; through structlog when another chain is set.
+        if not log.line(method, "request", fields):
             getattr(_access, method)("request", **fields)

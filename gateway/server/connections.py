@@ -297,8 +297,6 @@ class _Refusal(asyncio.Protocol):
         self.owner = owner
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0  # when the timer fires
-        self._due: float | None = None  # when the phase's time is up (None: no limit now)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass).
