@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -42,6 +43,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.sim.sim_engine import SimConfig
 from loadtest import baselines
 from loadtest.disagg import calibration, loadgen
 from loadtest.disagg.fronts import FRONTS, Instance, Role, direct
@@ -113,6 +115,13 @@ ARRANGEMENTS = (
         bracket=(8.0, 12.0),
     ),
     Arrangement(
+        "pd-2p1d-gateway-defaults",
+        ("prefill", "prefill", "decode"),
+        front="gateway-defaults",
+        separate_streams=False,
+        bracket=(8.0, 12.0),
+    ),
+    Arrangement(
         "colocated-3-gateway",
         ("both",) * 3,
         front="gateway",
@@ -170,10 +179,11 @@ async def measure(
     steps: int,
     at: float | None = None,
     short: int = MIXED_TOKENS[0],
+    config: SimConfig = calibration.DISTSERVE_OPT13B,
 ) -> dict[str, Any]:
-    """One arrangement's capacity on a fresh fleet and front (or, with `at`, its verdict
-    and latencies at that one total rate: arrangements compared at the same load)."""
-    config = calibration.DISTSERVE_OPT13B
+    """One arrangement's capacity on a fresh fleet of `config` instances and its front (or,
+    with `at`, its verdict and latencies at that one total rate: arrangements compared at
+    the same load)."""
     points: dict[float, dict[str, Any]] = {}
     speeds = [1.0] * len(arrangement.roles)
     async with contextlib.AsyncExitStack() as stack:
@@ -242,8 +252,10 @@ async def measure(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    config = calibration.scaled(calibration.DISTSERVE_OPT13B, args.scale)
     report: dict[str, Any] = {
-        "preset": calibration.preset_dict(calibration.DISTSERVE_OPT13B),
+        "preset": calibration.preset_dict(config),
+        "scale": dataclasses.asdict(args.scale),
         "objectives": {"ttft_s": FIGURE_1.ttft, "tpot_s": FIGURE_1.tpot, "attainment": 0.9},
         "protocol": {
             "duration_s": args.duration,
@@ -266,6 +278,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 steps=args.steps,
                 at=args.at,
                 short=args.short_tokens,
+                config=config,
             )
         except baselines.Unavailable as exc:
             print(f"{arrangement.name}: skipped, {exc}", flush=True)
@@ -292,6 +305,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--short-tokens", type=int, default=MIXED_TOKENS[0], help="the mix's short prompts"
+    )
+    parser.add_argument(
+        "--scale",
+        type=calibration.Scale.parse,
+        default=calibration.Scale(),
+        help="a calibration around the preset, e.g. prefill=1.5,transfer=3,decode=1.2",
     )
     parser.add_argument(
         "--arrangements",

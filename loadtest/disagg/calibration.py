@@ -80,6 +80,48 @@ SETUPS = (
 )
 
 
+@dataclass(frozen=True)
+class Scale:
+    """A calibration around `DISTSERVE_OPT13B`: each cost times a factor (1: the preset).
+
+    `prefill` multiplies the prefill rate (1.5: prompts compute 1.5x as fast), `transfer`
+    the KV transfer's cost (3: the link is a third as fast), `decode` the decode step's
+    cost (its time with one sequence; the slowdown per sequence is a fraction of it).
+    """
+
+    prefill: float = 1.0
+    transfer: float = 1.0
+    decode: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.transfer, self.decode) <= 0:
+            raise ValueError(f"every factor must be > 0, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> Scale:
+        """From "prefill=1.5,transfer=3" (factors left out stay 1)."""
+        fields: dict[str, float] = {}
+        for part in filter(None, text.split(",")):
+            name, _, value = part.partition("=")
+            if name not in ("prefill", "transfer", "decode") or not value:
+                raise ValueError(f"expected prefill=, transfer= or decode=, got {part!r}")
+            fields[name] = float(value)
+        return cls(**fields)
+
+    def label(self) -> str:
+        return f"prefill x{self.prefill:g}, transfer x{self.transfer:g}, decode x{self.decode:g}"
+
+
+def scaled(config: SimConfig, scale: Scale) -> SimConfig:
+    """`config` with its prefill, KV transfer and decode costs moved by `scale`."""
+    return dataclasses.replace(
+        config,
+        prefill_tokens_per_s=config.prefill_tokens_per_s * scale.prefill,
+        kv_link_bytes_per_s=config.kv_link_bytes_per_s / scale.transfer,
+        decode_s_per_token=config.decode_s_per_token * scale.decode,
+    )
+
+
 def stream_seed(seed: int, stream: int) -> int:
     """The schedule seed of stream `stream` of a run seeded `seed`."""
     return seed * 1000 + stream

@@ -13,7 +13,9 @@ The roles are the gateway's (`vllm.instances[].role` in settings.json): `prefill
 - `vllm-router`: the same router in its plain mode, round robin over `both` instances;
 - `gateway`: ours, `least_busy`, with each instance's role in its settings (a prefill and
   decode fleet disaggregates selectively; `both` instances colocate), judged by the same
-  objectives as the benchmark (`[slo]`), every default feature on.
+  objectives as the benchmark (`[slo]`), every default feature on;
+- `gateway-defaults`: ours with the roles and nothing else set: no `[slo]`, the default
+  strategy and health interval.
 
 A front that is not installed raises `baselines.Unavailable` before anything starts. The
 gateway's front is one more entry in `FRONTS`.
@@ -127,8 +129,22 @@ async def gateway(instances: Sequence[Instance]) -> AsyncIterator[str]:
         yield gw.url
 
 
+@contextlib.asynccontextmanager
+async def gateway_defaults(instances: Sequence[Instance]) -> AsyncIterator[str]:
+    """The gateway as a user first runs it: the roles and each instance's slots, nothing
+    else set (no `[slo]`)."""
+    async with harness.gateway_process(
+        [i.url for i in instances],
+        strategy="least_busy",
+        max_num_seqs=64,
+        roles=[i.role for i in instances],
+    ) as gw:
+        yield gw.url
+
+
 FRONTS: dict[str, Front] = {
     "gateway": gateway,
+    "gateway-defaults": gateway_defaults,
     "direct": direct,
     "vllm-router-pd": vllm_router_pd,
     "vllm-router": vllm_router,
