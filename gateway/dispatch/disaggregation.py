@@ -7,13 +7,24 @@ two hops with a KV connector: the prefill instance computes the prompt and holds
 blocks, the decode instance reads them instead of prefilling (the proxy's
 `disaggregate.py` speaks the protocol).
 
-Selective, as llm-d does it: the second hop is paid only by prompts whose prefill would
-stall a decode instance. A prompt goes in two hops when the fleet has a prefill instance
-up for it and its prefill on a decode instance, at the fastest prefill rate learned on
-those cards, would take longer than the TPOT objective (it would hold every running answer
-there past its time per token) and longer than moving its KV blocks (the decode hops'
-learned transfer time per token). Until a rate is learned, the long-input threshold
-stands in: a prompt over it goes in two hops.
+Selective, as llm-d does it, and judged on what each path costs everyone it touches, in
+seconds of delay:
+
+- whole on a decode instance: its prefill there, paid by the request itself and by every
+  request on that instance (each running answer stalls for it, each waiting one starts
+  later): `prefill x (1 + requests there)`;
+- two hops: its predicted finish on the best prefill instance (the work queued there, then
+  its own) plus moving its KV blocks; only the request pays it. The decode instance's own
+  queue is not in it: a request served whole waits there too.
+
+A prompt goes in two hops when that is the cheaper, and when more than `MIN_SPLIT_TOKENS`
+of it would be computed (a prompt of a block or two moves no time worth a hop). The rule
+feeds back the right way: serving whole loads the decode instance, which makes the next
+whole dearer; splitting loads the prefill instances, which makes the next split dearer.
+So with prefill instances that have room nearly every prompt splits, and only when the
+prefill side is the bottleneck (its queue longer than the stall a whole prefill would
+cause) does the decode instance take the overflow. Before any prefill rate is learned, the
+same comparison runs in tokens, with the transfer unknown (free).
 
 The prefill instance is the one predicted to finish this prompt first: the uncached
 prompt tokens ahead of it there (ours and the peers'), plus its own uncached part there
@@ -29,6 +40,21 @@ from collections.abc import Sequence
 from .model import Hop, InstanceState, Ticket
 from .speed import median
 
+# Prompt tokens to compute at most for a request to stay whole whatever the loads: vLLM's
+# connectors move full KV blocks only (16 tokens by default), and a prompt of a block or
+# two costs its decode instance less than a hop costs the request.
+VLLM_BLOCK_TOKENS = 16
+MIN_SPLIT_TOKENS = 2 * VLLM_BLOCK_TOKENS
+
+
+def decode_load(state: InstanceState, now: float, stale_after: float) -> float:
+    """Requests on a decode instance that a prefill there would hold up: every gateway
+    process's in flight, or what a fresh scrape says runs and waits there, if more (traffic
+    from elsewhere stalls as much)."""
+    report = state.fresh_report(now, stale_after)
+    own = float(state.fleet_inflight)
+    return own if report is None else max(own, report.running + report.waiting)
+
 
 def split(
     prefill: Sequence[InstanceState],
@@ -36,9 +62,8 @@ def split(
     ticket: Ticket,
     now: float,
     *,
-    tpot_objective: float,
-    long_input_threshold: int,
     transfer_s_per_token: float | None,
+    stale_after: float,
 ) -> bool:
     """Whether `ticket` should be prefilled on one of `prefill` and decoded on `decode`.
 
@@ -46,25 +71,27 @@ def split(
     """
     if ticket.hop is not Hop.WHOLE or not ticket.tokens:
         return False
-    dedicated = [s for s in prefill if s.spec.role == "prefill"]
-    if not any(s.available(now) and s.serves_model(ticket.model) for s in dedicated):
+    up = [s for s in (*prefill, *decode) if s.available(now) and s.serves_model(ticket.model)]
+    dedicated = [s for s in up if s.spec.role == "prefill"]
+    takers = [s for s in up if s in decode]
+    if not dedicated or not takers:
         return False  # no prefill instance up for it: it is served whole, as without roles
-    takers = [s for s in decode if s.available(now) and s.serves_model(ticket.model)]
-    if not takers:
-        return False
     # Where its prompt is cached on a decode instance, only the rest would be prefilled.
-    uncached = ticket.tokens - max(s.cached_tokens(ticket) for s in takers)
+    uncached = min(ticket.tokens - s.cached_tokens(ticket) for s in takers)
+    if uncached <= MIN_SPLIT_TOKENS:
+        return False
     # The fastest rate learned on these cards (alike, as a rule): a rate learned from a
     # first token holds its fixed costs too (a decode step, the hop), which only ever
-    # lower it, most for the short prompts a decode instance serves whole. A decode
-    # instance that learned only from those would have every short prompt split.
+    # lower it, most for the short prompts a decode instance serves whole.
     rates = [s.speed.prefill_rate for s in (*takers, *dedicated) if s.speed.prefill_rate]
     rate = max(rates, default=None)
-    if rate is None:
-        return uncached > long_input_threshold
-    local = uncached / rate
-    transfer = uncached * transfer_s_per_token if transfer_s_per_token is not None else 0.0
-    return local > tpot_objective and local > transfer
+    # The decode instance the strategy would weigh first: the least loaded.
+    load = min(decode_load(s, now, stale_after) for s in takers)
+    whole = uncached / rate if rate else float(uncached)
+    fleet_rate = median(s.speed.prefill_rate for s in dedicated) or rate
+    finish = min(predicted_prefill(s, ticket, fleet_rate) for s in dedicated)
+    transfer = uncached * transfer_s_per_token if rate and transfer_s_per_token else 0.0
+    return finish + transfer < whole * (1 + load)
 
 
 def predicted_prefill(state: InstanceState, ticket: Ticket, fleet_rate: float | None) -> float:

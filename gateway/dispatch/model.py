@@ -154,9 +154,6 @@ class Limits:
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
     # Size each index from its instance's vllm:cache_config_info once it reports it.
     prefix_index_learned: bool = True
-    # The short lane's TPOT objective: a prefill longer than this on a decode instance
-    # stalls every answer decoding there past it (disaggregation.split).
-    tpot_objective: float = 0.05
 
     def max_queue_wait(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> float:
         short = lane is Lane.SHORT

@@ -74,12 +74,12 @@ class Scheduler(Fleet):
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
-        # A decode hop's time from sending to its first token, per prompt token: the KV
-        # blocks' transfer, what a second hop costs. Leaning to the fast samples (a faster
-        # one weighs 0.5, a slower 0.1): the decode instance's queue slows a whole request
-        # as much, so only the quick hops show the transfer itself. Leaning slow, a busy
-        # decode instance made the second hop look dear, long prompts were served whole
-        # there, and their prefills made it busier (the mixed DistServe bench collapsed).
+        # A decode hop's time from sending to its first token, less one engine step there
+        # (its learned time per output token), per prompt token: the KV blocks' transfer,
+        # what a second hop costs. The decode instance's own step and queue are not in it
+        # (a whole request pays them too), so it leans to the fast samples (a faster one
+        # weighs 0.5, a slower 0.1): a busy decode instance must not make the second hop
+        # look dear, or prompts are served whole there and make it busier.
         self._transfer = Ewma(higher_is_better=True)
 
     def reconfigure(
@@ -162,9 +162,8 @@ class Scheduler(Fleet):
             self.pool(ticket.lane, Hop.DECODE),
             ticket,
             now,
-            tpot_objective=self.limits.tpot_objective,
-            long_input_threshold=self.limits.long_input_threshold,
             transfer_s_per_token=self._transfer.value,
+            stale_after=self.limits.metrics_stale_after,
         )
 
     # ------------------------------------------------------------ requests
@@ -254,7 +253,9 @@ class Scheduler(Fleet):
         self._settle_prefix(held.state, held.ticket)
         if ttft is not None and held.ticket.hop is Hop.DECODE:
             if held.ticket.tokens:
-                self._transfer.update(ttft / held.ticket.tokens)
+                # Never below zero: a hop quicker than a step moved its blocks for free.
+                moved = max(ttft - (held.state.speed.tpot_value or 0.0), 1e-9)
+                self._transfer.update(moved / held.ticket.tokens)
         elif ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self._service_ttft[held.ticket.lane].update(ttft)

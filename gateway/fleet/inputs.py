@@ -58,7 +58,6 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         if dispatch.prefix_index_blocks is None
         else dispatch.prefix_index_blocks,
         prefix_index_learned=dispatch.prefix_index_blocks is None,
-        tpot_objective=config.file.slo.tpot,
     )
     h = dispatch.health
     # Ejection's length and share are the core's (10 s doubling to 300 s, half the

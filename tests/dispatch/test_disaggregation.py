@@ -14,19 +14,20 @@ from gateway.dispatch import (
     InstanceSpec,
     Lane,
     Limits,
+    LoadReport,
     Outcome,
     Queued,
     Scheduler,
     Ticket,
 )
-from gateway.dispatch.disaggregation import fastest_prefill, predicted_prefill
+from gateway.dispatch.disaggregation import MIN_SPLIT_TOKENS, fastest_prefill, predicted_prefill
 
 P1, P2, D = (
     InstanceSpec("p1", role="prefill"),
     InstanceSpec("p2", role="prefill"),
     InstanceSpec("d", role="decode"),
 )
-LIMITS = Limits(long_input_threshold=4096, tpot_objective=0.04)
+LIMITS = Limits(long_input_threshold=4096)
 
 
 def ticket(i: int, tokens: int = 512, hop: Hop = Hop.WHOLE, lane: Lane = Lane.SHORT) -> Ticket:
@@ -55,32 +56,74 @@ def test_a_fleet_without_prefill_instances_never_splits() -> None:
     assert not sched.splits(ticket(1, tokens=100_000), 0.0)
 
 
-def test_before_any_rate_is_learned_the_long_input_threshold_decides() -> None:
+def load(sched: Scheduler, name: str, requests: int) -> None:
+    """`requests` of ours in flight on `name` (as placed requests would count)."""
+    sched.state(name).inflight = requests
+
+
+def test_before_any_rate_is_learned_the_comparison_runs_in_tokens() -> None:
     sched, _ = pd_fleet()
-    assert not sched.splits(ticket(1, tokens=4096), 0.0)
-    assert sched.splits(ticket(2, tokens=4097), 0.0)
+    # An idle decode instance: a prefill there stalls nobody, and a hop costs as much.
+    assert not sched.splits(ticket(1, tokens=100_000), 0.0)
+    load(sched, "d", 1)  # one answer there would stall for the whole prefill
+    assert sched.splits(ticket(2, tokens=512), 0.0)
 
 
-def test_a_prefill_longer_than_the_tpot_objective_on_the_decode_instance_splits() -> None:
+def test_a_prompt_of_two_blocks_or_less_stays_whole_whatever_the_loads() -> None:
     sched, _ = pd_fleet()
-    sched.state("d").speed.observe_prefill(5000, 1.0)
-    # 5,000 tokens/s: 200 tokens take the 40 ms objective exactly.
-    assert not sched.splits(ticket(1, tokens=200), 0.0)
-    assert sched.splits(ticket(2, tokens=260), 0.0)
+    load(sched, "d", 60)
+    assert not sched.splits(ticket(1, tokens=MIN_SPLIT_TOKENS), 0.0)
+    assert sched.splits(ticket(2, tokens=MIN_SPLIT_TOKENS + 1), 0.0)
 
 
-def test_a_transfer_dearer_than_the_local_prefill_keeps_the_request_whole() -> None:
+def test_the_stall_on_everything_at_the_decode_instance_outweighs_one_requests_hop() -> None:
+    """A 512-token prefill is 0.1 s at 5,000 tokens/s; with the hop at 0.5 ms a token
+    (0.256 s), two hops (0.358 s) cost more than the prefill alone and than its stall on
+    two answers decoding there (0.307 s), but less than its stall on three (0.41 s)."""
     sched, rng = pd_fleet()
     sched.state("d").speed.observe_prefill(5000, 1.0)
-    assert sched.splits(ticket(1, tokens=1000), 0.0)
-    # A decode hop whose first token took 0.5 ms per prompt token: the link is slower
-    # than prefilling locally (0.2 ms per token), so the second hop does not pay.
-    decode = assigned_to(sched.submit(ticket(2, tokens=1000, hop=Hop.DECODE), 0.0, rng))
-    assert decode == "d"
-    sched.prefill_done(2, 0.5, rng, ttft=0.5)
-    assert not sched.splits(ticket(3, tokens=1000), 0.0)
-    # ...and it taught no prefill rate: that hop computed no prompt.
+    hop = ticket(2, tokens=1000, hop=Hop.DECODE)
+    assert assigned_to(sched.submit(hop, 0.0, rng)) == "d"
+    sched.prefill_done(2, 0.5, rng, ttft=0.5)  # no step learned there: all of it moving
+    sched.release(2, Outcome.SUCCESS, 0.5, rng)
+    for running, splits in ((0, False), (2, False), (3, True), (40, True)):
+        load(sched, "d", running)
+        assert sched.splits(ticket(3, tokens=512), 0.0) is splits, running
+    # ...and that hop taught no prefill rate: it computed no prompt.
     assert sched.state("d").speed.prefill_rate == 5000
+
+
+def test_a_prompt_cached_on_the_decode_instance_counts_only_its_uncached_rest() -> None:
+    """Its cached part costs the decode instance nothing: with all but its last 64 tokens
+    cached there, stalling ten answers for 64 tokens beats a prefill of 4,096 elsewhere."""
+    sched, _ = pd_fleet()
+    load(sched, "d", 10)
+    prompt = replace(ticket(1, tokens=4096), prefix=tuple(range(64)))
+    assert sched.splits(prompt, 0.0)
+    sched.state("d").cache.insert(prompt.prefix[:-1])
+    assert not sched.splits(prompt, 0.0)
+
+
+def test_traffic_from_elsewhere_at_the_decode_instance_stalls_as_much() -> None:
+    sched, _ = pd_fleet()
+    sched.state("d").report = LoadReport(running=6, waiting=2, kv_usage=None, at=0.0)
+    assert sched.splits(ticket(1), 1.0)
+    # A scrape too old to trust says nothing: the instance is idle as far as we know.
+    assert not sched.splits(ticket(1), 1.0 + LIMITS.metrics_stale_after + 1)
+
+
+def test_the_prefill_side_takes_prompts_until_its_queue_outweighs_the_stall() -> None:
+    """Prefill instances that have room take every prompt; when their queue is longer than
+    the stall a whole prefill would cause, the decode instance takes the overflow."""
+    sched, _ = pd_fleet()
+    for name in ("p1", "p2", "d"):
+        sched.state(name).speed.observe_prefill(5000, 1.0)
+    load(sched, "d", 4)  # a whole 512-token prompt: 0.1024 s x 5 = 0.512 s of delay
+    for queued in ((0, 0), (1000, 1200), (1900, 1900)):
+        sched.state("p1").pending_prefill_tokens, sched.state("p2").pending_prefill_tokens = queued
+        assert sched.splits(ticket(1), 0.0), queued
+    sched.state("p1").pending_prefill_tokens = sched.state("p2").pending_prefill_tokens = 2100
+    assert not sched.splits(ticket(1), 0.0)
 
 
 def test_no_prefill_instance_up_keeps_every_request_whole() -> None:
@@ -110,7 +153,7 @@ def test_a_prefill_instance_takes_long_prompts_beyond_the_long_cap() -> None:
 
 
 def test_a_prefill_hop_waiting_does_not_hold_up_a_whole_request() -> None:
-    one_slot = Limits(max_queue_per_instance=0, tpot_objective=0.04)
+    one_slot = Limits(max_queue_per_instance=0)
     sched = make(
         InstanceSpec("p", role="prefill", slots=1),
         InstanceSpec("d", role="decode"),
@@ -162,7 +205,7 @@ def test_a_cached_prompt_prefills_where_it_is_cached() -> None:
 def test_prefill_hops_are_not_departures_for_admission() -> None:
     """A request departs when its decode hop does: counting its prefill hop too would
     double the drain rate admission predicts waits with."""
-    one_slot = Limits(max_queue_per_instance=0, tpot_objective=0.04)
+    one_slot = Limits(max_queue_per_instance=0)
     sched = make(
         InstanceSpec("p", role="prefill", slots=1),
         InstanceSpec("d", role="decode", slots=1),
@@ -190,15 +233,20 @@ def test_a_busy_decode_instance_does_not_make_the_transfer_look_dear() -> None:
         assert assigned_to(sched.submit(ticket(i, tokens=4608, hop=Hop.DECODE), 0.0, rng)) == "d"
         sched.prefill_done(i, 0.0, rng, ttft=ttft)
         sched.release(i, Outcome.SUCCESS, 0.0, rng)
+    load(sched, "d", 1)
     assert sched.splits(ticket(99, tokens=4608), 0.0)
 
 
-def test_short_prompts_stay_whole_though_the_decode_instance_learned_a_low_rate() -> None:
-    """A decode instance learns its rate from the short prompts it serves whole, whose
-    first tokens are mostly fixed costs: the prefill instances' long prompts show the
-    card's real rate, and the rule uses the fastest it knows."""
+def test_short_prompts_stay_whole_behind_long_prefills_and_long_ones_still_split() -> None:
+    """The mixed workload: the prefill instances hold a long prompt each (about 1 s of
+    work), the decode instance three answers. A 128-token prompt served whole stalls them
+    for 29 ms each, far less than its wait on the prefill side; a 4,608-token one would
+    stall them for a second each, more than that wait."""
     sched, _ = pd_fleet()
-    sched.state("d").speed.observe_prefill(64, 0.06)  # about 1,070 tokens/s
-    sched.state("p1").speed.observe_prefill(4608, 1.05)  # about 4,390 tokens/s
-    assert not sched.splits(ticket(1, tokens=128), 0.0)  # 29 ms at 4,390: under 40
-    assert sched.splits(ticket(2, tokens=512), 0.0)  # 117 ms
+    sched.state("d").speed.observe_prefill(64, 0.06)  # from short prompts: about 1,070/s
+    sched.state("p1").speed.observe_prefill(4608, 1.05)  # the card's real rate, ~4,390/s
+    for name in ("p1", "p2"):
+        sched.state(name).pending_prefill_tokens = 4608
+    load(sched, "d", 3)
+    assert not sched.splits(ticket(1, tokens=128), 0.0)
+    assert sched.splits(ticket(2, tokens=4608, lane=Lane.LONG), 0.0)
