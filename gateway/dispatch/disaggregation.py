@@ -12,7 +12,8 @@ seconds of delay:
 
 - whole on a decode instance: its prefill there, paid by the request itself and by every
   request on that instance (each running answer stalls for it, each waiting one starts
-  later): `prefill x (1 + requests there)`;
+  later), at least one: an idle decode instance does not stay idle, and the next request
+  to arrive waits behind the prefill: `prefill x (1 + max(1, requests there))`;
 - two hops: its predicted finish on the best prefill instance (the work queued there, then
   its own) plus moving its KV blocks; only the request pays it. The decode instance's own
   queue is not in it: a request served whole waits there too.
@@ -86,7 +87,7 @@ def split(
     rates = [s.speed.prefill_rate for s in (*takers, *dedicated) if s.speed.prefill_rate]
     rate = max(rates, default=None)
     # The decode instance the strategy would weigh first: the least loaded.
-    load = min(decode_load(s, now, stale_after) for s in takers)
+    load = max(1.0, min(decode_load(s, now, stale_after) for s in takers))
     whole = uncached / rate if rate else float(uncached)
     fleet_rate = median(s.speed.prefill_rate for s in dedicated) or rate
     finish = min(predicted_prefill(s, ticket, fleet_rate) for s in dedicated)

@@ -62,11 +62,15 @@ def load(sched: Scheduler, name: str, requests: int) -> None:
 
 
 def test_before_any_rate_is_learned_the_comparison_runs_in_tokens() -> None:
+    """Two hops cost the prefill instance's queue and the prompt; whole costs the prompt
+    for the request and for each at the decode instance (at least the next to come)."""
     sched, _ = pd_fleet()
-    # An idle decode instance: a prefill there stalls nobody, and a hop costs as much.
-    assert not sched.splits(ticket(1, tokens=100_000), 0.0)
-    load(sched, "d", 1)  # one answer there would stall for the whole prefill
-    assert sched.splits(ticket(2, tokens=512), 0.0)
+    assert sched.splits(ticket(1, tokens=512), 0.0)  # 512 < 512 x 2
+    for name in ("p1", "p2"):
+        sched.state(name).pending_prefill_tokens = 600
+    assert not sched.splits(ticket(2, tokens=512), 0.0)  # 1,112 > 1,024
+    load(sched, "d", 3)
+    assert sched.splits(ticket(3, tokens=512), 0.0)  # 1,112 < 2,048
 
 
 def test_a_prompt_of_two_blocks_or_less_stays_whole_whatever_the_loads() -> None:
@@ -78,8 +82,9 @@ def test_a_prompt_of_two_blocks_or_less_stays_whole_whatever_the_loads() -> None
 
 def test_the_stall_on_everything_at_the_decode_instance_outweighs_one_requests_hop() -> None:
     """A 512-token prefill is 0.1 s at 5,000 tokens/s; with the hop at 0.5 ms a token
-    (0.256 s), two hops (0.358 s) cost more than the prefill alone and than its stall on
-    two answers decoding there (0.307 s), but less than its stall on three (0.41 s)."""
+    (0.256 s), two hops (0.358 s) cost more than the prefill and its stall on two answers
+    decoding there (0.307 s; on an idle one, the next to come counts), but less than its
+    stall on three (0.41 s)."""
     sched, rng = pd_fleet()
     sched.state("d").speed.observe_prefill(5000, 1.0)
     hop = ticket(2, tokens=1000, hop=Hop.DECODE)
@@ -99,15 +104,21 @@ def test_a_prompt_cached_on_the_decode_instance_counts_only_its_uncached_rest() 
     sched, _ = pd_fleet()
     load(sched, "d", 10)
     prompt = replace(ticket(1, tokens=4096), prefix=tuple(range(64)))
+    sched.state("d").speed.observe_prefill(5000, 1.0)
     assert sched.splits(prompt, 0.0)
     sched.state("d").cache.insert(prompt.prefix[:-1])
     assert not sched.splits(prompt, 0.0)
 
 
 def test_traffic_from_elsewhere_at_the_decode_instance_stalls_as_much() -> None:
-    sched, _ = pd_fleet()
+    sched, rng = pd_fleet()
+    sched.state("d").speed.observe_prefill(5000, 1.0)
     sched.state("d").report = LoadReport(running=6, waiting=2, kv_usage=None, at=0.0)
-    assert sched.splits(ticket(1), 1.0)
+    hop = ticket(2, tokens=1000, hop=Hop.DECODE)  # a transfer of 0.3 ms a token
+    assert assigned_to(sched.submit(hop, 0.0, rng)) == "d"
+    sched.prefill_done(2, 0.0, rng, ttft=0.3)
+    sched.release(2, Outcome.SUCCESS, 0.0, rng)
+    assert sched.splits(ticket(1), 1.0)  # 0.256 s against 0.1 x 9
     # A scrape too old to trust says nothing: the instance is idle as far as we know.
     assert not sched.splits(ticket(1), 1.0 + LIMITS.metrics_stale_after + 1)
 

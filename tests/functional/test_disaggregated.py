@@ -270,10 +270,14 @@ async def test_a_prefill_instance_killed_mid_run_loses_no_request_and_leaves_no_
             assert [status for status, _, _ in answers] == [200] * 40
             assert all(text.endswith("data: [DONE]\n\n") for _, text, _ in answers)
             assert sims[0].stats.kv_produced > 0  # it did serve some before it died
-            # Every answer came from the decode instance: read from a prefill instance,
-            # or prefilled there when the prefill hop died with its instance.
+            # Every answer came from the decode instance: read from a prefill instance, or
+            # prefilled there (its params died with their instance, the prefill hop did,
+            # or the prefill side's queue made serving it whole the cheaper).
             assert sims[2].stats.completed == 40
-            assert sims[2].stats.kv_transfers + sims[2].stats.kv_fallbacks == 40
+            two_hop = await metric(gw, "gateway_disaggregated_requests_total", path="two_hop")
+            whole = await metric(gw, "gateway_disaggregated_requests_total", path="whole")
+            assert two_hop + whole == 40
+            assert sims[2].stats.kv_transfers + sims[2].stats.kv_fallbacks == two_hop
             await asyncio.sleep(0.6)  # past the hold timeout
             assert sims[1].kv is not None
             assert sims[1].kv.blocks_held() == 0
