@@ -26,7 +26,9 @@ at random.
 A long prompt (the long lane) cached nowhere is first narrowed to the instances with a
 running slot free and, of those, the least prefill work before its first token
 (`least_prefill_work`); the score decides among them. Its wait is the prefills ahead,
-which a count of requests does not see.
+which a count of requests does not see. A short prompt is first narrowed to the
+instances with the fewest long prompts in prefill (`clear_of_long_prefills`): behind one
+it waits for the long prompt's chunks, which a count of requests does not see either.
 """
 
 from __future__ import annotations
@@ -119,6 +121,20 @@ def least_prefill_work(candidates: Sequence[InstanceState]) -> list[InstanceStat
     return [c for c in candidates if work[c.name] <= least]
 
 
+def clear_of_long_prefills(candidates: Sequence[InstanceState]) -> list[InstanceState]:
+    """The candidates with the fewest long prompts in prefill (ours and the peers').
+
+    vLLM's scheduler serves the running requests first, a long prompt's next prefill chunk
+    among them, so a short prompt that arrives behind it waits for its chunks before its
+    own first token: on a card at 0.4x, most of a second for a 6,000-token prompt. Counted
+    in requests the long prompt is one like any other; here it keeps the short prompts
+    away while another card can take them.
+    """
+    longs = {c.name: c.long_prefilling + c.peers.long_prefilling for c in candidates}
+    fewest = min(longs.values(), default=0)
+    return [c for c in candidates if longs[c.name] <= fewest]
+
+
 class LeastBusy:
     name = "least_busy"
 
@@ -140,6 +156,8 @@ class LeastBusy:
         cached = {c.name: c.cached_tokens(ticket) for c in candidates} if ticket.prefix else {}
         if ticket.lane is Lane.LONG and not any(cached.values()):
             candidates = least_prefill_work(candidates)
+        elif ticket.lane is Lane.SHORT:
+            candidates = clear_of_long_prefills(candidates)
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
         scores = score_all(fleet, now, self.stale_after)
         costs = {c.name: scores[c.name].total for c in candidates}

@@ -188,12 +188,24 @@ def test_a_long_prompt_goes_where_the_least_prefill_work_is_ahead(seed: int) -> 
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_short_prompt_still_counts_requests(seed: int) -> None:
-    """In the same fleet a short prompt goes where fewer requests are: its first token
-    rides along with a prefill, and its decode shares the step with every request there."""
+def test_a_short_prompt_keeps_clear_of_a_long_prefill(seed: int) -> None:
+    """In the same fleet a short prompt goes where three requests decode rather than
+    behind the long prompt's prefill chunks, which vLLM schedules before it."""
     rng = random.Random(seed)
     sched = prefilling_and_decoding(rng)
-    assert choose(sched, rng) == "prefilling"
+    assert choose(sched, rng) == "decoding"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_short_prompt_counts_requests_where_long_prefills_are_alike(seed: int) -> None:
+    """With a long prompt in prefill on every instance, requests decide again."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("a"), InstanceSpec("b"))
+    place_long(sched, 1, "a", rng)
+    place_long(sched, 2, "b", rng)
+    for i in (3, 4):
+        place(sched, i, "b", rng)
+    assert choose(sched, rng) == "a"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
