@@ -1,6 +1,6 @@
 """The 2P:1D arrangement across a range of calibrations around Figure 1, not at one point.
 
-    python -m loadtest.disagg.calibration_range                # every point of RANGE, ~40 min
+    python -m loadtest.disagg.calibration_range                # every point of RANGE, ~65 min
     python -m loadtest.disagg.calibration_range --points 0,7   # some of them
     python -m loadtest.disagg.calibration_range --model        # the points' model capacities
 
@@ -9,14 +9,14 @@ costs sit: a rule that holds at the calibrated point may collapse beside it. Eac
 `calibration.RANGE` (a `Scale` whose colocated capacity stays within 20% of Figure 1's
 1.6 rps in the model) gets a fresh fleet of three instances (two prefill, one decode), and:
 
-1. vllm-router's PD mode (every prompt in two hops): its capacity by bisection from the
-   model's estimate (the slower of the two prefill instances together and the decode one);
-2. the gateway with its defaults (roles only) and with the workload's objectives (`[slo]`
-   ttft 0.4, tpot 0.04), each judged at the router's capacity: a gateway that serves that
-   rate has a capacity at least the router's, to the bisection's resolution.
-
-Each judged point records attainment, p50/p99 TTFT and how many prompts went in two hops
-(the decode instance's `sim:kv_transfers_total`).
+vllm-router's PD mode (every prompt in two hops), the gateway with its defaults (roles
+only) and the gateway with the workload's objectives (`[slo]` ttft 0.4, tpot 0.04), each
+with its capacity by bisection over the same bracket (the model's estimate, the slower of
+the two prefill instances together and the decode one, +-15%), so the fronts try the same
+rates until their verdicts differ. Each records its points (attainment, p50/p99 TTFT), how
+many prompts went in two hops (the decode instance's `sim:kv_transfers_total`), its
+capacity over the router's and its p99 TTFT over the router's at the highest rate both
+served.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from loadtest.helpfmt import HelpFormatter
 
 ROUTER = "pd-2p1d-vllm-router"
 GATEWAYS = ("pd-2p1d-gateway-defaults", "pd-2p1d-gateway")
+ARRANGEMENTS = {a.name: a for a in bench.ARRANGEMENTS}
 
 
 def model_capacities(config: calibration.SimConfig) -> dict[str, float]:
@@ -59,53 +60,60 @@ def _two_hop(result: dict[str, Any]) -> int:
     return int(sum(c["kv_transfers_total"] for c in result["kv_counters"].values()))
 
 
+def _p99_at(result: dict[str, Any], rate: float) -> float | None:
+    return next((p["p99_ttft_s"] for p in result["points"] if p["rate"] == rate), None)
+
+
 async def measure_point(
     scale: calibration.Scale, *, duration: float, seed: int, steps: int
 ) -> dict[str, Any]:
     config = calibration.scaled(calibration.DISTSERVE_OPT13B, scale)
     capacities = model_capacities(config)
-    arrangements = {a.name: a for a in bench.ARRANGEMENTS}
-    router = dataclasses.replace(arrangements[ROUTER], bracket=router_bracket(capacities))
-    found = await bench.measure(router, duration=duration, seed=seed, steps=steps, config=config)
-    at = found["capacity_rps"]
+    bracket = router_bracket(capacities)
     point: dict[str, Any] = {
         "scale": dataclasses.asdict(scale),
         "preset": calibration.preset_dict(config),
         "model_rps_per_instance": capacities,
-        ROUTER: {**found, "two_hop": _two_hop(found)},
+        "bracket_rps": [round(x, 3) for x in bracket],
     }
-    for name in GATEWAYS:
-        if not at:
-            point[name] = {"skipped": "the router served no rate"}
-            continue
+    for name in (ROUTER, *GATEWAYS):
+        arrangement = dataclasses.replace(ARRANGEMENTS[name], bracket=bracket)
         result = await bench.measure(
-            arrangements[name], duration=duration, seed=seed, steps=0, at=at, config=config
+            arrangement, duration=duration, seed=seed, steps=steps, config=config
         )
-        judged = result["points"][0]
-        router_at = next(p for p in found["points"] if p["rate"] == round(at, 4))
-        point[name] = {
-            **result,
-            "two_hop": _two_hop(result),
-            "holds": bool(judged["served"]),
-            "p99_ttft_vs_router": round(judged["p99_ttft_s"] / router_at["p99_ttft_s"], 3)
-            if judged["p99_ttft_s"] and router_at["p99_ttft_s"]
-            else None,
+        point[name] = {**result, "two_hop": _two_hop(result)}
+    router = point[ROUTER]
+    for name in GATEWAYS:
+        result = point[name]
+        result["vs_router"] = (
+            round(result["capacity_rps"] / router["capacity_rps"], 3)
+            if router["capacity_rps"]
+            else None
+        )
+        # p99 TTFT at the highest rate both served (the same bracket: the same rates).
+        both = {p["rate"] for p in result["points"] if p["served"]} & {
+            p["rate"] for p in router["points"] if p["served"]
         }
+        if both:
+            rate = max(both)
+            ours, theirs = _p99_at(result, rate), _p99_at(router, rate)
+            result["p99_ttft_vs_router"] = {
+                "rate": rate,
+                "ratio": round(ours / theirs, 3) if ours and theirs else None,
+            }
     return point
 
 
 def summary_line(index: int, point: dict[str, Any]) -> str:
     scale = calibration.Scale(**point["scale"])
-    router = point[ROUTER]
-    parts = [f"[{index}] {scale.label()}: router {router['per_instance_rps']:.2f}/instance"]
-    for name in GATEWAYS:
+    parts = [f"[{index}] {scale.label()}"]
+    for name in (ROUTER, *GATEWAYS):
         result = point[name]
-        if "holds" in result:
-            judged = result["points"][0]
-            parts.append(
-                f"{name.removeprefix('pd-2p1d-')} {judged['attainment']:.1%} within, "
-                f"p99 TTFT x{result['p99_ttft_vs_router']}, {result['two_hop']} two-hop"
-            )
+        part = f"{name.removeprefix('pd-2p1d-')} {result['per_instance_rps']:.2f}/instance"
+        if "vs_router" in result:
+            p99 = result.get("p99_ttft_vs_router", {}).get("ratio")
+            part += f" (x{result['vs_router']}, p99 TTFT x{p99}, {result['two_hop']} two-hop)"
+        parts.append(part)
     return "; ".join(parts)
 
 
