@@ -1,4 +1,5 @@
-"""JSON bodies on the request path: parsed once with orjson, and never written again.
+"""JSON bodies on the request path: parsed once with orjson, and written again only where
+a hop needs another body (`dumps`).
 
 orjson parses a prompt-sized body several times faster than Python's `json`. It refuses
 some of what vLLM's own parser (Python's `json`, via Starlette) takes: NaN and Infinity,
@@ -28,6 +29,15 @@ def loads(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return json.loads(body)
+
+
+def dumps(value: Any) -> bytes:
+    """`value` as JSON: orjson's, or Python's `json`'s for what `loads` took and orjson
+    will not write (a lone surrogate), escaped as vLLM's parser reads it back."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value).encode()
 
 
 def with_field(source: bytes, payload: dict[str, Any], key: str, value: Any) -> bytes:

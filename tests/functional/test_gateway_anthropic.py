@@ -448,3 +448,30 @@ async def metric(gw: Gateway, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
+
+
+async def test_a_clients_kv_transfer_params_never_reach_an_instance(gw: Gateway) -> None:
+    """vLLM's Messages handler copies kv_transfer_params into its chat request, where they
+    name hosts and KV blocks: refused with a 400 in Anthropic's shape, in a fleet without
+    roles too, and on the OpenAI routes in theirs."""
+    params = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_block_ids": [1]}
+    async with client(gw) as c:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await c.messages.create(
+                model="sim-model",
+                max_tokens=1,
+                messages=HELLO,
+                extra_body={"kv_transfer_params": params},
+            )
+    assert anthropic_error(refused.value, "invalid_request_error")
+    assert "kv_transfer_params" in str(refused.value)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    chat = {"model": "sim-model", "messages": HELLO, "max_tokens": 1}
+    prompt = {"model": "sim-model", "prompt": "hi", "max_tokens": 1}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", prompt)):
+            async with s.post(gw.url + path, json={**body, "kv_transfer_params": params}) as r:
+                assert r.status == 400, path
+                error = (await r.json())["error"]
+                assert error["param"] == "kv_transfer_params", path
+    assert sum(s.stats.requests for s in gw.sims) == 0
