@@ -31,6 +31,31 @@ def loads(body: bytes) -> Any:
         return json.loads(body)
 
 
+# Containers within containers a body may hold. Python's `json` (vLLM's parser, and ours
+# after orjson) stops near 1,000 with a RecursionError that vLLM answers with a 500, which
+# would count against the instance's health; any code that walks a body recursively stops
+# sooner. No request a client means to send comes near: tool schemas nest a dozen deep.
+MAX_DEPTH = 128
+
+
+def nested_within(body: bytes, value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` (parsed from `body`) nests at most `limit` containers deep. A body
+    with no more brackets than that cannot be deeper: counted at C speed, it spares the
+    walk for nearly every request."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return True
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return True
+
+
 def dumps(value: Any) -> bytes:
     """`value` as JSON: orjson's, or Python's `json`'s for what `loads` took and orjson
     will not write (a lone surrogate), escaped as vLLM's parser reads it back."""

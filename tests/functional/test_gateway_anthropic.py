@@ -475,3 +475,23 @@ async def test_a_clients_kv_transfer_params_never_reach_an_instance(gw: Gateway)
                 error = (await r.json())["error"]
                 assert error["param"] == "kv_transfer_params", path
     assert sum(s.stats.requests for s in gw.sims) == 0
+
+
+@pytest.mark.parametrize("role", ["user", "assistant"])
+async def test_a_body_nested_past_the_stack_is_a_bad_request(gw: Gateway, role: str) -> None:
+    """A tool_result nested 990 deep (which the parser still takes) is refused with a 400
+    in Anthropic's shape, never the gateway's own 500."""
+    block = {"type": "tool_result", "tool_use_id": "t", "content": "NESTED"}
+    message = {"role": role, "content": [block]}
+    body = json.dumps({"model": "sim-model", "max_tokens": 1, "messages": [message]})
+    body = body.replace('"NESTED"', "[" * 990 + '"x"' + "]" * 990)  # json.dumps would recurse
+    headers = {"x-api-key": KEY, "content-type": "application/json"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/messages", data=body, headers=headers) as r,
+    ):
+        assert r.status == 400
+        answer = await r.json()
+    assert answer["type"] == "error"
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "nested" in answer["error"]["message"]
