@@ -230,6 +230,29 @@ async def test_an_answer_closed_before_its_end_drops_the_connection() -> None:
     assert owner.back == []
 
 
+async def test_a_whole_body_past_its_limit_fails_and_drops_the_connection() -> None:
+    """An instance that answers more than the gateway reads whole for itself (a 64 MB
+    prefill answer) fails the read as a bad response: nothing more is kept, and the
+    connection does not go back to the pool."""
+    conn, transport, owner = opened()
+    head = ask(conn)
+    transport.feed(CHUNKED_HEAD + chunk(b"x" * 600) + chunk(b"y" * 600))
+    response = head.result()
+    with pytest.raises(AttemptFailed) as failed:
+        await response.read(1.0, limit=1000)
+    assert failed.value.kind == "bad_response"
+    assert transport.aborted
+    await settle()
+    assert (owner.back, owner.gone) == ([], [conn])
+
+
+async def test_a_whole_body_at_its_limit_is_read() -> None:
+    conn, transport, owner = opened()
+    head = ask(conn)
+    transport.feed(fixed(b"z" * 1000))
+    assert await head.result().read(1.0, limit=1000) == b"z" * 1000
+
+
 async def test_a_clean_end_goes_back_once_however_often_it_is_closed() -> None:
     """An answer that ended cleanly gives its connection back on close, once."""
     conn, transport, owner = opened()
