@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-
 # The most of an answer the gateway reads whole for itself (a prefill hop's, a scrape, a
 # probe, /v1/models, /tokenize): vLLM's largest, /metrics with many engines or /tokenize of
 # a long prompt, stay within a few MiB; past this an instance is broken or hostile.
@@ -29,7 +28,8 @@ class UpstreamResponse(Protocol):
     """An instance's answer once its head arrived: what the rest of the gateway reads.
 
     `read` raises `AttemptFailed` ("connect" when the instance breaks the connection,
-    "timeout" when `timeout` runs out, "bad_response" past its size limit); a cancelled caller gets `CancelledError` as usual.
+    "timeout" when `timeout` runs out, "bad_response" past its size limit); a cancelled
+    caller gets `CancelledError` as usual.
     A streamed answer (connection.py's `Response`) also offers `next_chunk()` and
     `splice(sink)`, for the relay.
     """
