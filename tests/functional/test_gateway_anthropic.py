@@ -202,6 +202,26 @@ async def test_a_wrong_key_is_an_authentication_error(gw: Gateway) -> None:
     assert all(s.stats.requests == 0 for s in gw.sims)
 
 
+async def test_the_sdk_does_not_retry_a_wrong_key(gw: Gateway) -> None:
+    """With its default retries the Anthropic SDK sends a wrong key once: the 401 says
+    `x-should-retry: false` (Claude Code retried one for two minutes without it)."""
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-wrong", max_retries=2) as c:
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            await c.messages.create(model="sim-model", max_tokens=1, messages=HELLO)
+    assert info.value.response.headers["x-should-retry"] == "false"
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    refused = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gateway_requests_total"
+        and sample.labels.get("route") == "messages"
+        and sample.labels.get("status") == "401"
+    ]
+    assert sum(refused) == 1
+
+
 async def test_an_unknown_model_is_not_found(gw: Gateway) -> None:
     """A model no instance serves is the gateway's 404 not_found_error."""
     async with client(gw) as c:
