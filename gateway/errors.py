@@ -56,6 +56,11 @@ from aiohttp import web
 
 # Whose API a route speaks: how the gateway's own errors on it are written.
 Api = Literal["openai", "anthropic"]
+# The gateway's own answers that no retry of the same request can change (a bad body, a
+# wrong key, a model or route it does not serve, a body too large): they say
+# `x-should-retry: false`, which the OpenAI and Anthropic SDKs obey before their own
+# status rules (Claude Code retried a wrong key's 401 for two minutes without it).
+NO_RETRY_FIXES = frozenset({400, 401, 403, 404, 405, 413, 417})
 
 
 class GatewayError(Exception):
@@ -78,6 +83,8 @@ class GatewayError(Exception):
 
     def response(self, headers: dict[str, str] | None = None, api: Api = "openai") -> web.Response:
         out = dict(headers or {})
+        if self.status in NO_RETRY_FIXES:
+            out["x-should-retry"] = "false"
         if self.retry_after is not None:
             # Whole seconds for HTTP clients at large; exactly for the OpenAI SDK, which
             # reads `retry-after-ms` first (admission's excess is often well under 1 s).

@@ -53,6 +53,10 @@ class Route:
     # vLLM reads a `priority` field on it: the key's is written there for instances that
     # run the priority scheduler.
     prioritized: bool = False
+    # vLLM hands a body's `kv_transfer_params` to its KV connector on it (its chat and
+    # completion machinery, which the Messages and Responses APIs go through): they name
+    # hosts and KV blocks on the instances, so only the gateway may set them.
+    kv_connected: bool = False
 
     @property
     def client_path(self) -> str:
@@ -72,6 +76,7 @@ CHAT = Route(
     disaggregates=True,
     asks_usage=True,
     prioritized=True,
+    kv_connected=True,
 )
 COMPLETIONS = Route(
     "completions",
@@ -81,6 +86,7 @@ COMPLETIONS = Route(
     disaggregates=True,
     asks_usage=True,
     prioritized=True,
+    kv_connected=True,
 )
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", streams=False)
 RESPONSES = Route(
@@ -88,6 +94,7 @@ RESPONSES = Route(
     "/v1/responses",
     streams=True,
     end_events=("response.completed", "response.incomplete", "response.failed", "error"),
+    kv_connected=True,
 )
 MESSAGES = Route(
     "messages",
@@ -97,6 +104,7 @@ MESSAGES = Route(
     token_event="content_block_delta",
     timed=True,
     api="anthropic",
+    kv_connected=True,
 )
 COUNT_TOKENS = Route(
     "messages.count_tokens",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.upstream.connection import Sink
-from gateway.upstream.response import AttemptFailed, read_whole
+from gateway.upstream.response import MAX_WHOLE_BYTES, AttemptFailed, read_whole
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,14 @@ class FakeResponse:
         raw = self.headers.get("Content-Type", "application/octet-stream")
         return raw.split(";", 1)[0].strip().lower()
 
-    async def read(self, timeout: float) -> bytes:
+    async def read(self, timeout: float, limit: int = MAX_WHOLE_BYTES) -> bytes:
         try:
             async with asyncio.timeout(timeout):
                 parts = []
                 while chunk := await self._next():
                     parts.append(chunk)
+                    if sum(map(len, parts)) > limit:
+                        raise AttemptFailed("bad_response", f"body over {limit} bytes")
                 return b"".join(parts)
         except TimeoutError:
             raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None

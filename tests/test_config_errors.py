@@ -222,6 +222,35 @@ CASES: list[Any] = [
         ["gateway.gateway", "'x'"],
         id="typo-nest",
     ),
+    # An infinite timeout turns its protection off; TOML spells it, so it is refused.
+    pytest.param(
+        "[gateway]\nheader_timeout = inf\n",
+        None,
+        "config.toml",
+        ["gateway.header_timeout", "inf", "finite"],
+        id="infinite-timeout",
+    ),
+    pytest.param(
+        "[gateway]\ndrain_timeout = nan\n",
+        None,
+        "config.toml",
+        ["gateway.drain_timeout", "nan", "finite"],
+        id="nan-timeout",
+    ),
+    pytest.param(
+        "[dispatch]\nhealth_check_interval = inf\n",
+        None,
+        "config.toml",
+        ["dispatch.health_check_interval", "inf", "finite"],
+        id="infinite-interval",
+    ),
+    pytest.param(
+        "",
+        {"channel": {"timeout": {"read": float("inf")}}, "vllm": {"instances": URLS}},
+        "settings.json",
+        ["channel.timeout.read", "inf", "finite"],
+        id="infinite-read-timeout",
+    ),
 ]
 
 

@@ -230,6 +230,29 @@ async def test_an_answer_closed_before_its_end_drops_the_connection() -> None:
     assert owner.back == []
 
 
+async def test_a_whole_body_past_its_limit_fails_and_drops_the_connection() -> None:
+    """An instance that answers more than the gateway reads whole for itself (a 64 MB
+    prefill answer) fails the read as a bad response: nothing more is kept, and the
+    connection does not go back to the pool."""
+    conn, transport, owner = opened()
+    head = ask(conn)
+    transport.feed(CHUNKED_HEAD + chunk(b"x" * 600) + chunk(b"y" * 600))
+    response = head.result()
+    with pytest.raises(AttemptFailed) as failed:
+        await response.read(1.0, limit=1000)
+    assert failed.value.kind == "bad_response"
+    assert transport.aborted
+    await settle()
+    assert (owner.back, owner.gone) == ([], [conn])
+
+
+async def test_a_whole_body_at_its_limit_is_read() -> None:
+    conn, transport, _ = opened()
+    head = ask(conn)
+    transport.feed(fixed(b"z" * 1000))
+    assert await head.result().read(1.0, limit=1000) == b"z" * 1000
+
+
 async def test_a_clean_end_goes_back_once_however_often_it_is_closed() -> None:
     """An answer that ended cleanly gives its connection back on close, once."""
     conn, transport, owner = opened()
@@ -562,6 +585,36 @@ async def test_a_request_waits_for_room_and_takes_the_connection_given_back(
     network.last.feed(fixed(b"second"))
     second = await waiting
     assert await second.read(1.0) == b"second"
+    assert len(network.transports) == 1
+
+
+async def test_a_place_given_back_goes_to_the_first_waiter_not_to_a_newcomer(
+    network: Network,
+) -> None:
+    """A request that asks right after a connection came back waits behind the request
+    already waiting for it, which was woken for it (as httpcore's pool assigns it)."""
+    pool = h1_pool.Pool(1, 1.0)
+    pending = request(pool)
+    await settle()
+    network.last.feed(fixed(b"first"))
+    first = await pending
+    waiting = request(pool, "http://a:8000/waiting")
+    await settle()
+    assert await first.read(1.0) == b"first"
+    newcomer = request(pool, "http://a:8000/newcomer")  # it runs before the woken waiter
+    first.close()  # back to the pool: the waiter is woken, and has not run yet
+    await settle()
+    assert network.last.written.endswith(b'{"x":1}')
+    assert b"POST /waiting " in bytes(network.last.written)
+    assert b"/newcomer" not in bytes(network.last.written)
+    assert not newcomer.done()
+    network.last.feed(fixed(b"second"))
+    second = await waiting
+    assert await second.read(1.0) == b"second"
+    second.close()
+    await settle()
+    network.last.feed(fixed(b"third"))
+    assert await (await newcomer).read(1.0) == b"third"
     assert len(network.transports) == 1
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
 
+from gateway.proxy import jsoncodec
 from gateway.proxy.disaggregate import PREFILL_PARAMS, decode_body, prefill_body, transfer_params
 
 CLIENT = {
@@ -72,3 +75,15 @@ def test_a_prefill_answers_params_are_read_only_when_they_are_an_object(
     answer: bytes, params: dict[str, str] | None
 ) -> None:
     assert transfer_params(answer) == params
+
+
+def test_a_lone_surrogate_still_makes_both_hops_bodies() -> None:
+    """A lone surrogate, which vLLM's parser takes, is written back as it reads it
+    (orjson refuses to write one: a 500 before)."""
+    payload = jsoncodec.loads(b'{"prompt": "\\ud800 lone", "max_tokens": 4}')
+    prefill = json.loads(prefill_body(payload))
+    decode = json.loads(decode_body(payload, {"remote_block_ids": [1]}))
+    for hop in (prefill, decode):
+        assert hop["prompt"] == "\ud800 lone"
+    assert prefill["max_tokens"] == 1
+    assert decode["kv_transfer_params"] == {"remote_block_ids": [1]}

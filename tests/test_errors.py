@@ -35,6 +35,32 @@ def test_no_retry_headers_without_a_delay() -> None:
 
 
 @pytest.mark.parametrize(
+    ("error", "final"),
+    [
+        (errors.InvalidJSON("bad"), True),
+        (errors.Unauthorized("who"), True),
+        (errors.ModelNotFound("which"), True),
+        (errors.MethodNotAllowed("how"), True),
+        (errors.PayloadTooLarge("big"), True),
+        (errors.RequestTimeout("slow"), False),
+        (errors.Overloaded("busy", retry_after=1.5), False),
+        (errors.UpstreamError("broke"), False),
+        (errors.NoInstanceAvailable("none", retry_after=2), False),
+        (errors.UpstreamTimeout("late"), False),
+    ],
+)
+def test_an_answer_no_retry_can_change_tells_the_sdks_not_to_retry(
+    error: errors.GatewayError, final: bool
+) -> None:
+    """A bad body, a wrong key, an unknown model or route, a body too large: the same
+    request would get the same answer, so `x-should-retry: false` (both SDKs obey it);
+    a timeout, an overload or an instance's failure may pass later, and says nothing."""
+    for api in ("openai", "anthropic"):
+        response = error.response(api=api)  # type: ignore[arg-type]
+        assert (response.headers.get("x-should-retry") == "false") is final
+
+
+@pytest.mark.parametrize(
     ("error", "kind"),
     [
         (errors.InvalidJSON("bad"), "invalid_request_error"),

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gateway.proxy import jsoncodec
+from gateway.proxy.jsoncodec import MAX_DEPTH, nested_within
 
 BODIES = [
     b'{"model": "m", "messages": [{"role": "user", "content": "caf\\u00e9 \xe2\x9c\x93"}]}',
@@ -79,3 +80,18 @@ def test_a_field_to_overwrite_or_a_non_utf8_body_is_written_as_json_writes_it(
     payload = json.loads(source)
     out = jsoncodec.with_field(source, payload, "model", "m")
     assert out == json.dumps({**payload, "model": "m"}).encode()
+
+
+@pytest.mark.parametrize("container", ["[", '{"a":'])
+def test_a_body_nested_past_the_bound_is_caught_at_its_depth(container: str) -> None:
+    """MAX_DEPTH arrays or objects within each other pass; one more does not."""
+    close = {"[": "]", '{"a":': "}"}[container]
+    for depth, within in ((MAX_DEPTH, True), (MAX_DEPTH + 1, False)):
+        body = (container * depth + "1" + close * depth).encode()
+        assert nested_within(body, jsoncodec.loads(body)) is within, depth
+
+
+def test_many_brackets_side_by_side_are_not_depth() -> None:
+    """A wide body (more brackets than the bound, none deep) is walked and passes."""
+    body = ("[" + ",".join(["[1]"] * (3 * MAX_DEPTH)) + "]").encode()
+    assert nested_within(body, jsoncodec.loads(body))

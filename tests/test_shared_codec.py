@@ -24,6 +24,7 @@ from gateway.fleet.shared_codec import (
     decode,
     encode,
     newest,
+    parse_placements,
     parse_push,
     push_key,
     push_message,
@@ -235,3 +236,14 @@ def test_a_speed_that_is_not_positive_refuses_the_entry(speeds: str) -> None:
     with pytest.raises(Refused) as refused:
         decode(body)
     assert refused.value.reason == "out_of_bounds"
+
+
+def test_an_entry_or_placements_nested_past_the_stack_are_refused_as_malformed() -> None:
+    """200 KB of brackets (under the size cap) raised RecursionError, which the reader did
+    not catch: the listener died and sharing went down while the entry stayed."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert len(nested) < MAX_ENTRY_BYTES
+    for parse in (decode, parse_placements):
+        with pytest.raises(Refused) as refused:
+            parse(nested)
+        assert refused.value.reason == "malformed"

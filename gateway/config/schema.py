@@ -39,9 +39,12 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 class Frozen(BaseModel):
     """Immutable once validated; unknown keys are errors; a string written in a file never
     stands for a number or a boolean (`port = "8080"`, `workers = "2"` are type errors, as
-    a typo should be). Only a `${VAR}` reference may (load.py marks what it expanded)."""
+    a typo should be). Only a `${VAR}` reference may (load.py marks what it expanded). No
+    number is infinite or NaN: TOML and JSON-with-extensions can spell them, and an
+    infinite timeout or interval turns its protection off (`header_timeout = inf`) or
+    waits forever (`drain_timeout = inf`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -65,6 +65,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import socket
 from collections import deque
 from collections.abc import Iterator
@@ -102,16 +103,20 @@ LOG_EVERY_S = 60.0  # the same failure is logged at most this often (with a coun
 LEASE_S = 10.0  # a strict-caps lease lives this long unless renewed (a round renews it)
 CLAIM_TIMEOUT_S = 0.5  # a claim Redis does not answer in this long is decided locally
 
-# KEYS[1]: the instance's leases; ARGV: member, cap, lease ms. 1 if the place is ours.
+# KEYS[1]: the instance's leases; ARGV: member, cap, lease ms. {1 if the place is ours,
+# forged leases dropped}: a lease lives at most its time from now, so one scored later was
+# not written by a gateway (it would hold a place for good).
 _CLAIM = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local latest = string.format('(%.0f', now + tonumber(ARGV[3]))
+local forged = redis.call('ZREMRANGEBYSCORE', KEYS[1], latest, '+inf')
 if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-  return 1
+  return {1, forged}
 end
-return 0
+return {0, forged}
 """
 # KEYS: lease sets; ARGV[1]: lease ms, then one member per key: renew if held (the strict
 # caps' places, and the named keys' places, shared_limits.py).
@@ -178,6 +183,7 @@ class SharedState:
         self.errors: dict[str, int] = {}  # failures by reason, for the counter
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
         self._moved: dict[str, tuple[int, float]] = {}  # peer -> (seq, when it last moved)
+        self._rng = random.Random()  # which unknown processes a crowded round reads
         self.peers = 0
         self.rounds = 0
         self.pushes_sent = 0
@@ -269,9 +275,12 @@ class SharedState:
             self._give_back_lease(instance, ticket)  # a timed-out script may have taken it
             self.failed("redis", exc)
             return None
-        if got:
+        ours, forged = _claim_answer(got)
+        if forged:
+            self.failed("forged_lease", f"{forged} of {instance}'s leases past a lease's time")
+        if ours:
             self._held[ticket] = instance
-        return bool(got)
+        return ours
 
     def unclaim(self, ticket: int) -> None:
         """Give back the lease `ticket` holds, if it holds one."""
@@ -328,6 +337,18 @@ class SharedState:
             del self._moved[gone]
         return alive
 
+    def _freshest(self, listed: list[str]) -> list[str]:
+        """`MAX_PEERS` of the processes listed: those whose publications moved most
+        recently first, then the others in a random order. Names that sort first (any
+        writer to Redis can list some) never crowd out the live peers, and a new peer
+        gets its turn among the unknown ones."""
+        known = sorted(
+            (p for p in listed if p in self._moved), key=lambda p: self._moved[p][1], reverse=True
+        )
+        unknown = [p for p in listed if p not in self._moved]
+        self._rng.shuffle(unknown)
+        return (known + unknown)[:MAX_PEERS]
+
     def failed(self, reason: str, error: BaseException | str) -> None:
         """Count a failure and log it, at most once a minute per reason."""
         self.errors[reason] = self.errors.get(reason, 0) + 1
@@ -382,10 +403,10 @@ class SharedState:
             pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
             results = await pipe.execute()
         self._learn(results[-1])
-        others = sorted(_text(m) for m in results[2] if _text(m) != self.process_id)
+        others = [_text(m) for m in results[2] if _text(m) != self.process_id]
         if len(others) > MAX_PEERS:
             self.failed("too_many_peers", f"{len(others)} processes listed, {MAX_PEERS} read")
-            others = others[:MAX_PEERS]
+            others = self._freshest(others)
         if not others:
             return {}
         # At most one byte past the limit of each: a huge entry is refused, not fetched.
@@ -562,6 +583,16 @@ class SharedStateCollector(Collector):
         for reason, count in sorted(self.shared.errors.items()):
             errors.add_metric([reason], count)
         yield errors
+
+
+def _claim_answer(answer: Any) -> tuple[bool, int]:
+    """The claim script's answer: whether the place is ours, and the forged leases it
+    dropped (an answer of another shape takes no place)."""
+    if isinstance(answer, list | tuple) and len(answer) == 2:
+        ours, forged = answer
+        if isinstance(ours, int) and isinstance(forged, int):
+            return ours == 1, max(0, forged)
+    return False, 0
 
 
 def honour_cancel() -> None:

@@ -87,6 +87,8 @@ def decode(data: bytes | str, known: Collection[str] | None = None) -> PeerEntry
         body = json.loads(data)
     except ValueError as exc:
         raise Refused("malformed", f"not JSON: {exc}") from None
+    except RecursionError:  # nested past the stack within the size bound
+        raise Refused("malformed", "nested too deeply to read") from None
     try:
         return _decode(body, known)
     except Refused:
@@ -210,8 +212,8 @@ def parse_placements(data: bytes | str) -> Placements:
         raise Refused("too_large", f"placements of {len(data)} bytes")
     try:
         return [(str(name), [int(b) for b in blocks]) for name, blocks in json.loads(data)]
-    except (TypeError, ValueError) as exc:
-        raise Refused("malformed", f"placements: {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise Refused("malformed", f"placements: {type(exc).__name__}") from None
 
 
 def combine(entries: list[PeerEntry]) -> SharedView:

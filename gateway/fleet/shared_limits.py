@@ -60,7 +60,8 @@ _HAIR_S = 0.001
 # KEYS: the key's requests TAT, tokens TAT, places (sorted set). ARGV: requests per minute,
 # tokens per minute, tokens reserved, most places (0: no such limit), the place's member,
 # the lease's ms. Admits only if every limit does. Returns {admitted, now µs, requests
-# TAT, tokens TAT, places in use}: the TATs after an admission, as they were if refused.
+# TAT, tokens TAT, places in use, forged places dropped}: the TATs after an admission, as
+# they were if refused.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -87,13 +88,18 @@ if tpm > 0 then
   t_new = math.max(t_tat, now) + cost * MINUTE / tpm
   if t_new - now > MINUTE + SLACK then ok = false end
 end
+local forged = 0
 if most > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', math.floor(now / 1000))
+  local now_ms = math.floor(now / 1000)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+  -- A place lives at most a lease from now: one scored later was not written by a gateway.
+  local latest = string.format('(%.0f', now_ms + tonumber(ARGV[6]))
+  forged = redis.call('ZREMRANGEBYSCORE', KEYS[3], latest, '+inf')
   places = redis.call('ZCARD', KEYS[3])
   if places >= most then ok = false end
 end
 if not ok then
-  return {0, now, r_tat, t_tat, places}
+  return {0, now, r_tat, t_tat, places, forged}
 end
 if rpm > 0 then keep(KEYS[1], r_new) end
 if tpm > 0 then keep(KEYS[2], t_new) end
@@ -101,7 +107,7 @@ if most > 0 then
   redis.call('ZADD', KEYS[3], math.floor(now / 1000) + tonumber(ARGV[6]), ARGV[5])
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]) + 1000)
 end
-return {1, now, r_new, t_new, places}
+return {1, now, r_new, t_new, places, forged}
 """
 # KEYS: the key's tokens TAT, its places. ARGV: tokens per minute (0: none), the tokens used
 # past the reservation (fewer: a refund), the place's member ('': none). A refund never
@@ -177,10 +183,12 @@ class SharedLimits:
             self.shared.failed("redis", exc)
             return None
         try:
-            admitted, now, requests_tat, tokens_tat, places = _bounded(answer)
+            admitted, now, requests_tat, tokens_tat, places, forged = _bounded(answer)
         except ValueError as exc:
             self.shared.failed("malformed", f"the key limits' script answered {exc}")
             return None
+        if forged:
+            self.shared.failed("forged_lease", f"{forged} of key {key}'s places past a lease")
         seconds = now / _US
         if admitted:
             self.admitted += 1
@@ -227,7 +235,7 @@ class SharedLimits:
                     (seconds, micros), requests_tat, tokens_tat, places = await pipe.execute()
             now = int(seconds) * _US + int(micros)
             values = [now, int(requests_tat or now), int(tokens_tat or now), int(places)]
-            _, _, requests_at, tokens_at, held = _bounded([1, *values])
+            _, _, requests_at, tokens_at, held, _ = _bounded([1, *values, 0])
         except (RedisError, OSError, TimeoutError, ValueError, TypeError) as exc:
             self.shared.failed("redis", exc)
             return None
@@ -280,16 +288,16 @@ class SharedLimits:
         )
 
 
-def _bounded(answer: Any) -> tuple[int, int, int, int, int]:
-    """The admission script's answer as five integers within bounds; ValueError otherwise."""
-    if not isinstance(answer, list | tuple) or len(answer) != 5:
-        raise ValueError(f"{str(answer)[:80]!r}, not five values")
+def _bounded(answer: Any) -> tuple[int, int, int, int, int, int]:
+    """The admission script's answer as six integers within bounds; ValueError otherwise."""
+    if not isinstance(answer, list | tuple) or len(answer) != 6:
+        raise ValueError(f"{str(answer)[:80]!r}, not six values")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in answer):
         raise ValueError(f"{str(answer)[:80]!r}, not integers")
-    admitted, now, requests_tat, tokens_tat, places = answer
-    if admitted not in (0, 1) or now <= 0 or not 0 <= places <= 1_000_000:
+    admitted, now, requests_tat, tokens_tat, places, forged = answer
+    if admitted not in (0, 1) or now <= 0 or not 0 <= places <= 1_000_000 or forged < 0:
         raise ValueError(f"{str(answer)[:80]!r}, out of bounds")
     for tat in (requests_tat, tokens_tat):
         if abs(tat - now) > _MAX_AHEAD_US:
             raise ValueError(f"a time {tat} µs, too far from Redis's clock {now} µs")
-    return admitted, now, requests_tat, tokens_tat, places
+    return admitted, now, requests_tat, tokens_tat, places, forged

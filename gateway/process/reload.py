@@ -9,7 +9,9 @@ policy to the scheduler, which keeps the state of instances that stay.
 Under `--workers` the supervisor reads and validates the files, once, and hands each
 worker what it read through a pipe, which the worker applies as it arrives (`reload_from`):
 every worker, and every worker it restarts later, serves the one configuration the
-supervisor holds; a worker's own SIGHUP reads nothing behind the supervisor's back.
+supervisor holds; a worker's own SIGHUP reads nothing behind the supervisor's back. The
+same pipe carries the supervisor's liveness pings (`Ping`), which the worker's loop sends
+straight back.
 
 Some settings are fixed at start (the listening socket, the app's body limit, the
 upstream pool, the strategy and its clock, metric names): a change to one of those is
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -168,15 +171,28 @@ def reload_on_signal(app: web.Application) -> Callable[[], None]:
     return handler
 
 
+@dataclass(frozen=True)
+class Ping:
+    """The supervisor asking a worker whether its event loop still turns: the loop that
+    serves requests sends it straight back up the pipe, so a worker stuck in a loop (or
+    stopped) does not answer and is replaced (workers.py)."""
+
+    seq: int
+
+
 def reload_from(app: web.Application, inbox: Connection) -> Callable[[], None]:
-    """A worker's reloads: whatever the supervisor pushed down `inbox`, applied on arrival
+    """A worker's side of its pipe: a ping answered at once, a reload applied on arrival
     (the newest, if several came); EOF (the supervisor is gone) stops listening."""
 
     def on_message() -> None:
         newest: Pushed | None = None
         try:
             while inbox.poll():
-                newest = inbox.recv()
+                message = inbox.recv()
+                if isinstance(message, Ping):
+                    inbox.send(message)
+                else:
+                    newest = message
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(inbox.fileno())
         if newest is not None:

@@ -21,6 +21,10 @@ Like uvicorn's and gunicorn's workers:
   (`worker_died`, with its exit code: negative is the signal that killed it) and
   restarted (`worker_started`), after `restart_delay` when it died young, so a worker
   that crashes at start does not spin.
+- A worker whose event loop stops turning is replaced too: the parent pings each worker
+  down its pipe every `PING_INTERVAL` s; one that leaves a ping unanswered for
+  `PING_TIMEOUT` s (`STARTUP_GRACE` for its first) is logged (`worker_unresponsive`) and
+  killed, then restarted as a worker that died.
 - SIGTERM or SIGINT: forwarded to every worker as SIGTERM; each drains as a single
   process does (readiness 503, listener closed, `drain_timeout` for streams). The parent
   waits for them and exits 0 if every worker exited 0, else 1. A second SIGTERM/SIGINT is
@@ -67,11 +71,19 @@ import structlog
 from gateway.config.load import Config, ConfigError
 from gateway.observe import log
 from gateway.observe.peer_metrics import PORTS_ENV, SLOT_ENV
-from gateway.process.reload import Pushed, merge, read_again
+from gateway.process.reload import Ping, Pushed, merge, read_again
 
 MIN_UPTIME = 10.0  # seconds: a worker that died sooner died young and its restart backs off
 MAX_RESTART_DELAY = 30.0
 KILL_GRACE = 10.0  # seconds past drain_timeout before workers still running get SIGKILL
+# Liveness, as uvicorn's supervisor checks it: a ping down each worker's pipe this often,
+# answered by the loop that serves requests. A worker that has answered before and then
+# leaves one unanswered for PING_TIMEOUT is stuck (a loop that never yields, a SIGSTOP)
+# and is killed, then restarted as one that died; a starting worker (imports, first
+# probes) has STARTUP_GRACE for its first answer.
+PING_INTERVAL = 2.0
+PING_TIMEOUT = 10.0
+STARTUP_GRACE = 60.0
 
 _log = log.get("gateway.workers")
 
@@ -155,10 +167,13 @@ class Slot:
 
     index: int
     process: BaseProcess | None = None
-    inbox: Connection | None = None  # our end of its worker's pipe: reloads go down it
+    inbox: Connection | None = None  # our end of its worker's pipe: reloads and pings
     started_at: float = 0.0
     young_deaths: int = 0
     restart_at: float | None = None
+    pinged: int = 0  # the last ping's number
+    ping_sent: float | None = None  # when the unanswered ping went; None: all answered
+    answered: bool = False  # its worker answered a ping since it started
 
     def died(self, now: float) -> float:
         """Note that its worker died at `now`; returns the seconds to wait before a restart."""
@@ -239,6 +254,8 @@ class Supervisor:
                     continue
                 now = time.monotonic()
                 for slot in self.slots:
+                    self._check_alive(slot, now)
+                for slot in self.slots:
                     due = slot.restart_at is not None and now >= slot.restart_at
                     if slot.process is None and due:
                         self._start(slot, context, ports)
@@ -300,10 +317,38 @@ class Supervisor:
                     slot.inbox.send(pushed)
         _log.info("sighup_forwarded", workers=len(self._alive()), digest=self.config.digest())
 
+    def _check_alive(self, slot: Slot, now: float) -> None:
+        """Read `slot`'s worker's answers; ping it when due; kill it if it is stuck."""
+        process, pipe = slot.process, slot.inbox
+        if process is None or pipe is None or process.pid is None:
+            return
+        try:
+            while pipe.poll():
+                answer = pipe.recv()
+                if isinstance(answer, Ping) and answer.seq == slot.pinged:
+                    slot.ping_sent, slot.answered = None, True
+            if slot.ping_sent is None:
+                if now - slot.started_at >= PING_INTERVAL * slot.pinged:
+                    slot.pinged += 1
+                    pipe.send(Ping(slot.pinged))
+                    slot.ping_sent = now
+                return
+        except (EOFError, OSError):
+            return  # it is dying: _reap sees it
+        waited = now - slot.ping_sent
+        if waited < (PING_TIMEOUT if slot.answered else STARTUP_GRACE):
+            return
+        _log.warning(
+            "worker_unresponsive", worker=slot.index, pid=process.pid, waited_s=round(waited, 1)
+        )
+        slot.ping_sent = None  # one kill; _reap restarts it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+
     def _start(
         self, slot: Slot, context: multiprocessing.context.SpawnContext, ports: list[int]
     ) -> None:
-        inbox, outbox = context.Pipe(duplex=False)
+        inbox, outbox = context.Pipe(duplex=True)
         process = context.Process(
             target=_worker_main,
             args=(self.config, self.log_level, ports, slot.index, inbox),
@@ -315,6 +360,7 @@ class Supervisor:
             slot.inbox.close()
         slot.inbox = outbox
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
+        slot.pinged, slot.ping_sent, slot.answered = 0, None, False
         _log.info("worker_started", worker=slot.index, pid=process.pid)
 
     def _alive(self) -> list[BaseProcess]:

@@ -35,6 +35,7 @@ from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.observe import log
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import FALLBACK_REASONS, Metrics
+from gateway.proxy import jsoncodec
 from gateway.proxy.attempt import Call, send_body, send_headers
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
@@ -73,12 +74,12 @@ def prefill_body(payload: Mapping[str, Any]) -> bytes:
     body["stream"] = False
     body.pop("stream_options", None)
     body["kv_transfer_params"] = dict(PREFILL_PARAMS)
-    return orjson.dumps(body)
+    return jsoncodec.dumps(body)
 
 
 def decode_body(payload: Mapping[str, Any], params: Mapping[str, Any]) -> bytes:
     """The decode hop's body: the client's, with the prefill answer's params verbatim."""
-    return orjson.dumps({**payload, "kv_transfer_params": params})
+    return jsoncodec.dumps({**payload, "kv_transfer_params": params})
 
 
 def transfer_params(answer: bytes) -> dict[str, Any] | None:

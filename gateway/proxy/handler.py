@@ -190,6 +190,12 @@ class Proxy:
             else:
                 body, payload = await self.intake.json_body(request)
             ex.bytes_received = len(body)  # as read: a chunked body has no Content-Length
+            if route.kv_connected and "kv_transfer_params" in payload:
+                raise errors.BadRequest(
+                    "kv_transfer_params names hosts and KV blocks on the instances and is "
+                    "set by the gateway only; remove it from the request",
+                    param="kv_transfer_params",
+                )
             if payload.get("model") is None and self.default_model and not route.form:
                 body = jsoncodec.with_field(body, payload, "model", self.default_model)
                 payload["model"] = self.default_model
@@ -268,13 +274,6 @@ class Proxy:
     ) -> web.StreamResponse:
         """A request of a fleet with prefill instances: in two hops if the core says its
         prefill is worth moving off the decode instance (disaggregate.py), else whole."""
-        if "kv_transfer_params" in payload:
-            # They name hosts and KV blocks on the instances: only the gateway sets them.
-            raise errors.BadRequest(
-                "kv_transfer_params is set by the gateway in a disaggregated fleet; "
-                "remove it from the request",
-                param="kv_transfer_params",
-            )
         if not self.dispatcher.scheduler.splits(ticket, self.clock()):
             ex.hop_path = "whole"
             self.metrics.hops.labels("whole").inc()

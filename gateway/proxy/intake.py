@@ -98,6 +98,11 @@ class Intake:
             raise errors.InvalidJSON(
                 f"the request body must be a JSON object, got {type(payload).__name__}"
             )
+        if not jsoncodec.nested_within(body, payload):
+            raise errors.InvalidJSON(
+                f"the request body is nested too deeply: at most {jsoncodec.MAX_DEPTH} "
+                "arrays and objects within each other"
+            )
         return body, payload
 
     async def form_body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""JSON bodies on the request path: parsed once with orjson, and never written again.
+"""JSON bodies on the request path: parsed once with orjson, and written again only where
+a hop needs another body (`dumps`).
 
 orjson parses a prompt-sized body several times faster than Python's `json`. It refuses
 some of what vLLM's own parser (Python's `json`, via Starlette) takes: NaN and Infinity,
@@ -28,6 +29,40 @@ def loads(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return json.loads(body)
+
+
+# Containers within containers a body may hold. Python's `json` (vLLM's parser, and ours
+# after orjson) stops near 1,000 with a RecursionError that vLLM answers with a 500, which
+# would count against the instance's health; any code that walks a body recursively stops
+# sooner. No request a client means to send comes near: tool schemas nest a dozen deep.
+MAX_DEPTH = 128
+
+
+def nested_within(body: bytes, value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` (parsed from `body`) nests at most `limit` containers deep. A body
+    with no more brackets than that cannot be deeper: counted at C speed, it spares the
+    walk for nearly every request."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return True
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return True
+
+
+def dumps(value: Any) -> bytes:
+    """`value` as JSON: orjson's, or Python's `json`'s for what `loads` took and orjson
+    will not write (a lone surrogate), escaped as vLLM's parser reads it back."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value).encode()
 
 
 def with_field(source: bytes, payload: dict[str, Any], key: str, value: Any) -> bytes:

@@ -29,7 +29,7 @@ from typing import Protocol, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.upstream.response import AttemptFailed
+from gateway.upstream.response import MAX_WHOLE_BYTES, AttemptFailed
 
 Key = tuple[str, int, bool]  # host, port, TLS: the connections that can serve one another
 _MAX_HEAD = 64 * 1024  # an answer head longer than this is no vLLM's
@@ -121,12 +121,18 @@ class Response:
             self._conn.resume_reading()
         return data
 
-    async def read(self, timeout: float) -> bytes:
-        """The whole body, within `timeout` seconds."""
+    async def read(self, timeout: float, limit: int = MAX_WHOLE_BYTES) -> bytes:
+        """The whole body, within `timeout` seconds and `limit` bytes: past it, the answer
+        is closed (its connection dropped) and AttemptFailed "bad_response" raised."""
         parts: list[bytes] = []
+        size = 0
         try:
             async with asyncio.timeout(timeout):
                 while chunk := await self.next_chunk():
+                    size += len(chunk)
+                    if size > limit:
+                        self.close()
+                        raise AttemptFailed("bad_response", f"body over {limit} bytes")
                     parts.append(chunk)
         except TimeoutError:
             raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None

@@ -7,8 +7,10 @@ closed early drops its connection and the instance sees its client leave. Idle c
 are closed once they have been idle `keepalive` seconds, by a timer, not only when next
 taken. A kept-alive connection that the instance had closed as we reused it ("stale": not
 a byte of the answer came) is no fault of the instance: the request goes again, once, on a
-new connection. A waiter woken for a place and cancelled before it ran hands the wake-up
-on, as httpcore's pool does, so no place sits idle while others wait.
+new connection. Requests that wait for a place get one in the order they came: a place
+that frees goes to the first waiter, and nobody who asks meanwhile takes it before that
+waiter runs (httpcore assigns it to the waiter). A waiter woken for a place and cancelled
+before it ran hands the wake-up on, so no place sits idle while others wait.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Pool:
         self._all: set[H1Connection] = set()
         self._connecting = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._promised = 0  # places handed to woken waiters that have not run yet
         self._targets: dict[str, tuple[Key, str, bytes]] = {}
         self._reaper: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None  # made at the first https:// instance
@@ -118,29 +121,38 @@ class Pool:
     async def _acquire(
         self, key: Key, loop: asyncio.AbstractEventLoop, *, fresh: bool = False
     ) -> H1Connection:
+        woken = False
         while True:
             if self.closed:
                 raise AttemptFailed("connect", "the gateway is shutting down its connections")
-            idle = None if fresh else self._idle.get(key)
-            now = loop.time()
-            while idle:
-                conn = idle.pop()
-                if conn.transport is not None and now - conn.idle_since < self.keepalive:
-                    return conn
-                self._drop(conn)
-            if len(self._all) + self._connecting < self.limit or self._evict_idle():
-                return await self._connect(key, loop)
+            # Only a woken waiter, or one who finds nobody waiting, may take a place.
+            if woken or not (self._waiters or self._promised):
+                idle = None if fresh else self._idle.get(key)
+                now = loop.time()
+                while idle:
+                    conn = idle.pop()
+                    if conn.transport is not None and now - conn.idle_since < self.keepalive:
+                        return conn
+                    self._drop(conn)
+                if len(self._all) + self._connecting < self.limit or self._evict_idle():
+                    return await self._connect(key, loop)
             waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(waiter)
+            if woken:  # it lost its place after all: it keeps its turn
+                self._waiters.appendleft(waiter)
+            else:
+                self._waiters.append(waiter)
             try:
                 await waiter
             except BaseException:
                 if waiter.done() and not waiter.cancelled():
+                    self._promised -= 1
                     self._wake()  # woken, then cancelled: the place goes to the next waiter
                 raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+            self._promised -= 1
+            woken = True
 
     async def _connect(self, key: Key, loop: asyncio.AbstractEventLoop) -> H1Connection:
         self._connecting += 1
@@ -232,10 +244,12 @@ class Pool:
         self._drop(conn)
 
     def _wake(self) -> None:
+        """A place freed: promised to the first waiter still waiting."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                self._promised += 1
                 return
 
     def close(self) -> None:

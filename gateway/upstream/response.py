@@ -9,6 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+# The most of an answer the gateway reads whole for itself (a prefill hop's, a scrape, a
+# probe, /v1/models, /tokenize): vLLM's largest, /metrics with many engines or /tokenize of
+# a long prompt, stay within a few MiB; past this an instance is broken or hostile.
+MAX_WHOLE_BYTES = 16 * 1024 * 1024
+
 
 class AttemptFailed(Exception):
     """An attempt got no HTTP answer: kind is "connect", "timeout" or "bad_response"."""
@@ -23,7 +28,8 @@ class UpstreamResponse(Protocol):
     """An instance's answer once its head arrived: what the rest of the gateway reads.
 
     `read` raises `AttemptFailed` ("connect" when the instance breaks the connection,
-    "timeout" when `timeout` runs out); a cancelled caller gets `CancelledError` as usual.
+    "timeout" when `timeout` runs out, "bad_response" past its size limit); a cancelled
+    caller gets `CancelledError` as usual.
     A streamed answer (connection.py's `Response`) also offers `next_chunk()` and
     `splice(sink)`, for the relay.
     """
@@ -37,8 +43,9 @@ class UpstreamResponse(Protocol):
     @property
     def content_type(self) -> str: ...
 
-    async def read(self, timeout: float) -> bytes:
-        """The whole body, within `timeout` seconds."""
+    async def read(self, timeout: float, limit: int = MAX_WHOLE_BYTES) -> bytes:
+        """The whole body, within `timeout` seconds and `limit` bytes (past it, the answer
+        is closed and AttemptFailed "bad_response" raised)."""
         ...
 
     def close(self) -> None:

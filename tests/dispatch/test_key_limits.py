@@ -76,6 +76,22 @@ def test_tokens_are_reserved_at_admission_and_refunded_at_settlement() -> None:
     assert isinstance(quota.admit(limits, 1900, T0), Admitted)
 
 
+def test_a_refund_never_fills_the_bucket_past_full() -> None:
+    """A refund settled once the bucket is full again banks nothing: another request's
+    debt settled after it still counts. Two requests reserve 1500 and 500 of 2000 a
+    minute; a minute later (full again) the first uses none, the second 1000 more than
+    it reserved: 1000 of debt, so 1000 tokens are left, not 2000."""
+    limits = KeyLimits(tokens_per_minute=2000)
+    quota = KeyQuota()
+    assert isinstance(quota.admit(limits, 1500, T0), Admitted)
+    assert isinstance(quota.admit(limits, 500, T0), Admitted)
+    quota.settle(limits, -1500, T0 + 60.0)
+    quota.settle(limits, 1000, T0 + 60.0)
+    assert quota.standings(limits, T0 + 60.0).tokens == Standing(2000, 1000, pytest.approx(30.0))
+    assert isinstance(quota.admit(limits, 1001, T0 + 60.0), OverLimit)
+    assert isinstance(quota.admit(limits, 1000, T0 + 60.0), Admitted)
+
+
 def test_answers_longer_than_reserved_put_the_key_in_debt() -> None:
     """Settling 3000 more than reserved leaves nothing, and the wait covers the debt."""
     limits = KeyLimits(tokens_per_minute=6000)  # 100 tokens a second

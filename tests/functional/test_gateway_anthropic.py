@@ -202,6 +202,26 @@ async def test_a_wrong_key_is_an_authentication_error(gw: Gateway) -> None:
     assert all(s.stats.requests == 0 for s in gw.sims)
 
 
+async def test_the_sdk_does_not_retry_a_wrong_key(gw: Gateway) -> None:
+    """With its default retries the Anthropic SDK sends a wrong key once: the 401 says
+    `x-should-retry: false` (Claude Code retried one for two minutes without it)."""
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-wrong", max_retries=2) as c:
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            await c.messages.create(model="sim-model", max_tokens=1, messages=HELLO)
+    assert info.value.response.headers["x-should-retry"] == "false"
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    refused = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gateway_requests_total"
+        and sample.labels.get("route") == "messages"
+        and sample.labels.get("status") == "401"
+    ]
+    assert sum(refused) == 1
+
+
 async def test_an_unknown_model_is_not_found(gw: Gateway) -> None:
     """A model no instance serves is the gateway's 404 not_found_error."""
     async with client(gw) as c:
@@ -448,3 +468,50 @@ async def metric(gw: Gateway, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
+
+
+async def test_a_clients_kv_transfer_params_never_reach_an_instance(gw: Gateway) -> None:
+    """vLLM's Messages handler copies kv_transfer_params into its chat request, where they
+    name hosts and KV blocks: refused with a 400 in Anthropic's shape, in a fleet without
+    roles too, and on the OpenAI routes in theirs."""
+    params = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_block_ids": [1]}
+    async with client(gw) as c:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await c.messages.create(
+                model="sim-model",
+                max_tokens=1,
+                messages=HELLO,
+                extra_body={"kv_transfer_params": params},
+            )
+    assert anthropic_error(refused.value, "invalid_request_error")
+    assert "kv_transfer_params" in str(refused.value)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    chat = {"model": "sim-model", "messages": HELLO, "max_tokens": 1}
+    prompt = {"model": "sim-model", "prompt": "hi", "max_tokens": 1}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", prompt)):
+            async with s.post(gw.url + path, json={**body, "kv_transfer_params": params}) as r:
+                assert r.status == 400, path
+                error = (await r.json())["error"]
+                assert error["param"] == "kv_transfer_params", path
+    assert sum(s.stats.requests for s in gw.sims) == 0
+
+
+@pytest.mark.parametrize("role", ["user", "assistant"])
+async def test_a_body_nested_past_the_stack_is_a_bad_request(gw: Gateway, role: str) -> None:
+    """A tool_result nested 990 deep (which the parser still takes) is refused with a 400
+    in Anthropic's shape, never the gateway's own 500."""
+    block = {"type": "tool_result", "tool_use_id": "t", "content": "NESTED"}
+    message = {"role": role, "content": [block]}
+    body = json.dumps({"model": "sim-model", "max_tokens": 1, "messages": [message]})
+    body = body.replace('"NESTED"', "[" * 990 + '"x"' + "]" * 990)  # json.dumps would recurse
+    headers = {"x-api-key": KEY, "content-type": "application/json"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/messages", data=body, headers=headers) as r,
+    ):
+        assert r.status == 400
+        answer = await r.json()
+    assert answer["type"] == "error"
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "nested" in answer["error"]["message"]

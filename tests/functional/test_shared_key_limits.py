@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import redis.asyncio as aioredis
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import RedisServer, redis_server
 
@@ -149,10 +150,28 @@ async def test_with_redis_away_each_gateway_applies_the_limit_on_its_own() -> No
 
 @pytest.mark.parametrize(
     "answer",
-    [None, [1, 2, 3], [1, 10**15, 10**15, 10**15, "x"], [2, 10**15, 10**15, 10**15, 0],
-     [1, 10**15, 10**15 + 8 * 24 * 3600 * 10**6, 10**15, 0], [1, 10**15, 10**15, 10**15, -1]],
+    [None, [1, 2, 3], [1, 10**15, 10**15, 10**15, "x", 0], [2, 10**15, 10**15, 10**15, 0, 0],
+     [1, 10**15, 10**15 + 8 * 24 * 3600 * 10**6, 10**15, 0, 0],
+     [1, 10**15, 10**15, 10**15, -1, 0], [1, 10**15, 10**15, 10**15, 0, -1],
+     [1, 10**15, 10**15, 10**15, 0]],
 )  # fmt: skip
 def test_an_answer_out_of_bounds_is_refused(answer: Any) -> None:
-    """What Redis answers is untrusted: anything but five bounded integers is refused."""
-    with pytest.raises(ValueError, match=r"five values|integers|out of bounds|too far"):
+    """What Redis answers is untrusted: anything but six bounded integers is refused."""
+    with pytest.raises(ValueError, match=r"six values|integers|out of bounds|too far"):
         _bounded(answer)
+
+
+async def test_a_forged_place_in_a_keys_set_is_dropped_and_counted() -> None:
+    """A member written into a key's places with a far-future score would keep the key at
+    429 for good: the admission drops it, admits, and counts the forgery."""
+    with redis_server() as redis:
+        async with two_gateways(redis, max_concurrent=1) as (a, _):
+            client = aioredis.Redis.from_url(redis.url)
+            try:
+                await client.zadd("gateway:limit:team-a:inflight", {"evil": 99999999999999})
+                status, _ = await status_of(a)
+                assert await client.zscore("gateway:limit:team-a:inflight", "evil") is None
+            finally:
+                await client.aclose()
+            assert status == 200
+            assert a.app[SHARED].errors["forged_lease"] == 1

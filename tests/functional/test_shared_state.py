@@ -402,6 +402,27 @@ async def test_no_entry_written_to_redis_stops_sharing_or_refuses_a_request() ->
             assert len(logged) <= 2 * 3  # per gateway, once per reason in the minute
 
 
+async def test_names_that_sort_first_do_not_crowd_the_live_peers_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More processes listed than a round reads (here 40 fakes with entries, over a bound
+    of 8), all sorting before the real ones: each gateway still reads the other, and says
+    it is crowded."""
+    monkeypatch.setattr(shared_module, "MAX_PEERS", 8)
+    with redis_server() as redis:
+        async with fleet(ONE_SLOT, ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
+            client = aioredis.Redis.from_url(redis.url)
+            try:
+                for i in range(40):
+                    await client.set(f"gateway:process:!fake-{i:03d}", b"{not json")
+                    await client.sadd("gateway:processes", f"!fake-{i:03d}")
+                await until(lambda: a.app[SHARED].errors.get("too_many_peers", 0) >= 3)
+                await until(lambda: b.app[SHARED].errors.get("too_many_peers", 0) >= 3)
+            finally:
+                await client.aclose()
+            assert (a.app[SHARED].peers, b.app[SHARED].peers) == (1, 1)
+
+
 async def test_a_peer_whose_entry_stops_moving_leaves_even_without_a_ttl() -> None:
     """A well-formed entry written once, with no expiry, leaves the view after `ttl`."""
     with redis_server() as redis:
@@ -507,6 +528,25 @@ async def test_a_lease_comes_back_when_its_process_stops_renewing_it(
         finally:
             await holder.close()
             await other.close()
+
+
+async def test_a_forged_lease_far_in_the_future_is_dropped_and_counted() -> None:
+    """A member written straight into an instance's lease set with a far-future score would
+    hold the one place for good: the claim drops it (no lease lives past its time from
+    now), takes the place, and counts the forgery."""
+    with redis_server() as redis:
+        shared = shared_module.SharedState(redis.url, _Clock(), None, strict_caps=True)  # type: ignore[arg-type]
+        shared.up = True
+        client = aioredis.Redis.from_url(redis.url)
+        try:
+            await client.zadd("gateway:leases:x", {"evil": 99999999999999})
+            assert await shared.claim("x", 1, cap=1) is True
+            assert shared.errors["forged_lease"] == 1
+            assert await client.zscore("gateway:leases:x", "evil") is None
+            assert await shared.claim("x", 2, cap=1) is False  # the place is ours, really
+        finally:
+            await client.aclose()
+            await shared.close()
 
 
 class _Clock:

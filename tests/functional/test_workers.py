@@ -38,6 +38,8 @@ from _worker_helpers import (
 from faultproxy import eventually
 from redis_server import redis_server
 
+from gateway.process.workers import PING_TIMEOUT
+
 REQUESTS = 20
 STREAMS = 16
 
@@ -242,3 +244,26 @@ def test_workers_share_their_view_through_redis(tmp_path: Path) -> None:
         scrapes, log = asyncio.run(scenario(redis.url))
     assert scrapes[-1][1:] == (1.0, 1.0), scrapes[-5:]
     assert not named(log, "workers_without_shared_state")
+
+
+# ------------------------------------------------------------- a stuck worker
+
+
+async def test_a_worker_that_stops_answering_is_replaced(tmp_path: Path) -> None:
+    """A worker whose loop stops turning (here SIGSTOP) answers no ping: after the ping
+    timeout the parent logs it, kills it and starts another; requests succeed again."""
+    async with two_workers(tmp_path) as (proc, log):
+        text = await wait_for_events(log, proc, "listening", 2)
+        url = str(named(text, "supervising")[0]["url"])
+        stuck = int(named(text, "worker_started")[0]["pid"])
+        os.kill(stuck, signal.SIGSTOP)
+        text = await wait_for_events(log, proc, "listening", 3)
+        async with new_session() as session:
+            after = [await complete(session, url) for _ in range(10)]
+    unresponsive = named(text, "worker_unresponsive")
+    assert [e["pid"] for e in unresponsive] == [stuck]
+    assert unresponsive[0]["waited_s"] >= PING_TIMEOUT
+    died = named(text, "worker_died")
+    assert [(e["pid"], e["exit_code"]) for e in died] == [(stuck, -signal.SIGKILL)]
+    assert [status for status, _ in after] == [200] * 10
+    assert str(stuck) not in {worker for _, worker in after}
