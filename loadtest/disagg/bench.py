@@ -44,9 +44,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim.sim_engine import SimConfig
-from loadtest import baselines
+from loadtest import baselines, harness
 from loadtest.disagg import calibration, loadgen
-from loadtest.disagg.fronts import FRONTS, Instance, Role, direct
+from loadtest.disagg.fronts import FRONTS, GATEWAYS, Instance, Role, direct
 from loadtest.disagg.schedule import arrivals
 from loadtest.disagg.search import Bisection, search_async
 from loadtest.disagg.slo import FIGURE_1, Outcome, Slo, meets
@@ -180,10 +180,11 @@ async def measure(
     at: float | None = None,
     short: int = MIXED_TOKENS[0],
     config: SimConfig = calibration.DISTSERVE_OPT13B,
+    source: Path | None = None,
 ) -> dict[str, Any]:
     """One arrangement's capacity on a fresh fleet of `config` instances and its front (or,
     with `at`, its verdict and latencies at that one total rate: arrangements compared at
-    the same load)."""
+    the same load); `source`: the gateway package our fronts run (None: this one)."""
     points: dict[float, dict[str, Any]] = {}
     speeds = [1.0] * len(arrangement.roles)
     async with contextlib.AsyncExitStack() as stack:
@@ -193,8 +194,11 @@ async def measure(
         if arrangement.separate_streams:
             targets = [await stack.enter_async_context(direct([i])) for i in instances]
         else:
-            front = FRONTS[arrangement.front]
-            targets = [await stack.enter_async_context(front(instances))]
+            if arrangement.front in GATEWAYS:
+                started = GATEWAYS[arrangement.front](instances, source)
+            else:
+                started = FRONTS[arrangement.front](instances)
+            targets = [await stack.enter_async_context(started)]
 
         async def served(rate: float) -> bool:
             share = rate / len(targets)
@@ -251,11 +255,12 @@ async def measure(
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, source: Path | None) -> dict[str, Any]:
     config = calibration.scaled(calibration.DISTSERVE_OPT13B, args.scale)
     report: dict[str, Any] = {
         "preset": calibration.preset_dict(config),
         "scale": dataclasses.asdict(args.scale),
+        "gateway_ref": args.gateway_ref,
         "objectives": {"ttft_s": FIGURE_1.ttft, "tpot_s": FIGURE_1.tpot, "attainment": 0.9},
         "protocol": {
             "duration_s": args.duration,
@@ -279,6 +284,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 at=args.at,
                 short=args.short_tokens,
                 config=config,
+                source=source,
             )
         except baselines.Unavailable as exc:
             print(f"{arrangement.name}: skipped, {exc}", flush=True)
@@ -313,6 +319,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a calibration around the preset, e.g. prefill=1.5,transfer=3,decode=1.2",
     )
     parser.add_argument(
+        "--gateway-ref",
+        default=None,
+        help="run our gateway as committed at this git ref (default: the working tree)",
+    )
+    parser.add_argument(
         "--arrangements",
         type=lambda text: [a for a in text.split(",") if a],
         default=",".join(a.name for a in ARRANGEMENTS),
@@ -332,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := set(args.arrangements) - {a.name for a in ARRANGEMENTS}:
         print(f"error: unknown arrangements {sorted(unknown)}", file=sys.stderr)
         return 2
-    report = asyncio.run(run(args))
+    with harness.exported_gateway(args.gateway_ref) as source:
+        report = asyncio.run(run(args, source))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -115,10 +115,12 @@ GATEWAY_SLO = {"ttft": 0.4, "tpot": 0.04, "long_ttft": 2.0, "long_tpot": 0.04}
 
 
 @contextlib.asynccontextmanager
-async def gateway(instances: Sequence[Instance]) -> AsyncIterator[str]:
-    """The gateway before `instances`, each with its role; ready when all are up."""
+async def gateway(instances: Sequence[Instance], source: Path | None = None) -> AsyncIterator[str]:
+    """The gateway before `instances`, each with its role; ready when all are up.
+    `source`: the gateway package to run (`harness.exported_gateway`), else this one."""
     async with harness.gateway_process(
         [i.url for i in instances],
+        source=source,
         strategy="least_busy",
         max_num_seqs=64,
         roles=[i.role for i in instances],
@@ -130,17 +132,23 @@ async def gateway(instances: Sequence[Instance]) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def gateway_defaults(instances: Sequence[Instance]) -> AsyncIterator[str]:
+async def gateway_defaults(
+    instances: Sequence[Instance], source: Path | None = None
+) -> AsyncIterator[str]:
     """The gateway as a user first runs it: the roles and each instance's slots, nothing
     else set (no `[slo]`)."""
     async with harness.gateway_process(
         [i.url for i in instances],
+        source=source,
         strategy="least_busy",
         max_num_seqs=64,
         roles=[i.role for i in instances],
     ) as gw:
         yield gw.url
 
+
+# The fronts that run our gateway: they also take the `source` to run it from.
+GATEWAYS = {"gateway": gateway, "gateway-defaults": gateway_defaults}
 
 FRONTS: dict[str, Front] = {
     "gateway": gateway,
