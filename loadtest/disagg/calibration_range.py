@@ -138,6 +138,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
     report["elapsed_s"] = round(time.monotonic() - started, 1)
+    if args.out and not args.model:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
