@@ -26,9 +26,10 @@ at random.
 A long prompt (the long lane) cached nowhere is first narrowed to the instances with a
 running slot free and, of those, the least prefill work before its first token
 (`least_prefill_work`); the score decides among them. Its wait is the prefills ahead,
-which a count of requests does not see. A short prompt is first narrowed to the
-instances with the fewest long prompts in prefill (`clear_of_long_prefills`): behind one
-it waits for the long prompt's chunks, which a count of requests does not see either.
+which a count of requests does not see. A short prompt cached nowhere is first narrowed
+to the instances with the fewest long prompts in prefill (`clear_of_long_prefills`):
+behind one it waits for the long prompt's chunks, which a count of requests does not see
+either.
 """
 
 from __future__ import annotations
@@ -154,10 +155,11 @@ class LeastBusy:
         # Each candidate's prefix match once: it decides the long-prompt rule and the
         # affinity term.
         cached = {c.name: c.cached_tokens(ticket) for c in candidates} if ticket.prefix else {}
-        if ticket.lane is Lane.LONG and not any(cached.values()):
-            candidates = least_prefill_work(candidates)
-        elif ticket.lane is Lane.SHORT:
-            candidates = clear_of_long_prefills(candidates)
+        if not any(cached.values()):  # a cached prompt is the affinity term's (0016)
+            if ticket.lane is Lane.LONG:
+                candidates = least_prefill_work(candidates)
+            else:
+                candidates = clear_of_long_prefills(candidates)
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
         scores = score_all(fleet, now, self.stale_after)
         costs = {c.name: scores[c.name].total for c in candidates}

@@ -248,3 +248,20 @@ def test_a_long_prompt_cached_somewhere_is_left_to_the_affinity_term(seed: int) 
     long = Ticket(99, Lane.LONG, 1e9, tokens=6000, max_tokens=32, prefix=blocks)
     decision = sched.submit(long, 0.0, rng)
     assert decision == Assigned(long, "cached"), decision
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_short_prompt_cached_behind_a_long_prefill_is_left_to_the_affinity_term(
+    seed: int,
+) -> None:
+    """A short prompt whose prefix is cached where a long prompt prefills is not narrowed:
+    the score and its bounded affinity term decide (decision 0016), and the cache wins
+    over one request more elsewhere."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("prefilling"), InstanceSpec("decoding"))
+    place_long(sched, 1, "prefilling", rng)
+    place(sched, 2, "decoding", rng)
+    prompt = Ticket(99, Lane.SHORT, 1e9, tokens=512, prefix=tuple(range(8)))
+    sched.state("prefilling").cache.insert(prompt.prefix)
+    decision = sched.submit(prompt, 0.0, rng)
+    assert decision == Assigned(prompt, "prefilling"), decision
