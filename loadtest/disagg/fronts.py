@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from loadtest import baselines, harness
 from loadtest.harness import _stop, free_port
@@ -115,36 +115,41 @@ GATEWAY_SLO = {"ttft": 0.4, "tpot": 0.04, "long_ttft": 2.0, "long_tpot": 0.04}
 
 
 @contextlib.asynccontextmanager
-async def gateway(instances: Sequence[Instance], source: Path | None = None) -> AsyncIterator[str]:
-    """The gateway before `instances`, each with its role; ready when all are up.
-    `source`: the gateway package to run (`harness.exported_gateway`), else this one."""
+async def _ours(
+    instances: Sequence[Instance], source: Path | None, **settings: dict[str, Any]
+) -> AsyncIterator[str]:
+    """The gateway before `instances`, each with its role and 64 slots, ready when all are
+    up; `source`: the gateway package to run (`harness.exported_gateway`), else this one."""
     async with harness.gateway_process(
         [i.url for i in instances],
         source=source,
         strategy="least_busy",
         max_num_seqs=64,
         roles=[i.role for i in instances],
+        **settings,
+    ) as gw:
+        yield gw.url
+
+
+def gateway(
+    instances: Sequence[Instance], source: Path | None = None
+) -> contextlib.AbstractAsyncContextManager[str]:
+    """Ours judged by the benchmark's own objectives (`[slo]`), rounds every 5 s."""
+    return _ours(
+        instances,
+        source,
         slo=GATEWAY_SLO,
         gateway={"max_connections": 512},
         dispatch={"health_check_interval": 5.0},
-    ) as gw:
-        yield gw.url
+    )
 
 
-@contextlib.asynccontextmanager
-async def gateway_defaults(
+def gateway_defaults(
     instances: Sequence[Instance], source: Path | None = None
-) -> AsyncIterator[str]:
-    """The gateway as a user first runs it: the roles and each instance's slots, nothing
-    else set (no `[slo]`)."""
-    async with harness.gateway_process(
-        [i.url for i in instances],
-        source=source,
-        strategy="least_busy",
-        max_num_seqs=64,
-        roles=[i.role for i in instances],
-    ) as gw:
-        yield gw.url
+) -> contextlib.AbstractAsyncContextManager[str]:
+    """Ours as a user first runs it: the roles and each instance's slots, nothing else set
+    (no `[slo]`)."""
+    return _ours(instances, source)
 
 
 # The fronts that run our gateway: they also take the `source` to run it from.
