@@ -38,7 +38,9 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .disaggregation import predicted_prefill
 from .model import InstanceState, Lane, Ticket
+from .speed import median
 
 _TIE = 1e-9
 # least_busy: a prompt fully cached on an instance is worth one request less there.
@@ -122,18 +124,28 @@ def least_prefill_work(candidates: Sequence[InstanceState]) -> list[InstanceStat
     return [c for c in candidates if work[c.name] <= least]
 
 
-def clear_of_long_prefills(candidates: Sequence[InstanceState]) -> list[InstanceState]:
-    """The candidates with the fewest long prompts in prefill (ours and the peers').
+def clear_of_long_prefills(
+    candidates: Sequence[InstanceState], ticket: Ticket
+) -> list[InstanceState]:
+    """The candidates with the fewest long prompts in prefill (ours and the peers'); when
+    every one holds some, those where `ticket`'s prefill is predicted to finish first.
 
     vLLM's scheduler serves the running requests first, a long prompt's next prefill chunk
     among them, so a short prompt that arrives behind it waits for its chunks before its
     own first token: on a card at 0.4x, most of a second for a 6,000-token prompt. Counted
     in requests the long prompt is one like any other; here it keeps the short prompts
-    away while another card can take them.
+    away while another card can take them, and otherwise sends them where the prefills
+    ahead clear first (a slow card's at its own learned rate).
     """
     longs = {c.name: c.long_prefilling + c.peers.long_prefilling for c in candidates}
     fewest = min(longs.values(), default=0)
-    return [c for c in candidates if longs[c.name] <= fewest]
+    clear = [c for c in candidates if longs[c.name] <= fewest]
+    if not fewest or len(clear) < 2:
+        return clear
+    rate = median(c.speed.prefill_rate for c in clear)
+    finish = {c.name: predicted_prefill(c, ticket, rate) for c in clear}
+    first = min(finish.values())
+    return [c for c in clear if finish[c.name] <= first]
 
 
 class LeastBusy:
@@ -159,7 +171,7 @@ class LeastBusy:
             if ticket.lane is Lane.LONG:
                 candidates = least_prefill_work(candidates)
             else:
-                candidates = clear_of_long_prefills(candidates)
+                candidates = clear_of_long_prefills(candidates, ticket)
         # Unknown loads borrow from the whole fleet's fresh reports, not just candidates'.
         scores = score_all(fleet, now, self.stale_after)
         costs = {c.name: scores[c.name].total for c in candidates}

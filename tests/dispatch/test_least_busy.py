@@ -265,3 +265,22 @@ def test_a_short_prompt_cached_behind_a_long_prefill_is_left_to_the_affinity_ter
     sched.state("prefilling").cache.insert(prompt.prefix)
     decision = sched.submit(prompt, 0.0, rng)
     assert decision == Assigned(prompt, "prefilling"), decision
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_with_a_long_prefill_everywhere_a_short_prompt_goes_where_it_clears_first(
+    seed: int,
+) -> None:
+    """Both cards prefill a 6,000-token prompt; the slow one (0.4x, flagged) would take
+    2.5 times as long to clear it. The short prompt goes to the fast card though three
+    more requests run there: it would wait for the slow card's prefill otherwise."""
+    rng = random.Random(seed)
+    sched = make(InstanceSpec("fast"), InstanceSpec("slow"))
+    place_long(sched, 1, "fast", rng)
+    place_long(sched, 2, "slow", rng)
+    for i in (3, 4, 5):
+        place(sched, i, "fast", rng)
+    sched.state("fast").speed.observe_prefill(10_000, 1.0)
+    sched.state("slow").speed.observe_prefill(4_000, 1.0)
+    sched.state("slow").speed.slow = True
+    assert choose(sched, rng) == "fast"
