@@ -48,6 +48,10 @@ VLLM_BLOCK_TOKENS = 16
 MIN_SPLIT_TOKENS = 2 * VLLM_BLOCK_TOKENS
 
 
+def _takes(state: InstanceState, ticket: Ticket, now: float) -> bool:
+    return state.available(now) and state.serves_model(ticket.model)
+
+
 def decode_load(state: InstanceState, now: float, stale_after: float) -> float:
     """Requests on a decode instance that a prefill there would hold up: every gateway
     process's in flight, or what a fresh scrape says runs and waits there, if more (traffic
@@ -72,9 +76,8 @@ def split(
     """
     if ticket.hop is not Hop.WHOLE or not ticket.tokens:
         return False
-    up = [s for s in (*prefill, *decode) if s.available(now) and s.serves_model(ticket.model)]
-    dedicated = [s for s in up if s.spec.role == "prefill"]
-    takers = [s for s in up if s in decode]
+    dedicated = [s for s in prefill if s.spec.role == "prefill" and _takes(s, ticket, now)]
+    takers = [s for s in decode if _takes(s, ticket, now)]
     if not dedicated or not takers:
         return False  # no prefill instance up for it: it is served whole, as without roles
     # Where its prompt is cached on a decode instance, only the rest would be prefilled.
