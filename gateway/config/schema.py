@@ -312,6 +312,10 @@ class KeyEntry(Frozen):
     # "interactive", "batch", or vLLM's own priority value (lower runs first; above 0 is
     # the batch class here), sent to instances whose scheduling_policy is "priority".
     priority: str | int = PRIORITIES[0]
+    # Its part of a saturated fleet against the other keys of its class (the unnamed keys
+    # are one key, `default`, with 1): share 2 is served twice what share 1 is while both
+    # wait (dispatch/fairness.py).
+    share: float = Field(1.0, gt=0, le=1000)
 
     @field_validator("priority")
     @classmethod

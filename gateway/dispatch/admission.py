@@ -76,14 +76,14 @@ class Throughput:
         return f"<Throughput {len(self._gaps)} saturated gaps in {self.window:g}s>"
 
 
-def predicted_wait(ahead: int, rate: float | None) -> float | None:
+def predicted_wait(ahead: float, rate: float | None) -> float | None:
     """Seconds until a request with `ahead` requests before it starts (None: unknown)."""
     if rate is None or rate <= 0:
         return None
     return (ahead + 1) / rate
 
 
-def refusal(ahead: int, rate: float | None, budget: float) -> float | None:
+def refusal(ahead: float, rate: float | None, budget: float) -> float | None:
     """None to admit; else how long until it could be admitted: the excess of its
     predicted wait over its budget, and never less than the usual gap between
     departures (1 / rate), before which the queue has most likely not moved. The shell

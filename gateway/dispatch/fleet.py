@@ -273,10 +273,12 @@ class Fleet:
         queued: Mapping[Lane, int],
         rates: Mapping[RateKey, float],
         queued_batch: Mapping[Lane, int],
+        key_queued: Mapping[str, int] | None = None,
+        key_service: Mapping[str, float] | None = None,
     ) -> LocalShare:
         """What this process tells the others: its own load and learned speed of each
         instance, with its `queued` requests per lane (of those, `queued_batch` batch
-        ones) and drain `rates`."""
+        ones), drain `rates`, and per key its requests queued and service given."""
         return LocalShare(
             loads={
                 s.name: PeerLoad(
@@ -288,6 +290,8 @@ class Fleet:
             queued=queued,
             rates=rates,
             queued_batch=queued_batch,
+            key_queued=key_queued or {},
+            key_service=key_service or {},
         )
 
     def report_load(self, name: str, report: LoadReport) -> None:

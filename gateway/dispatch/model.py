@@ -115,6 +115,10 @@ class SharedView:
     rates: Mapping[RateKey, float] = field(default_factory=dict)
     # Of `queued`, the batch requests (an interactive one waits only behind the rest).
     queued_batch: Mapping[Lane, int] = field(default_factory=dict)
+    # Their new requests waiting per key, and the weighted service each key had from them
+    # (fairness.py): every process orders its queue by the fleet's service counts.
+    key_queued: Mapping[str, int] = field(default_factory=dict)
+    key_service: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,8 @@ class LocalShare:
     # processes each drains a share of the fleet's, and admission predicts with the sum.
     rates: Mapping[RateKey, float] = field(default_factory=dict)
     queued_batch: Mapping[Lane, int] = field(default_factory=dict)
+    key_queued: Mapping[str, int] = field(default_factory=dict)
+    key_service: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,8 @@ class Limits:
     prefix_index_blocks: int = DEFAULT_INDEX_BLOCKS
     # Size each index from its instance's vllm:cache_config_info once it reports it.
     prefix_index_learned: bool = True
+    # Each named key's share of a saturated fleet (fairness.py); a key not named has 1.
+    shares: Mapping[str, float] = field(default_factory=dict)
 
     def max_queue_wait(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> float:
         short = lane is Lane.SHORT
@@ -187,6 +195,7 @@ class Ticket:
     prefix: tuple[int, ...] = ()  # the prompt's block hashes (affinity.prompt_blocks)
     hop: Hop = Hop.WHOLE
     priority: Priority = Priority.INTERACTIVE
+    key: str = "default"  # the client's key by name, whose fair share it uses (fairness.py)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,16 @@ for an untried instance (in one FIFO, one could head its lane and block requests
 instance could run). Each waiting ticket has the time its wait runs out, and the FIFOs'
 heads go out earliest-limit-first: an interactive request (whose wait is short) before a
 batch one that came earlier, until the batch one's longer wait nears its end and it goes
-first. So batch is delayed by at most its own limit, never starved, and within a class
-the order is arrival order. Only the scheduler uses this.
+first. So batch is delayed by at most its own limit, never starved.
+
+Within a FIFO the head is chosen between keys: the oldest request of the key that goes
+first by fair share (fairness.py), so one key's flood never stands in front of another
+key's request. Within a key the order is arrival order. Only the scheduler uses this.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .model import Hop, Lane, Priority, Ticket
 
@@ -25,6 +28,9 @@ class WaitQueues:
     def __init__(self) -> None:
         # Insertion-ordered dicts: FIFO with O(1) removal of a ticket whose client left.
         self._fifos: dict[QueueKey, dict[int, Ticket]] = {}
+        # The same tickets by key, each key's in arrival order; keys by their oldest.
+        self._by_key: dict[QueueKey, dict[str, dict[int, Ticket]]] = {}
+        self._key_count: dict[str, int] = {}  # new requests waiting, per key
         self._retries: dict[int, Ticket] = {}
         self._where: dict[int, QueueKey | None] = {}
         self._wait_until: dict[int, float] = {}
@@ -54,6 +60,25 @@ class WaitQueues:
     def fifo_length(self, lane: Lane) -> int:
         """New requests of `lane` waiting, over all models (the gateway queue bound's count)."""
         return self._fifo_count[lane]
+
+    def waiting_keys(self) -> Iterable[str]:
+        """The keys with new requests waiting (in any FIFO)."""
+        return self._key_count.keys()
+
+    def key_counts(self) -> dict[str, int]:
+        """New requests waiting, per key."""
+        return dict(self._key_count)
+
+    def keys_for(self, lane: Lane, model: str | None, hop: Hop, priority: Priority) -> list[str]:
+        """The keys with requests waiting for `lane`, `model` and `hop` in `priority`'s class."""
+        return list(self._by_key.get((lane, model, hop, priority), ()))
+
+    def key_length_for(
+        self, key: str, lane: Lane, model: str | None, hop: Hop, priority: Priority
+    ) -> int:
+        """`key`'s requests waiting for `lane`, `model` and `hop` in `priority`'s class."""
+        own = self._by_key.get((lane, model, hop, priority), {}).get(key)
+        return len(own) if own else 0
 
     def retry_count(self) -> int:
         return len(self._retries)
@@ -96,6 +121,8 @@ class WaitQueues:
             where = (ticket.lane, ticket.model, ticket.hop, ticket.priority)
             queue = self._fifos.setdefault(where, {})
             self._fifo_count[ticket.lane] += 1
+            self._by_key.setdefault(where, {}).setdefault(ticket.key, {})[ticket.id] = ticket
+            self._key_count[ticket.key] = self._key_count.get(ticket.key, 0) + 1
         queue[ticket.id] = ticket
         self._where[ticket.id] = where
         self._wait_until[ticket.id] = wait_until
@@ -116,6 +143,17 @@ class WaitQueues:
         if not fifo:
             del self._fifos[where]  # models come and go; keep no empty FIFOs
         self._fifo_count[ticket.lane] -= 1
+        keys = self._by_key[where]
+        own = keys[ticket.key]
+        del own[ticket_id]
+        if not own:
+            del keys[ticket.key]
+            if not keys:
+                del self._by_key[where]
+        if self._key_count[ticket.key] == 1:
+            del self._key_count[ticket.key]
+        else:
+            self._key_count[ticket.key] -= 1
         return ticket
 
     def wait_until(self, ticket_id: int) -> float | None:
@@ -127,10 +165,19 @@ class WaitQueues:
     def fifos(self) -> list[tuple[QueueKey, list[Ticket]]]:
         return [(key, list(fifo.values())) for key, fifo in self._fifos.items()]
 
-    def heads(self) -> list[Ticket]:
-        """Who may be placed next: every retry, then each FIFO's oldest, the one whose
-        wait runs out first first (then the oldest)."""
-        firsts = sorted((next(iter(f.values())) for f in self._fifos.values()), key=self._due)
+    def heads(self, first: Callable[[list[str]], str]) -> list[Ticket]:
+        """Who may be placed next: every retry, then each FIFO's head, the one whose wait
+        runs out first first (then the oldest). A FIFO's head is the oldest request of the
+        key `first` picks from its keys (given oldest request first)."""
+        firsts = []
+        for keys in self._by_key.values():
+            if len(keys) == 1:
+                (own,) = keys.values()
+            else:
+                by_age = sorted(keys, key=lambda k: next(iter(keys[k])))
+                own = keys[first(by_age)]
+            firsts.append(next(iter(own.values())))
+        firsts.sort(key=self._due)
         return [*self._retries.values(), *firsts]
 
     def _due(self, ticket: Ticket) -> tuple[float, int]:
@@ -139,7 +186,15 @@ class WaitQueues:
     def clear(self) -> list[Ticket]:
         """Empty every queue; return what waited."""
         out = list(self)
-        for mapping in (self._fifos, self._retries, self._where, self._wait_until):
+        mappings = (
+            self._fifos,
+            self._by_key,
+            self._key_count,
+            self._retries,
+            self._where,
+            self._wait_until,
+        )
+        for mapping in mappings:
             mapping.clear()
         for counts in (self._fifo_count, self._retry_count):
             counts.update(dict.fromkeys(counts, 0))

@@ -7,9 +7,11 @@ a list from whichever call freed room (`release`, `prefill_done`, `probe`), and 
 shell wakes those requests.
 
 Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
-no room, it waits in a bounded FIFO queue of its lane (and model) for at most the lane's
+no room, it waits in a bounded queue of its lane (and model) for at most the lane's
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
-at once (`admission.py`).
+at once (`admission.py`). The queue serves keys by fair share (`fairness.py`), and a
+request's predicted wait is its key's: the requests of its key ahead of it, at its key's
+part of the drain rate.
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each (`affinity.py`), estimated here, counts in the
@@ -25,6 +27,7 @@ from types import MappingProxyType
 
 from .admission import DrainRates, predicted_wait, refusal
 from .disaggregation import fastest_prefill, split
+from .fairness import ServiceCounts
 from .fleet import Fleet
 from .health import apply_outcome
 from .holding import Held as _Held
@@ -67,6 +70,7 @@ class Scheduler(Fleet):
         self.strategy = strategy
         self.closed = False
         self._queues = WaitQueues()
+        self._service = ServiceCounts(limits.shares)  # each key's fair-share count
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Drain rates per lane and model: each model's instances drain its own queue.
@@ -99,6 +103,7 @@ class Scheduler(Fleet):
         """
         departed = {h.state.name: h.state for h in self._holding.values()}
         self.set_fleet(specs, limits, health_policy, departed)
+        self._service.shares = limits.shares
         return self._drain(now, rng)
 
     # ------------------------------------------------------------ queries
@@ -190,14 +195,33 @@ class Scheduler(Fleet):
             wait = self.predicted_wait(lane, now, model, hop, priority)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
         rate = self._drained.rate(lane, model, now, priority)
-        ahead = self.ahead(lane, model, hop, priority)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
-        refused = refusal(ahead, rate, budget)
+        refused = refusal(self._ahead_of_key(ticket), rate, budget)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
+        if ticket.key not in self._queues.waiting_keys():  # it starts waiting here
+            peers = (key for key, n in self._shared.key_queued.items() if n)
+            self._service.arrive(ticket.key, {*self._queues.waiting_keys(), *peers})
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
+
+    def _ahead_of_key(self, ticket: Ticket) -> float:
+        """The requests that start before `ticket` under fair share: those waiting at its
+        instances and the retries, then its key's queue, each turn of which lets every
+        other waiting key take its share first (fairness.py). Its class's queue in every
+        process counts, the others' per key (as they last said)."""
+        lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
+        waiting = {
+            key: self._queues.key_length_for(key, lane, model, hop, priority)
+            for key in self._queues.keys_for(lane, model, hop, priority)
+        }
+        retries = self._queues.length_for(lane, model, hop, priority) - sum(waiting.values())
+        for key, n in self._shared.key_queued.items():
+            waiting[key] = waiting.get(key, 0) + n
+        places = self._service.places_before(ticket.key, waiting)
+        # Its own place is the last of `places`; refusal counts that one itself.
+        return self._beyond_slots(lane, model, hop) + retries + places - 1
 
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
@@ -300,6 +324,11 @@ class Scheduler(Fleet):
         saturated = self._queues.length_for(lane, model, ticket.hop, priority) > 0
         self._drained.record(lane, model, now, saturated, priority)
 
+    def charge_output(self, key: str, output_tokens: int) -> None:
+        """`key`'s answer ended with `output_tokens`: its fair-share count (its prompt was
+        counted when it was placed)."""
+        self._service.charge(key, output_tokens=output_tokens)
+
     def holder(self, ticket_id: int) -> str | None:
         held = self._holding.get(ticket_id)
         return held.state.name if held else None
@@ -340,6 +369,7 @@ class Scheduler(Fleet):
             view = dataclasses.replace(view, queued=queued, queued_batch=batch)
         self._shared = view
         self._drained.peers = view.rates
+        self._service.peers = view.key_service
         self.hear_peers(view, now)
         # Peers may have let go of places: waiting requests may fit now.
         return self._drain(now, rng) if drain and self._queues else []
@@ -390,7 +420,8 @@ class Scheduler(Fleet):
         """What this process tells the others: its own load, queues and learned speeds."""
         queued = {lane: self._queues.length(lane) for lane in Lane}
         batch = {lane: n for lane in Lane if (n := self._queues.batch_length(lane))}
-        return self.local_share(queued, self._drained.own(now), batch)
+        keys = self._queues.key_counts()
+        return self.local_share(queued, self._drained.own(now), batch, keys, self._service.own())
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -408,6 +439,8 @@ class Scheduler(Fleet):
         else:
             state = self.strategy.choose(candidates, self.states, ticket, now, rng)
         cached = state.cached_tokens(ticket)
+        if ticket.hop is not Hop.DECODE:  # a decode hop's prompt was its prefill hop's
+            self._service.charge(ticket.key, prompt_tokens=ticket.tokens)
         held = _Held(
             state,
             ticket,
@@ -440,7 +473,7 @@ class Scheduler(Fleet):
             # Retries first (they waited longest, counting their failed attempt), each on
             # its own: one that cannot be placed does not hold up the others.
             placed = False
-            for ticket in self._queues.heads():
+            for ticket in self._queues.heads(self._service.first):
                 wait_until = self._queues.wait_until(ticket.id)
                 expired = wait_until is not None and wait_until <= now
                 # One whose wait ran out, not its deadline, still starts if it can.
@@ -457,6 +490,7 @@ class Scheduler(Fleet):
                 if candidates:
                     self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
+                    self._service.served(ticket.key)
                     placed = True
                     break
             if not placed:
@@ -470,6 +504,8 @@ class Scheduler(Fleet):
             inflight=self.inflight,
             queues=MappingProxyType({lane: self.queue_length(lane) for lane in Lane}),
             instances=instances_at(self.states, now, self.limits.metrics_stale_after),
+            key_service=MappingProxyType(self._service.own()),
+            key_queued=MappingProxyType(self._queues.key_counts()),
         )
 
     def queued_tickets(self) -> Iterable[Ticket]:

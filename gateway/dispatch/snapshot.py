@@ -9,7 +9,7 @@ the scheduler through it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .model import InstanceLane, InstanceState, Lane, LoadReport, Role
 from .select import score_all
@@ -58,6 +58,9 @@ class Snapshot:
     inflight: int
     queues: Mapping[Lane, int]  # requests waiting in the gateway, by lane
     instances: tuple[InstanceSnapshot, ...]
+    # Per key: the weighted tokens this process served it, and its requests waiting here.
+    key_service: Mapping[str, float] = field(default_factory=dict)
+    key_queued: Mapping[str, int] = field(default_factory=dict)
 
     def up(self) -> tuple[InstanceSnapshot, ...]:
         """The instances that take traffic."""

@@ -149,6 +149,7 @@ class Dispatcher:
         model: str | None = None,
         prefix: tuple[int, ...] = (),
         priority: Priority = Priority.INTERACTIVE,
+        key: str = "default",
     ) -> Ticket:
         return Ticket(
             next(_ids),
@@ -160,7 +161,12 @@ class Dispatcher:
             model,
             prefix,
             priority=priority,
+            key=key,
         )
+
+    def served(self, key: str, output_tokens: int) -> None:
+        """An answer of `key` ended with `output_tokens` relayed: its fair-share count."""
+        self.scheduler.charge_output(key, output_tokens)
 
     def retry_ticket(self, ticket: Ticket, exclude: frozenset[str]) -> Ticket:
         """The same request again, under a new id, avoiding the instances in `exclude`."""

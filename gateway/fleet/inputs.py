@@ -26,6 +26,21 @@ _NEVER_FORWARD = frozenset({"authorization", "host", "content-length", "x-reques
 # two may be late without an instance's load being forgotten (docs/decisions/0017).
 METRICS_STALE_ROUNDS = 3
 
+# With named keys, what an instance may hold waiting beyond its running slots unless
+# `max_queue_per_instance` is set: an instance's queue is first come, first served, so
+# the queue must wait in the gateway to be shared fairly between keys; two per instance
+# keep a freed slot from idling while the next request travels (docs/benchmarks.md,
+# "Fair share").
+FAIR_QUEUE_PER_INSTANCE = 2
+
+
+def queue_per_instance(config: Config) -> int:
+    """`max_queue_per_instance` as set, or its default: with named keys, the fair one."""
+    dispatch = config.dispatch
+    if "max_queue_per_instance" in dispatch.model_fields_set or not config.named_keys:
+        return dispatch.max_queue_per_instance
+    return min(dispatch.max_queue_per_instance, FAIR_QUEUE_PER_INSTANCE)
+
 
 def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
     """What the pure scheduler is built from (at start, and again on each reload)."""
@@ -42,7 +57,7 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         for i in config.instances
     ]
     limits = Limits(
-        max_queue_per_instance=dispatch.max_queue_per_instance,
+        max_queue_per_instance=queue_per_instance(config),
         max_long_per_instance=config.prefill.max_long_per_instance,
         gateway_queue_size=dispatch.gateway_queue_size,
         global_limit=config.gateway.max_connections,
@@ -58,6 +73,7 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
         if dispatch.prefix_index_blocks is None
         else dispatch.prefix_index_blocks,
         prefix_index_learned=dispatch.prefix_index_blocks is None,
+        shares={k.entry.name: k.entry.share for k in config.named_keys},
     )
     h = dispatch.health
     # Ejection's length and share are the core's (10 s doubling to 300 s, half the

@@ -51,6 +51,10 @@ def encode(share: LocalShare, requests: int, retries: int, seq: int = 0) -> byte
             for (lane, model, priority), rate in share.rates.items()
         ],
         "queued_batch": {lane.value: n for lane, n in share.queued_batch.items()},
+        "keys": {
+            key: [share.key_queued.get(key, 0), share.key_service.get(key, 0.0)]
+            for key in share.key_queued.keys() | share.key_service.keys()
+        },
         "budget": [requests, retries],
         "seq": seq,
     }
@@ -66,6 +70,9 @@ MAX_TOKENS = 10**10
 MAX_RATE = 1e9
 MAX_RATES = 1024
 MAX_MODEL_CHARS = 512
+MAX_KEYS = 4096  # keys with a fair-share count: the named keys and "default"
+MAX_KEY_CHARS = 64  # as config/schema.py's KEY_NAME
+MAX_SERVICE = 1e18  # weighted tokens: a fleet at a million tokens/s serves 1e18 in 30,000 years
 
 
 class Refused(ValueError):
@@ -151,9 +158,19 @@ def _decode(body: dict[str, Any], known: Collection[str] | None) -> PeerEntry:
         priority = Priority(*of_class) if of_class else Priority.INTERACTIVE
         rates[(Lane(lane), model, priority)] = _real(rate)
     queued_batch = {Lane(lane): _count(n) for lane, n in body.get("queued_batch", {}).items()}
+    keys = body.get("keys", {})  # absent from a process from before fair share
+    if not isinstance(keys, dict):
+        raise TypeError("keys: not an object")
+    if len(keys) > MAX_KEYS:
+        raise Refused("out_of_bounds", f"{len(keys)} keys, over {MAX_KEYS}")
+    if any(len(key) > MAX_KEY_CHARS for key in keys):
+        raise Refused("out_of_bounds", "a key name that is not one")
+    # A key is listed when it has either; a zero of the other is "none", as published.
+    key_queued = {key: n for key, v in keys.items() if (n := _count(v[0]))}
+    key_service = {key: x for key, v in keys.items() if (x := _real(v[1], MAX_SERVICE))}
     requests, retries = (_count(n) for n in body["budget"])
     seq = _count(body.get("seq", 0), 2**62)
-    share = LocalShare(loads, speeds, queued, rates, queued_batch)
+    share = LocalShare(loads, speeds, queued, rates, queued_batch, key_queued, key_service)
     return PeerEntry(share, requests, retries, seq)
 
 
@@ -223,6 +240,8 @@ def combine(entries: list[PeerEntry]) -> SharedView:
     queued: dict[Lane, int] = {}
     rates: dict[RateKey, float] = {}
     queued_batch: dict[Lane, int] = {}
+    key_queued: dict[str, int] = {}
+    key_service: dict[str, float] = {}
     for entry in entries:
         for name, load in entry.share.loads.items():
             total = loads.get(name, PeerLoad())
@@ -240,6 +259,10 @@ def combine(entries: list[PeerEntry]) -> SharedView:
             queued_batch[lane] = queued_batch.get(lane, 0) + n
         for key, rate in entry.share.rates.items():
             rates[key] = rates.get(key, 0.0) + rate
+        for name, n in entry.share.key_queued.items():
+            key_queued[name] = key_queued.get(name, 0) + n
+        for name, service in entry.share.key_service.items():
+            key_service[name] = key_service.get(name, 0.0) + service
     return SharedView(
         loads=loads,
         speeds=speeds,
@@ -247,6 +270,8 @@ def combine(entries: list[PeerEntry]) -> SharedView:
         peers=len(entries),
         rates=rates,
         queued_batch=queued_batch,
+        key_queued=key_queued,
+        key_service=key_service,
     )
 
 

@@ -559,3 +559,20 @@ class StateCollector(Collector):
         for lane in Lane:
             lanes.add_metric([self.lane_names[lane]], snap.queues[lane])
         yield lanes
+        # Keys are the configured ones (named, and "default"): a bounded label.
+        service = CounterMetricFamily(
+            "gateway_key_service",
+            "Weighted tokens served per key, as fair share counts them (prompt 1, output 2).",
+            labels=["key"],
+        )
+        for key, tokens in sorted(snap.key_service.items()):
+            service.add_metric([key], tokens)
+        yield service
+        queued = GaugeMetricFamily(
+            "gateway_key_queue_depth",
+            "Requests waiting in the gateway queue, by key.",
+            labels=["key"],
+        )
+        for key in sorted(snap.key_service.keys() | snap.key_queued.keys()):
+            queued.add_metric([key], snap.key_queued.get(key, 0))
+        yield queued

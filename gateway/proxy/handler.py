@@ -229,6 +229,7 @@ class Proxy:
                 model=model,
                 prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
                 priority=tenant.priority,
+                key=tenant.name,
             )
             call = Call(request, route, body, stream, lane, ticket.deadline, headers, hide_usage)
             if route.prioritized:
@@ -254,8 +255,11 @@ class Proxy:
             ex.status = 499  # the client closed the connection (nginx's code for it)
             raise
         finally:
+            used = tokens_used(ex)
             if grant is not None:
-                self.limiter.settle(grant, sum(tokens_used(ex)))
+                self.limiter.settle(grant, sum(used))
+            if used[1]:
+                self.dispatcher.served(tenant.name, used[1])
             if task is not None:
                 self.lifecycle.done(task)
 

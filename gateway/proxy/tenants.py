@@ -41,6 +41,7 @@ class Tenant:
     admin: bool = False  # may read /admin/*: the operator's unnamed keys, or `admin` set
     priority: Priority = Priority.INTERACTIVE
     vllm_priority: int = 0  # vLLM's own value: interactive 0, batch 1, or the key's number
+    share: float = 1.0  # its fair share of a saturated fleet (dispatch/fairness.py)
 
     def check_model(self, model: str | None) -> None:
         """403 unless the key may use `model` (naming none, when it is restricted, is not
@@ -63,7 +64,7 @@ def tenant_of(entry: KeyEntry) -> Tenant:
     models = frozenset(entry.models) if entry.models is not None else None
     limits = KeyLimits(entry.requests_per_minute, entry.tokens_per_minute, entry.max_concurrent)
     priority, vllm_priority = priority_of(entry.priority)
-    return Tenant(entry.name, models, limits, entry.admin, priority, vllm_priority)
+    return Tenant(entry.name, models, limits, entry.admin, priority, vllm_priority, entry.share)
 
 
 def priority_of(setting: str | int) -> tuple[Priority, int]:

@@ -1,0 +1,96 @@
+"""Fair share of a saturated fleet between keys: the Virtual Token Counter.
+
+When requests wait in the gateway's queue, the next free place goes to the waiting request
+of the key that has received the least service so far, its own oldest first (Sheng et al.,
+"Fairness in Serving Large Language Models", OSDI 2024). Service is counted in weighted
+tokens: every prompt token at `PROMPT_WEIGHT`, every output token at `OUTPUT_WEIGHT` (the
+paper's 1 and 2: a decoded token holds a running slot for a whole engine step, a prompt
+token shares one chunked-prefill step with many). A key's count is its service divided by
+its `share`, so a key with share 2 is served twice as much as a key with share 1 while both
+wait.
+
+Idleness is not banked. A key that starts waiting while others wait is lifted to the least
+count among them; when nobody waits, to the count of the last key the queue served. So a
+returning key goes first once, then takes turns; it does not get the fleet alone until it
+has caught up with a day of someone else's traffic.
+
+The counts are fleet-wide with a shared view: every process adds the service the others
+published (`peers`), so replicas order by the same numbers within a push interval. The
+lifts stay local: each process lifts the keys that start waiting in its own queue.
+
+Pure: the scheduler charges and asks; nothing here knows about time or I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+PROMPT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+
+class ServiceCounts:
+    def __init__(self, shares: Mapping[str, float] | None = None) -> None:
+        self.shares: Mapping[str, float] = dict(shares or {})
+        self._own: dict[str, float] = {}  # weighted tokens served by this process
+        self._lift: dict[str, float] = {}  # added to a key's count when it was lifted
+        self.peers: Mapping[str, float] = {}  # the other processes' service, as published
+        self._last_served = 0.0  # the count of the key the queue served last
+
+    def share(self, key: str) -> float:
+        """A key's share (1 unless configured)."""
+        return self.shares.get(key, 1.0)
+
+    def count(self, key: str) -> float:
+        """A key's virtual count: fleet-wide weighted service over its share, plus its lift."""
+        served = self._own.get(key, 0.0) + self.peers.get(key, 0.0)
+        return served / self.share(key) + self._lift.get(key, 0.0)
+
+    def charge(self, key: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Service given to `key` here: a prompt placed on an instance, an answer's tokens."""
+        weighted = PROMPT_WEIGHT * prompt_tokens + OUTPUT_WEIGHT * output_tokens
+        if weighted > 0:
+            self._own[key] = self._own.get(key, 0.0) + weighted
+
+    def arrive(self, key: str, waiting: Iterable[str]) -> None:
+        """`key` starts waiting in the queue while the keys `waiting` wait (not `key`): lift
+        it to the least of their counts, or to the last served key's if nobody waits."""
+        counts = [self.count(k) for k in waiting if k != key]
+        floor = min(counts) if counts else self._last_served
+        behind = floor - self.count(key)
+        if behind > 0:
+            self._lift[key] = self._lift.get(key, 0.0) + behind
+
+    def served(self, key: str) -> None:
+        """The queue's next place went to `key` (after its charge)."""
+        self._last_served = self.count(key)
+
+    def first(self, keys: Iterable[str]) -> str:
+        """Which of the waiting `keys` goes next: the least count (the first given on a tie,
+        so the caller orders them by their oldest request)."""
+        return min(keys, key=self.count)
+
+    def places_before(self, key: str, waiting: Mapping[str, int]) -> float:
+        """How many places go out until a new request of `key` has one (its own the last),
+        with `waiting` requests queued per key: its key's queue and itself, and of every
+        other key's queue what that key's share takes meanwhile, up to what it has.
+
+        >>> ServiceCounts({"big": 2.0}).places_before("small", {"small": 1, "big": 10})
+        6.0
+        >>> ServiceCounts().places_before("calm", {"flood": 40})
+        2.0
+        """
+        turns = waiting.get(key, 0) + 1
+        mine = self.share(key)
+        others = sum(
+            min(float(n), turns * self.share(k) / mine) for k, n in waiting.items() if k != key
+        )
+        return turns + others
+
+    def own(self) -> dict[str, float]:
+        """The weighted service this process gave each key (published; the metric)."""
+        return dict(self._own)
+
+    def __repr__(self) -> str:
+        counts = " ".join(f"{k}={self.count(k):g}" for k in sorted(self._own))
+        return f"<ServiceCounts {counts}>"
