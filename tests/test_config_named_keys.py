@@ -13,6 +13,7 @@ from pydantic import SecretStr, ValidationError
 from gateway.config.preflight import weak_keys
 from gateway.config.schema import KeyEntry, SloSection
 from gateway.dispatch import Priority
+from gateway.fleet.inputs import FAIR_QUEUE_PER_INSTANCE, scheduler_inputs
 from gateway.proxy.tenants import tenant_of
 
 TEAM_KEY = "sk-team-a-0123456789abcdef"
@@ -161,3 +162,27 @@ def test_a_priority_that_is_neither_class_nor_integer_is_refused(setting: object
 def test_batch_objectives_shorter_than_interactive_ones_are_refused() -> None:
     with pytest.raises(ValidationError, match=r"batch.long_ttft \(10 s\) must be at least"):
         SloSection.model_validate({"long_ttft": 20, "batch": {"long_ttft": 10}})
+
+
+def test_shares_reach_the_core_and_named_keys_keep_the_queue_in_the_gateway(
+    tmp_path: Path,
+) -> None:
+    """A key's share goes to the scheduler's limits; with named keys an instance holds two
+    waiting beyond its slots unless `max_queue_per_instance` is set, without them 32."""
+    settings = keys({"name": "gold", "key": TEAM_KEY, "share": 2}, {"name": "ci", "key": CI_KEY})
+    for folder in "abc":
+        (tmp_path / folder).mkdir()
+    _, limits, _ = scheduler_inputs(load_ok(tmp_path / "a", settings=settings))
+    assert limits.shares == {"gold": 2.0, "ci": 1.0}
+    assert limits.max_queue_per_instance == FAIR_QUEUE_PER_INSTANCE == 2
+    toml = "[dispatch]\nmax_queue_per_instance = 16\n"
+    _, limits, _ = scheduler_inputs(load_ok(tmp_path / "b", toml, settings=settings))
+    assert limits.max_queue_per_instance == 16
+    _, limits, _ = scheduler_inputs(load_ok(tmp_path / "c", settings=channel()))
+    assert (limits.max_queue_per_instance, limits.shares) == (32, {})
+
+
+@pytest.mark.parametrize("share", [0, -1, 1001, "much"])
+def test_a_share_that_is_not_a_positive_number_is_refused(tmp_path: Path, share: object) -> None:
+    message = load_error(tmp_path, settings=keys({"name": "k", "key": TEAM_KEY, "share": share}))
+    assert "share" in message

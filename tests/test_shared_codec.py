@@ -247,3 +247,33 @@ def test_an_entry_or_placements_nested_past_the_stack_are_refused_as_malformed()
         with pytest.raises(Refused) as refused:
             parse(nested)
         assert refused.value.reason == "malformed"
+
+
+def test_each_keys_queue_and_service_travel_and_sum() -> None:
+    """Fair share's counts per key survive the codec and add up over the peers; a
+    publication from before fair share has none."""
+    share = LocalShare({}, {}, {}, key_queued={"a": 3}, key_service={"a": 10.0, "b": 2.5})
+    entry = decode(encode(share, 0, 0))
+    assert entry.share.key_queued == {"a": 3}
+    assert entry.share.key_service == {"a": 10.0, "b": 2.5}
+    view = combine([entry, entry])
+    assert view.key_queued == {"a": 6}
+    assert view.key_service == {"a": 20.0, "b": 5.0}
+    assert decode(_entry("[1,0,0,0]")).share.key_service == {}
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        '{"a":[-1,0]}',
+        '{"a":[0,Infinity]}',
+        '{"a":[0,1e30]}',
+        '{"' + "k" * 65 + '":[1,0]}',
+        "{" + ",".join(f'"k{i}":[1,0]' for i in range(4097)) + "}",
+        "[1,2]",
+    ],
+)
+def test_a_key_count_no_peer_could_hold_refuses_the_entry(keys: str) -> None:
+    with pytest.raises(Refused) as refused:
+        decode(_entry("[1,0,0,0]", ',"keys":' + keys))
+    assert refused.value.reason in ("out_of_bounds", "malformed")

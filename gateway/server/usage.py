@@ -2,9 +2,10 @@
 what is left of them now.
 
 The use is read from the key counters of /metrics (`gateway_key_requests_total`,
-`gateway_key_tokens_total`), so the page and Prometheus never disagree: this process's,
-or with `--workers` every worker's merged. What is left comes from where the limits are
-counted: Redis with `[shared]` (fleet-wide), else this process.
+`gateway_key_tokens_total`, and fair share's `gateway_key_service_total`), so the page
+and Prometheus never disagree: this process's, or with `--workers` every worker's merged.
+What is left comes from where the limits are counted: Redis with `[shared]` (fleet-wide),
+else this process.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def key_use(families: Iterable[Metric]) -> dict[str, dict[str, dict[str, Any]]]:
     return use
 
 
+def key_service(families: Iterable[Metric]) -> dict[str, float]:
+    """Per key, the weighted tokens fair share counted (fairness.py)."""
+    for family in families:
+        if family.name == "gateway_key_service":
+            return {s.labels["key"]: s.value for s in family.samples if s.name.endswith("_total")}
+    return {}
+
+
 def started_at(families: Iterable[Metric]) -> float | None:
     """When the process (the earliest worker) started, as /metrics says."""
     for family in families:
@@ -57,6 +66,7 @@ def report(
     its limits and what is left (and where that was counted: `redis` or `process`)."""
     families = list(families)
     use = key_use(families)
+    service = key_service(families)
     keys = []
     for tenant in tenants:
         limits = tenant.limits
@@ -64,6 +74,8 @@ def report(
             "name": tenant.name,
             "models": None if tenant.models is None else sorted(tenant.models),
             "priority": tenant.priority.value,
+            "share": tenant.share,
+            "service": service.get(tenant.name, 0.0),
             "limits": {
                 "requests_per_minute": limits.requests_per_minute,
                 "tokens_per_minute": limits.tokens_per_minute,

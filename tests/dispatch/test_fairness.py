@@ -1,0 +1,334 @@
+"""Fair share between keys in the core: the queue's order by served tokens, shares, lifts,
+admission per key, and (hypothesis) no starvation, bounded unfairness and work
+conservation over any interleaving."""
+
+from __future__ import annotations
+
+import doctest
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.dispatch import (
+    STRATEGIES,
+    Assigned,
+    InstanceSpec,
+    Lane,
+    Limits,
+    Outcome,
+    Queued,
+    Rejected,
+    Scheduler,
+    SharedView,
+    Ticket,
+    fairness,
+)
+from gateway.dispatch.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, ServiceCounts
+
+FAR = 1e9
+
+
+def fleet(slots: int = 1, shares: dict[str, float] | None = None, wait: float = FAR) -> Scheduler:
+    """One instance with `slots` running slots and no queue of its own: all waiting is ours."""
+    limits = Limits(max_queue_per_instance=0, max_queue_wait_short=wait, shares=shares or {})
+    sched = Scheduler([InstanceSpec("a", slots=slots)], STRATEGIES["least_busy"](30.0), limits)
+    sched.probe("a", True, 0.0, random.Random(0))
+    return sched
+
+
+def ticket(i: int, key: str, tokens: int = 100) -> Ticket:
+    return Ticket(i, Lane.SHORT, FAR, tokens=tokens, key=key)
+
+
+def test_the_module_examples_hold() -> None:
+    assert doctest.testmod(fairness).failed == 0
+
+
+def test_a_calm_key_goes_before_a_flood_that_queued_first() -> None:
+    """Twenty of the flood's requests wait; the calm key's one goes out within two free
+    places, not after the twenty: lifted to the flood's count, it ties with the flood's
+    older head, which goes first and is counted; then the calm key is the least served."""
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
+    for i in range(2, 22):
+        assert isinstance(sched.submit(ticket(i, "flood"), 0.0, rng), Queued)
+    assert isinstance(sched.submit(ticket(100, "calm"), 0.5, rng), Queued)
+    placed = []
+    for done in (1, 2):
+        (decision,) = sched.release(done, Outcome.SUCCESS, 1.0, rng)
+        placed.append(decision.ticket.id)
+    assert placed == [2, 100]
+
+
+def test_within_a_key_the_order_is_arrival() -> None:
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "x"), 0.0, rng), Assigned)
+    for i in (2, 3, 4):
+        assert isinstance(sched.submit(ticket(i, "x"), 0.0, rng), Queued)
+    order = []
+    for done in (1, 2, 3):
+        (decision,) = sched.release(done, Outcome.SUCCESS, float(done), rng)
+        order.append(decision.ticket.id)
+    assert order == [2, 3, 4]
+
+
+def test_two_waiting_keys_take_turns_by_tokens_served() -> None:
+    """Key `big` asks for prompts ten times `small`'s: `small` gets about ten places to
+    each of `big`'s, so both are served the same tokens."""
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "big", 1000), 0.0, rng), Assigned)
+    ids = iter(range(2, 10_000))
+    for _ in range(30):
+        sched.submit(ticket(next(ids), "big", 1000), 0.0, rng)
+        sched.submit(ticket(next(ids), "small", 100), 0.0, rng)
+    served = {"big": 1000, "small": 0}
+    held = 1
+    keys = {}
+    for _ in range(30):
+        (decision,) = sched.release(held, Outcome.SUCCESS, 1.0, rng)
+        assert isinstance(decision, Assigned)
+        held = decision.ticket.id
+        keys[held] = decision.ticket.key
+        served[decision.ticket.key] += decision.ticket.tokens
+    assert list(keys.values()).count("small") > 20
+    # `small` started waiting behind big's first 1000 tokens, lifted to them: from there
+    # on the two are served alike, within one of big's requests.
+    assert abs(served["big"] - (1000 + served["small"])) <= 1000
+
+
+def test_output_tokens_count_twice_a_prompt_token() -> None:
+    counts = ServiceCounts()
+    counts.charge("a", prompt_tokens=100)
+    counts.charge("b", output_tokens=50)
+    assert counts.count("a") == counts.count("b") == 100 * PROMPT_WEIGHT == 50 * OUTPUT_WEIGHT
+
+
+def test_a_key_with_share_two_is_served_twice_as_much() -> None:
+    rng = random.Random(0)
+    sched = fleet(shares={"gold": 2.0})
+    assert isinstance(sched.submit(ticket(1, "gold"), 0.0, rng), Assigned)
+    ids = iter(range(2, 10_000))
+    for _ in range(40):
+        sched.submit(ticket(next(ids), "gold"), 0.0, rng)
+        sched.submit(ticket(next(ids), "plain"), 0.0, rng)
+    held, count = 1, {"gold": 0, "plain": 0}
+    for _ in range(30):
+        (decision,) = sched.release(held, Outcome.SUCCESS, 1.0, rng)
+        held = decision.ticket.id
+        count[decision.ticket.key] += 1
+    assert count == {"gold": 20, "plain": 10}
+
+
+def test_idleness_is_not_banked() -> None:
+    """`early` was served alone for a long time; `late` arrives and is lifted to
+    early's count: they alternate, `late` does not get the next hundred places."""
+    counts = ServiceCounts()
+    for _ in range(100):
+        counts.charge("early", prompt_tokens=100)
+        counts.served("early")
+    counts.arrive("late", waiting={"early"})
+    assert counts.count("late") == counts.count("early")
+    # Nobody waits: lifted to the last served key's count.
+    counts.arrive("later", waiting=())
+    assert counts.count("later") == counts.count("early")
+    # A key above the floor keeps its count (a lift never lowers).
+    counts.charge("late", prompt_tokens=500)
+    before = counts.count("late")
+    counts.arrive("late", waiting={"early"})
+    assert counts.count("late") == before
+
+
+def test_the_peers_service_counts_in_the_order() -> None:
+    """Both wait here, served alike here; then another replica says it served `b` a
+    lot: `a` goes first though `b` waited longer."""
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "x"), 0.0, rng), Assigned)
+    sched.submit(ticket(2, "b"), 0.0, rng)
+    sched.submit(ticket(3, "a"), 0.1, rng)
+    sched.apply_shared(SharedView(key_service={"b": 10_000.0}, peers=1), 0.2, rng)
+    (decision,) = sched.release(1, Outcome.SUCCESS, 1.0, rng)
+    assert decision.ticket.key == "a"
+
+
+def learn_rate(sched: Scheduler, key: str, rng: random.Random) -> float:
+    """Queue `key`'s requests and let three leave at 0.1 s gaps: a drain rate of 10/s.
+    Returns the time then."""
+    assert isinstance(sched.submit(ticket(1, key), 0.0, rng), Assigned)
+    for i in range(2, 40):
+        sched.submit(ticket(i, key), 0.0, rng)
+    held, now = 1, 0.0
+    for _ in range(4):
+        now += 0.1
+        (decision,) = sched.release(held, Outcome.SUCCESS, now, rng)
+        held = decision.ticket.id
+    return now
+
+
+def test_admission_refuses_the_flood_and_admits_the_calm_key() -> None:
+    """Thirty-four of the flood's requests wait, the lane drains at 10/s, a request may
+    wait 2 s: the flood's next would wait 3.5 s (refused), the calm key's 0.2 s (its own
+    place and one of the flood's)."""
+    rng = random.Random(0)
+    sched = fleet(wait=2.0)
+    now = learn_rate(sched, "flood", rng)
+    flood = sched.submit(ticket(500, "flood"), now, rng)
+    assert isinstance(flood, Rejected)
+    assert flood.reason == "predicted_wait"
+    calm = sched.submit(ticket(501, "calm"), now, rng)
+    assert isinstance(calm, Queued)
+
+
+def test_admission_counts_the_peers_queue_of_the_same_key() -> None:
+    """The calm key has 30 requests waiting at another replica: its next one here waits
+    behind them."""
+    rng = random.Random(0)
+    sched = fleet(wait=2.0)
+    now = learn_rate(sched, "flood", rng)
+    sched.apply_shared(SharedView(key_queued={"calm": 30}, peers=1), now, rng)
+    refused = sched.submit(ticket(501, "calm"), now, rng)
+    assert isinstance(refused, Rejected)
+
+
+def test_share_tells_the_peers_each_keys_queue_and_service() -> None:
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "a", 300), 0.0, rng), Assigned)
+    sched.submit(ticket(2, "b"), 0.0, rng)
+    sched.charge_output("a", 10)
+    share = sched.share(0.0)
+    assert share.key_queued == {"b": 1}
+    assert share.key_service == {"a": 300 * PROMPT_WEIGHT + 10 * OUTPUT_WEIGHT}
+    snap = sched.snapshot(0.0)
+    assert dict(snap.key_queued) == {"b": 1}
+    assert dict(snap.key_service) == share.key_service
+
+
+# ------------------------------------------------------------ properties
+
+keys_st = st.sampled_from([f"k{i}" for i in range(8)])
+# An operation: a new request of a key with a prompt and an answer length, or a place
+# freed (the oldest request running ends, its output counted).
+op_st = st.one_of(
+    st.tuples(st.just("submit"), keys_st, st.integers(1, 500), st.integers(0, 200)),
+    st.tuples(st.just("release"), st.just(""), st.just(0), st.just(0)),
+)
+
+
+class Replay:
+    """Runs operations on a scheduler, checking after each what must always hold."""
+
+    def __init__(self, slots: int, shares: dict[str, float] | None = None) -> None:
+        self.sched = fleet(slots, shares)
+        self.rng = random.Random(0)
+        self.running: list[Ticket] = []
+        self.outputs: dict[int, int] = {}
+        self.waiting: dict[int, Ticket] = {}
+        self.placed_after: dict[int, int] = {}  # queued ticket -> places given since
+        self.ids = iter(range(1, 1_000_000))
+        self.slots = slots
+
+    def submit(self, key: str, tokens: int, output: int) -> None:
+        t = Ticket(next(self.ids), Lane.SHORT, FAR, tokens=tokens, key=key)
+        self.outputs[t.id] = output
+        self.take(self.sched.submit(t, 0.0, self.rng))
+
+    def release(self) -> None:
+        if not self.running:
+            return
+        done = self.running.pop(0)
+        self.sched.charge_output(done.key, self.outputs[done.id])
+        for decision in self.sched.release(done.id, Outcome.SUCCESS, 0.0, self.rng):
+            self.take(decision)
+
+    def take(self, decision: object) -> None:
+        if isinstance(decision, Queued):
+            self.waiting[decision.ticket.id] = decision.ticket
+            self.placed_after[decision.ticket.id] = 0
+        elif isinstance(decision, Assigned):
+            self.waiting.pop(decision.ticket.id, None)
+            self.placed_after.pop(decision.ticket.id, None)
+            for tid in self.placed_after:
+                self.placed_after[tid] += 1
+            self.running.append(decision.ticket)
+        else:
+            raise AssertionError(decision)
+        # Work conservation: nothing waits while a place is free.
+        assert not self.waiting or len(self.running) == self.slots
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(op_st, max_size=300), st.integers(1, 4))
+def test_nothing_waits_while_a_place_is_free_and_everything_is_served(
+    ops: list[tuple[str, str, int, int]], slots: int
+) -> None:
+    replay = Replay(slots)
+    for op, key, tokens, output in ops:
+        if op == "submit":
+            replay.submit(key, tokens, output)
+        else:
+            replay.release()
+    while replay.running:  # arrivals stop: the queue empties, nobody starves
+        replay.release()
+    assert not replay.waiting
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(op_st, max_size=300))
+def test_a_key_that_starts_waiting_is_placed_within_one_turn_of_each_other_key(
+    ops: list[tuple[str, str, int, int]],
+) -> None:
+    """Equal shares: a new key is lifted to the least count of the keys waiting, and goes
+    before any key served since; only the keys at that count with older requests go
+    first, each once."""
+    replay = Replay(1)
+    firsts: dict[int, int] = {}  # a new key's first waiting request -> keys waiting then
+    seen: set[str] = set()
+    for op, key, tokens, output in ops:
+        if op == "submit":
+            alone = key not in seen
+            seen.add(key)
+            others = len({t.key for t in replay.waiting.values()} - {key})
+            before = set(replay.waiting)
+            replay.submit(key, tokens, output)
+            new = set(replay.waiting) - before
+            if alone and new:
+                firsts[new.pop()] = others
+        else:
+            replay.release()
+        for tid, others in firsts.items():
+            if tid in replay.placed_after:
+                assert replay.placed_after[tid] <= others, (tid, others)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.fixed_dictionaries({"k0": st.sampled_from([1.0, 2.0, 3.0]), "k1": st.just(1.0)}),
+    st.lists(st.tuples(st.integers(1, 500), st.integers(0, 200)), min_size=200, max_size=200),
+)
+def test_backlogged_keys_stay_within_one_request_of_their_shares(
+    shares: dict[str, float], sizes: list[tuple[int, int]]
+) -> None:
+    """Both keys always have requests waiting: at every moment their counts (service
+    over share) differ by at most the largest request's weighted cost over the smaller
+    share, plus what is still running (its output not yet counted) - VTC's bound."""
+    replay = Replay(2, shares)
+    sizes_iter = iter(sizes * 4)
+    for _ in range(6):
+        for key in ("k0", "k1"):
+            tokens, output = next(sizes_iter)
+            replay.submit(key, tokens, output)
+    largest = max(PROMPT_WEIGHT * t + OUTPUT_WEIGHT * o for t, o in sizes)
+    service = replay.sched._service  # the core's own counts
+    for _ in range(150):
+        replay.release()
+        for key in ("k0", "k1"):
+            if sum(1 for t in replay.waiting.values() if t.key == key) < 3:
+                tokens, output = next(sizes_iter)
+                replay.submit(key, tokens, output)
+        gap = abs(service.count("k0") - service.count("k1"))
+        assert gap <= 2 * largest / min(shares.values()) + 2 * largest, gap

@@ -1,0 +1,114 @@
+"""Fair share through the gateway, with the real OpenAI SDK: a calm key's request beside
+another key's flood reaches the instance next, not after the flood's queue; the service
+each key had shows in /metrics and /admin/usage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from fakes import KEY, gateway_with
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.proxy import jsoncodec
+from gateway.server.app import DISPATCHER
+from gateway.sim.sim_vllm import SimConfig, SimInstance
+
+pytestmark = pytest.mark.slow
+
+FLOOD_KEY = "sk-flood-0123456789abcdef"
+CALM_KEY = "sk-calm-0123456789abcdefg"
+KEYS = [{"name": "flood", "key": FLOOD_KEY}, {"name": "calm", "key": CALM_KEY, "share": 2}]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Arrivals:
+    """Who sent each chat request the instance received, in arrival order."""
+
+    def __init__(self) -> None:
+        self.users: list[str] = []
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "POST" and request.path.endswith("/chat/completions"):
+            self.users.append(jsoncodec.loads(await request.read()).get("user", ""))
+        return await handler(request)
+
+
+@contextlib.asynccontextmanager
+async def recorded(config: SimConfig) -> AsyncIterator[tuple[SimInstance, Arrivals]]:
+    sim, arrivals = SimInstance(config), Arrivals()
+    sim.app.middlewares.append(arrivals.middleware)
+    await sim.start()
+    try:
+        yield sim, arrivals
+    finally:
+        await sim.stop()
+
+
+async def chat(c: openai.AsyncOpenAI, user: str, max_tokens: int) -> None:
+    await c.chat.completions.create(
+        model="sim-model",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=max_tokens,
+        user=user,
+    )
+
+
+async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None:
+    """Two running slots; the flood keeps 16 requests going (with named keys an instance
+    holds 2 beyond its slots, so about 12 wait in the gateway). Each calm request reaches
+    the instance with at most three of the flood's before it; in arrival order it would
+    come after eight or more."""
+    slow = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, seed=3)
+    async with recorded(slow) as (sim, arrivals):
+        instance = {"url": sim.url, "max_num_seqs": 2}
+        sections = {"dispatch": {"health_check_interval": 0.2}}
+        channel = {"keys": KEYS}
+        async with (
+            gateway_with([sim], instances=[instance], sections=sections, channel=channel) as gw,
+            openai.AsyncOpenAI(base_url=gw.base_url, api_key=FLOOD_KEY, max_retries=0) as flood,
+            openai.AsyncOpenAI(base_url=gw.base_url, api_key=CALM_KEY, max_retries=0) as calm,
+        ):
+            stop = asyncio.Event()
+
+            async def flooding() -> None:
+                while not stop.is_set():
+                    await chat(flood, "flood", 20)
+
+            floods = [asyncio.create_task(flooding()) for _ in range(16)]
+            snapshot = gw.app[DISPATCHER].snapshot
+            try:
+                while len(arrivals.users) < 8:  # past the start, when all 16 arrive at once
+                    await asyncio.sleep(0.01)
+                for i in range(3):
+                    while snapshot().key_queued.get("flood", 0) < 8:
+                        await asyncio.sleep(0.01)
+                    before = len(arrivals.users)
+                    await chat(calm, f"calm-{i}", 2)
+                    came = arrivals.users[before:]
+                    assert f"calm-{i}" in came
+                    ahead = came.index(f"calm-{i}")
+                    # One of the flood's (a tie goes to the older), and one or two that
+                    # were placed already and still on their way.
+                    assert ahead <= 3, came
+            finally:
+                stop.set()
+                await asyncio.gather(*floods)
+            async with aiohttp.ClientSession() as http:
+                headers = {"Authorization": f"Bearer {KEY}"}
+                async with http.get(gw.url + "/metrics") as r:
+                    text = await r.text()
+                async with http.get(gw.url + "/admin/usage", headers=headers) as r:
+                    usage = {k["name"]: k for k in (await r.json())["keys"]}
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "gateway_key_service"]
+    service = {s.labels["key"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert service["flood"] > service["calm"] > 0
+    assert usage["calm"]["share"] == 2.0
+    assert usage["flood"]["share"] == 1.0
+    assert usage["calm"]["service"] == service["calm"]
