@@ -1,5 +1,5 @@
 """`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead,
-tenants, priority (see loadtest/README.md)."""
+tenants, priority, fairness (see loadtest/README.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from loadtest import (
     cli_args,
     compare,
+    fairness,
     harness,
     overhead,
     overload_bench,
@@ -185,6 +186,24 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 chat_share=args.chat_share,
                 duration=args.duration,
                 capacity=args.capacity,
+                mix=Mix(long_share=0.0, short_tokens=args.short_tokens, max_tokens=args.max_tokens),
+            ),
+            common,
+        ),
+        "fairness": lambda: fairness.fairness(
+            fairness.FairnessOptions(
+                speeds=args.speeds,
+                max_num_seqs=args.max_num_seqs,
+                decode_s_per_token=args.decode_s_per_token,
+                flood_streams=args.flood_streams,
+                calm_interval=args.calm_interval,
+                share_streams=args.share_streams,
+                many_keys=args.many_keys,
+                many_load=args.many_load,
+                warmup=args.warmup,
+                duration=args.duration,
+                fronts=args.fronts,
+                parts=args.parts,
                 mix=Mix(long_share=0.0, short_tokens=args.short_tokens, max_tokens=args.max_tokens),
             ),
             common,

@@ -340,6 +340,39 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     _common(p)
 
     p = sub.add_parser(
+        "fairness",
+        help="keys competing for a saturated fleet: a flood beside a calm key, shares, 50 keys",
+        **fmt,
+    )
+    p.add_argument("--speeds", type=_floats, default=(1.0, 1.0), help=SPEEDS_HELP)
+    p.add_argument("--max-num-seqs", type=int, default=4, help=SEQS_HELP)
+    p.add_argument(
+        "--decode-s-per-token", type=float, default=0.02, help="the instances' decode step, s"
+    )
+    p.add_argument("--flood-streams", type=int, default=48, help="the flood key's, kept going")
+    p.add_argument("--calm-interval", type=float, default=0.3, help="s between calm requests")
+    p.add_argument("--share-streams", type=int, default=16, help="per key, in the shares part")
+    p.add_argument("--many-keys", type=int, default=50, help="keys in the many-keys part")
+    p.add_argument("--many-load", type=float, default=1.5, help="x capacity, all keys together")
+    p.add_argument("--warmup", type=float, default=5.0, help="s before each window")
+    p.add_argument("--duration", type=float, default=30.0, help="s each window measures")
+    p.add_argument(
+        "--fronts",
+        type=lambda v: tuple(v.split(",")),
+        default=("ours", "ours (one key)", "vllm-router-rr", "vllm-router"),
+        help="comma-separated",
+    )
+    p.add_argument(
+        "--parts",
+        type=lambda v: tuple(v.split(",")),
+        default=("neighbour", "shares", "many"),
+        help="comma-separated",
+    )
+    p.add_argument("--short-tokens", type=_range, default="100-400", metavar="LO-HI")
+    p.add_argument("--max-tokens", type=_range, default="32-64", metavar="LO-HI")
+    _common(p)
+
+    p = sub.add_parser(
         "tenants", help="named keys' limits over replicas with and without Redis; their cost", **fmt
     )
     p.add_argument("--replicas", type=int, default=4, help="gateway processes")

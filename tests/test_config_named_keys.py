@@ -167,14 +167,14 @@ def test_batch_objectives_shorter_than_interactive_ones_are_refused() -> None:
 def test_shares_reach_the_core_and_named_keys_keep_the_queue_in_the_gateway(
     tmp_path: Path,
 ) -> None:
-    """A key's share goes to the scheduler's limits; with named keys an instance holds two
+    """A key's share goes to the scheduler's limits; with named keys an instance holds none
     waiting beyond its slots unless `max_queue_per_instance` is set, without them 32."""
     settings = keys({"name": "gold", "key": TEAM_KEY, "share": 2}, {"name": "ci", "key": CI_KEY})
     for folder in "abc":
         (tmp_path / folder).mkdir()
     _, limits, _ = scheduler_inputs(load_ok(tmp_path / "a", settings=settings))
     assert limits.shares == {"gold": 2.0, "ci": 1.0}
-    assert limits.max_queue_per_instance == FAIR_QUEUE_PER_INSTANCE == 2
+    assert limits.max_queue_per_instance == FAIR_QUEUE_PER_INSTANCE == 0
     toml = "[dispatch]\nmax_queue_per_instance = 16\n"
     _, limits, _ = scheduler_inputs(load_ok(tmp_path / "b", toml, settings=settings))
     assert limits.max_queue_per_instance == 16

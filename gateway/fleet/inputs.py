@@ -28,10 +28,10 @@ METRICS_STALE_ROUNDS = 3
 
 # With named keys, what an instance may hold waiting beyond its running slots unless
 # `max_queue_per_instance` is set: an instance's queue is first come, first served, so
-# the queue must wait in the gateway to be shared fairly between keys; two per instance
-# keep a freed slot from idling while the next request travels (docs/benchmarks.md,
-# "Fair share").
-FAIR_QUEUE_PER_INSTANCE = 2
+# the queue must wait in the gateway to be shared fairly between keys. None: a calm key
+# then waits for one free slot, not for the requests queued at every instance (2 each
+# measured worse; docs/benchmarks.md, "Fair share").
+FAIR_QUEUE_PER_INSTANCE = 0
 
 
 def queue_per_instance(config: Config) -> int:

@@ -62,7 +62,7 @@ async def chat(c: openai.AsyncOpenAI, user: str, max_tokens: int) -> None:
 
 async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None:
     """Two running slots; the flood keeps 16 requests going (with named keys an instance
-    holds 2 beyond its slots, so about 12 wait in the gateway). Each calm request reaches
+    holds none beyond its slots, so about 14 wait in the gateway). Each calm request reaches
     the instance with at most three of the flood's before it; in arrival order it would
     come after eight or more."""
     slow = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, seed=3)
