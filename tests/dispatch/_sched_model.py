@@ -68,10 +68,13 @@ class Model:
         return serving or list(self.sched.states)
 
     def has_room(self, state: InstanceState, lane: Lane) -> bool:
-        """Recomputed from the spec, independently of the scheduler's own `_has_room`."""
+        """Recomputed from the spec and the slots the instance showed it runs (its learned
+        capacity, which test_learned_capacity.py checks), independently of the scheduler's
+        own `_has_room`. From the spec alone, a report of fewer running than placed made
+        the model see room the scheduler rightly did not."""
         if not state.available(self.now) or state not in self.pool(lane):
             return False
-        if state.inflight >= state.spec.slots + self.limits.max_queue_per_instance:
+        if state.inflight >= state.slots + self.limits.max_queue_per_instance:
             return False
         if lane is Lane.LONG and self.capped(state):
             return state.long_prefilling < self.limits.max_long_per_instance
