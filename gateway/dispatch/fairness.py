@@ -23,6 +23,7 @@ Pure: the scheduler charges and asks; nothing here knows about time or I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 PROMPT_WEIGHT = 1.0
@@ -33,6 +34,7 @@ class ServiceCounts:
     def __init__(self, shares: Mapping[str, float] | None = None) -> None:
         self.shares: Mapping[str, float] = dict(shares or {})
         self._own: dict[str, float] = {}  # weighted tokens served by this process
+        self._placed: dict[str, int] = {}  # requests placed (prompts charged), per key
         self._lift: dict[str, float] = {}  # added to a key's count when it was lifted
         self.peers: Mapping[str, float] = {}  # the other processes' service, as published
         self._last_served = 0.0  # the count of the key the queue served last
@@ -51,6 +53,8 @@ class ServiceCounts:
         weighted = PROMPT_WEIGHT * prompt_tokens + OUTPUT_WEIGHT * output_tokens
         if weighted > 0:
             self._own[key] = self._own.get(key, 0.0) + weighted
+        if prompt_tokens:
+            self._placed[key] = self._placed.get(key, 0) + 1
 
     def arrive(self, key: str, waiting: Iterable[str]) -> None:
         """`key` starts waiting in the queue while the keys `waiting` wait (not `key`): lift
@@ -65,27 +69,45 @@ class ServiceCounts:
         """The queue's next place went to `key` (after its charge)."""
         self._last_served = self.count(key)
 
-    def first(self, keys: Iterable[str]) -> str:
-        """Which of the waiting `keys` goes next: the least count (the first given on a tie,
-        so the caller orders them by their oldest request)."""
-        return min(keys, key=self.count)
-
     def places_before(self, key: str, waiting: Mapping[str, int]) -> float:
         """How many places go out until a new request of `key` has one (its own the last),
-        with `waiting` requests queued per key: its key's queue and itself, and of every
-        other key's queue what that key's share takes meanwhile, up to what it has.
+        with `waiting` requests queued per key: the turns of its own key's queue, and the
+        turns of every other waiting key whose count stays at or below the count `key`
+        will have when its last turn comes (each turn adds a key's usual cost over its
+        share; a tie goes to the other, as if it came first). A key with nothing waiting
+        counts as lifted, as `arrive` will lift it.
 
-        >>> ServiceCounts({"big": 2.0}).places_before("small", {"small": 1, "big": 10})
-        6.0
-        >>> ServiceCounts().places_before("calm", {"flood": 40})
+        >>> counts = ServiceCounts()
+        >>> for _ in range(10):
+        ...     counts.charge("flood", prompt_tokens=100)
+        >>> counts.places_before("calm", {"flood": 40})  # lifted to the flood's count: 1 tie
         2.0
+        >>> counts.places_before("flood", {"flood": 40, "calm": 1})  # its 41 and calm's 1
+        42.0
         """
-        turns = waiting.get(key, 0) + 1
-        mine = self.share(key)
-        others = sum(
-            min(float(n), turns * self.share(k) / mine) for k, n in waiting.items() if k != key
-        )
-        return turns + others
+        own = waiting.get(key, 0)
+        others = {k: n for k, n in waiting.items() if k != key and n > 0}
+        count = self.count(key)
+        if own == 0 and others:
+            count = max(count, min(self.count(k) for k in others))
+        last = count + own * self._step(key)
+        turns = float(own + 1)
+        for other, n in others.items():
+            behind = last - self.count(other)
+            if behind >= 0:
+                turns += min(n, math.floor(behind / self._step(other)) + 1)
+        return turns
+
+    def _step(self, key: str) -> float:
+        """What one more request adds to `key`'s count: its mean weighted cost per request
+        placed (every key's mean for a key not yet placed) over its share."""
+        placed = self._placed.get(key, 0)
+        if placed:
+            cost = self._own.get(key, 0.0) / placed
+        else:
+            total = sum(self._placed.values())
+            cost = sum(self._own.values()) / total if total else 1.0
+        return max(cost, 1e-9) / self.share(key)
 
     def own(self) -> dict[str, float]:
         """The weighted service this process gave each key (published; the metric)."""

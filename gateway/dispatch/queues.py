@@ -165,18 +165,13 @@ class WaitQueues:
     def fifos(self) -> list[tuple[QueueKey, list[Ticket]]]:
         return [(key, list(fifo.values())) for key, fifo in self._fifos.items()]
 
-    def heads(self, first: Callable[[list[str]], str]) -> list[Ticket]:
+    def heads(self, count: Callable[[str], float]) -> list[Ticket]:
         """Who may be placed next: every retry, then each FIFO's head, the one whose wait
-        runs out first first (then the oldest). A FIFO's head is the oldest request of the
-        key `first` picks from its keys (given oldest request first)."""
+        runs out first first (then the oldest). A FIFO's head is the oldest request of its
+        key with the least `count` (fairness.py), the key with the oldest request on a tie."""
         firsts = []
         for keys in self._by_key.values():
-            if len(keys) == 1:
-                (own,) = keys.values()
-            else:
-                by_age = sorted(keys, key=lambda k: next(iter(keys[k])))
-                own = keys[first(by_age)]
-            firsts.append(next(iter(own.values())))
+            firsts.append(_fair_head(keys, count))
         firsts.sort(key=self._due)
         return [*self._retries.values(), *firsts]
 
@@ -203,3 +198,19 @@ class WaitQueues:
     def __repr__(self) -> str:
         fifos = " ".join(f"{lane.value}={n}" for lane, n in self._fifo_count.items())
         return f"<WaitQueues {fifos} retries={len(self._retries)}>"
+
+
+def _fair_head(keys: dict[str, dict[int, Ticket]], count: Callable[[str], float]) -> Ticket:
+    """The oldest ticket of the key with the least count (the older head on a tie)."""
+    if len(keys) == 1:
+        (own,) = keys.values()
+        return next(iter(own.values()))
+    best: Ticket | None = None
+    rank = (0.0, 0)
+    for key, own in keys.items():
+        head = next(iter(own.values()))
+        mine = (count(key), head.id)
+        if best is None or mine < rank:
+            best, rank = head, mine
+    assert best is not None
+    return best

@@ -208,8 +208,8 @@ class Scheduler(Fleet):
 
     def _ahead_of_key(self, ticket: Ticket) -> float:
         """The requests that start before `ticket` under fair share: those waiting at its
-        instances and the retries, then its key's queue, each turn of which lets every
-        other waiting key take its share first (fairness.py). Its class's queue in every
+        instances and the retries, then its key's queue and the turns the other waiting
+        keys get meanwhile, by their counts (fairness.py). Its class's queue in every
         process counts, the others' per key (as they last said)."""
         lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
         waiting = {
@@ -473,7 +473,7 @@ class Scheduler(Fleet):
             # Retries first (they waited longest, counting their failed attempt), each on
             # its own: one that cannot be placed does not hold up the others.
             placed = False
-            for ticket in self._queues.heads(self._service.first):
+            for ticket in self._queues.heads(self._service.count):
                 wait_until = self._queues.wait_until(ticket.id)
                 expired = wait_until is not None and wait_until <= now
                 # One whose wait ran out, not its deadline, still starts if it can.
