@@ -13,7 +13,7 @@ and front, one after the other. The fronts, side by side in one run:
                      every request waits in an instance's queue
     ours@q2          ours with `max_queue_per_instance = 2` set (the named-keys default is 0)
     ours@r4          four replicas of ours sharing a view through a throwaway Redis, each
-                     client's streams spread over them
+                     client's streams spread over them; ours@r4s with `strict_caps`
 
 Parts:
 
@@ -139,7 +139,7 @@ def variant(name: str) -> tuple[int | None, int]:
     if spec.startswith("q"):
         return int(spec[1:]), 1
     if spec.startswith("r"):
-        return None, int(spec[1:])
+        return None, int(spec[1:].removesuffix("s"))
     return None, 1
 
 
@@ -171,6 +171,8 @@ async def front(
         if replicas > 1:
             redis = await stack.enter_async_context(redis_process())
             extra["shared"] = {"redis_url": redis, "namespace": "bench"}
+            if name.endswith("s"):  # "ours@r4s": with strict caps (leases in Redis)
+                extra["shared"]["strict_caps"] = True
         gateways = [
             await stack.enter_async_context(
                 harness.gateway_process(

@@ -201,8 +201,10 @@ class Scheduler(Fleet):
         refused = refusal(self._ahead_of_key(ticket), rate, budget)
         if refused is not None:
             return Rejected(ticket, "predicted_wait", refused)
-        if ticket.key not in self._queues.waiting_keys():  # it starts waiting here
-            peers = (key for key, n in self._shared.key_queued.items() if n)
+        # It starts waiting: in no process's queue now (a key waiting at a replica is
+        # backlogged, however often its queue here empties: no lift to erase its due).
+        peers = {key for key, n in self._shared.key_queued.items() if n}
+        if ticket.key not in self._queues.waiting_keys() and ticket.key not in peers:
             self._service.arrive(ticket.key, {*self._queues.waiting_keys(), *peers})
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 

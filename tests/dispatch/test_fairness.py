@@ -155,6 +155,27 @@ def test_the_peers_service_counts_in_the_order() -> None:
     assert decision.ticket.key == "a"
 
 
+def test_a_key_waiting_at_another_replica_is_not_lifted_here() -> None:
+    """`behind` has requests waiting at a peer: its queue here emptying and filling again
+    is not a return from idleness, and it keeps the due its lower count gives it."""
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "ahead", 1000), 0.0, rng), Assigned)
+    sched.submit(ticket(2, "ahead", 1000), 0.0, rng)
+    sched.apply_shared(SharedView(key_queued={"behind": 3}, peers=1), 0.0, rng)
+    sched.submit(ticket(3, "behind", 10), 0.0, rng)
+    sched.submit(ticket(4, "ahead", 1000), 0.0, rng)
+    sched.submit(ticket(5, "behind", 10), 0.0, rng)
+    order = []
+    held = 1
+    for now in (1.0, 2.0, 3.0):
+        (decision,) = sched.release(held, Outcome.SUCCESS, now, rng)
+        held = decision.ticket.id
+        order.append(decision.ticket.key)
+    # Not lifted to ahead's 1000: behind's two go first, then ahead.
+    assert order == ["behind", "behind", "ahead"]
+
+
 def learn_rate(sched: Scheduler, key: str, rng: random.Random) -> float:
     """Queue `key`'s requests and let three leave at 0.1 s gaps: a drain rate of 10/s.
     Returns the time then."""
