@@ -246,7 +246,9 @@ class Dispatcher:
             timer.cancel()
             self._waiters.pop(ticket.id, None)
         lane = self.metrics.lane_names[ticket.lane]
-        self.metrics.queue_wait.labels(lane, ticket.priority).observe(self.clock() - started)
+        waited = self.clock() - started
+        self.metrics.queue_wait.labels(lane, ticket.priority).observe(waited)
+        self.metrics.key_queue_wait.labels(ticket.key).observe(waited)
         return instance
 
     def _expire(self, ticket_id: int) -> None:

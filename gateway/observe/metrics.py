@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, get_args, get_type_hints
 
 from aiohttp import __version__ as aiohttp_version
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    Summary,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -209,6 +216,15 @@ class Metrics:
             "key's class.",
             ["lane", "priority"],
             buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        # Per key, a sum and a count only (its mean over any window): the keys are the
+        # configured ones, but buckets per key would multiply the series by fifteen.
+        self.key_queue_wait = Summary(
+            "gateway_key_queue_wait_seconds",
+            "Time each key's requests spent in the gateway queue (fair share: a flooding "
+            "key waits on its own).",
+            ["key"],
             registry=registry,
         )
         # Prefill/decode disaggregation (proxy/disaggregate.py).

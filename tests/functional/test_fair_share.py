@@ -112,3 +112,11 @@ async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None
     assert usage["calm"]["share"] == 2.0
     assert usage["flood"]["share"] == 1.0
     assert usage["calm"]["service"] == service["calm"]
+    (waits,) = [
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "gateway_key_queue_wait_seconds"
+    ]
+    totals = {(s.name.rsplit("_", 1)[-1], s.labels["key"]): s.value for s in waits.samples}
+    mean = {key: totals["sum", key] / totals["count", key] for key in ("flood", "calm")}
+    assert mean["calm"] < mean["flood"], mean  # the flood waits on its own
