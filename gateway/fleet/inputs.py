@@ -30,7 +30,7 @@ METRICS_STALE_ROUNDS = 3
 # `max_queue_per_instance` is set: an instance's queue is first come, first served, so
 # the queue must wait in the gateway to be shared fairly between keys. None: a calm key
 # then waits for one free slot, not for the requests queued at every instance (2 each
-# measured worse; docs/benchmarks.md, "Fair share").
+# measured worse: docs/decisions/0020-fair-share-queue-at-instances.md).
 FAIR_QUEUE_PER_INSTANCE = 0
 
 
