@@ -353,3 +353,24 @@ def test_backlogged_keys_stay_within_one_request_of_their_shares(
                 replay.submit(key, tokens, output)
         gap = abs(service.count("k0") - service.count("k1"))
         assert gap <= 2 * largest / min(shares.values()) + 2 * largest, gap
+
+
+def test_a_reload_changes_the_shares_of_the_keys_waiting() -> None:
+    """Shares come with the limits: after a reload that gives `gold` share 3, it takes
+    three places to each of `plain`'s while both wait."""
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "gold"), 0.0, rng), Assigned)
+    ids = iter(range(2, 10_000))
+    for _ in range(40):
+        sched.submit(ticket(next(ids), "gold"), 0.0, rng)
+        sched.submit(ticket(next(ids), "plain"), 0.0, rng)
+    limits = Limits(max_queue_per_instance=0, shares={"gold": 3.0})
+    specs = [InstanceSpec("a", slots=1)]
+    assert sched.reconfigure(specs, limits, sched.health_policy, 0.5, rng) == []
+    held, count = 1, {"gold": 0, "plain": 0}
+    for _ in range(40):
+        (decision,) = sched.release(held, Outcome.SUCCESS, 1.0, rng)
+        held = decision.ticket.id
+        count[decision.ticket.key] += 1
+    assert count == {"gold": 30, "plain": 10}
