@@ -37,7 +37,7 @@ class ServiceCounts:
         self._placed: dict[str, int] = {}  # requests placed (prompts charged), per key
         self._lift: dict[str, float] = {}  # added to a key's count when it was lifted
         self.peers: Mapping[str, float] = {}  # the other processes' service, as published
-        self._last_served = 0.0  # the count of the key the queue served last
+        self._last_picked = 0.0  # the count of the key the queue picked last
 
     def share(self, key: str) -> float:
         """A key's share (1 unless configured)."""
@@ -58,16 +58,16 @@ class ServiceCounts:
 
     def arrive(self, key: str, waiting: Iterable[str]) -> None:
         """`key` starts waiting in the queue while the keys `waiting` wait (not `key`): lift
-        it to the least of their counts, or to the last served key's if nobody waits."""
+        it to the least of their counts, or to the last picked key's if nobody waits."""
         counts = [self.count(k) for k in waiting if k != key]
-        floor = min(counts) if counts else self._last_served
+        floor = min(counts) if counts else self._last_picked
         behind = floor - self.count(key)
         if behind > 0:
             self._lift[key] = self._lift.get(key, 0.0) + behind
 
-    def served(self, key: str) -> None:
+    def picked(self, key: str) -> None:
         """The queue's next place went to `key` (after its charge)."""
-        self._last_served = self.count(key)
+        self._last_picked = self.count(key)
 
     def places_before(self, key: str, waiting: Mapping[str, int]) -> float:
         """How many places go out until a new request of `key` has one (its own the last),

@@ -492,7 +492,7 @@ class Scheduler(Fleet):
                 if candidates:
                     self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
-                    self._service.served(ticket.key)
+                    self._service.picked(ticket.key)
                     placed = True
                     break
             if not placed:

@@ -164,7 +164,7 @@ class Dispatcher:
             key=key,
         )
 
-    def served(self, key: str, output_tokens: int) -> None:
+    def answered(self, key: str, output_tokens: int) -> None:
         """An answer of `key` ended with `output_tokens` relayed: its fair-share count."""
         self.scheduler.charge_output(key, output_tokens)
 

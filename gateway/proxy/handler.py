@@ -259,7 +259,7 @@ class Proxy:
             if grant is not None:
                 self.limiter.settle(grant, sum(used))
             if used[1]:
-                self.dispatcher.served(tenant.name, used[1])
+                self.dispatcher.answered(tenant.name, used[1])
             if task is not None:
                 self.lifecycle.done(task)
 

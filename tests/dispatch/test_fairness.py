@@ -129,7 +129,7 @@ def test_idleness_is_not_banked() -> None:
     counts = ServiceCounts()
     for _ in range(100):
         counts.charge("early", prompt_tokens=100)
-        counts.served("early")
+        counts.picked("early")
     counts.arrive("late", waiting={"early"})
     assert counts.count("late") == counts.count("early")
     # Nobody waits: lifted to the last served key's count.
