@@ -140,6 +140,11 @@ def test_idleness_is_not_banked() -> None:
     before = counts.count("late")
     counts.arrive("late", waiting={"early"})
     assert counts.count("late") == before
+    # Lifted a second time, it lands on the new floor, its first lift kept.
+    for _ in range(20):
+        counts.charge("early", prompt_tokens=100)
+    counts.arrive("late", waiting={"early"})
+    assert counts.count("late") == counts.count("early")
 
 
 def test_the_peers_service_counts_in_the_order() -> None:
@@ -374,3 +379,24 @@ def test_a_reload_changes_the_shares_of_the_keys_waiting() -> None:
         held = decision.ticket.id
         count[decision.ticket.key] += 1
     assert count == {"gold": 30, "plain": 10}
+
+
+def test_places_before_steps_each_key_by_its_mean_cost_over_its_share() -> None:
+    """`x` was placed twice at 100 weighted tokens, `y` once at 50: each turn adds a key's
+    mean cost over its share to its count, and the other keys take the turns that keep
+    their counts at or below the asking key's last one."""
+    counts = ServiceCounts()
+    counts.charge("x", prompt_tokens=100)
+    counts.charge("x", prompt_tokens=100)
+    counts.charge("y", prompt_tokens=50)
+    # y's last turn comes at 50 + 2 x 50 = 150, below x's 200: x takes none.
+    assert counts.places_before("y", {"x": 5, "y": 2}) == 3
+    # x's comes at 300: y takes the turns at 50, 100, ... 300, six of its ten.
+    assert counts.places_before("x", {"x": 1, "y": 10}) == 8
+    # A key never placed steps by every key's mean, 250 / 3: at 0, 83, 167 up to x's 200.
+    assert counts.places_before("x", {"z": 5}) == 4
+    shared = ServiceCounts({"y": 2.0})
+    for key, tokens in (("x", 100), ("x", 100), ("y", 50)):
+        shared.charge(key, prompt_tokens=tokens)
+    # Share 2: y's count is 25 and it steps by 25, up to x's 300: all ten of its turns.
+    assert shared.places_before("x", {"x": 1, "y": 10}) == 12
