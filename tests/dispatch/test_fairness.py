@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import doctest
 import random
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,6 +40,16 @@ def fleet(slots: int = 1, shares: dict[str, float] | None = None, wait: float = 
 
 def ticket(i: int, key: str, tokens: int = 100) -> Ticket:
     return Ticket(i, Lane.SHORT, FAR, tokens=tokens, key=key)
+
+
+def turns(sched: Scheduler, held: int, places: int, rng: random.Random) -> Counter[str]:
+    """One slot: end the running request `places` times; whose key each freed place went to."""
+    count: Counter[str] = Counter()
+    for _ in range(places):
+        (decision,) = sched.release(held, Outcome.SUCCESS, 1.0, rng)
+        held = decision.ticket.id
+        count[decision.ticket.key] += 1
+    return count
 
 
 def test_the_module_examples_hold() -> None:
@@ -115,12 +126,7 @@ def test_a_key_with_share_two_is_served_twice_as_much() -> None:
     for _ in range(40):
         sched.submit(ticket(next(ids), "gold"), 0.0, rng)
         sched.submit(ticket(next(ids), "plain"), 0.0, rng)
-    held, count = 1, {"gold": 0, "plain": 0}
-    for _ in range(30):
-        (decision,) = sched.release(held, Outcome.SUCCESS, 1.0, rng)
-        held = decision.ticket.id
-        count[decision.ticket.key] += 1
-    assert count == {"gold": 20, "plain": 10}
+    assert turns(sched, 1, 30, rng) == {"gold": 20, "plain": 10}
 
 
 def test_idleness_is_not_banked() -> None:
@@ -373,12 +379,7 @@ def test_a_reload_changes_the_shares_of_the_keys_waiting() -> None:
     limits = Limits(max_queue_per_instance=0, shares={"gold": 3.0})
     specs = [InstanceSpec("a", slots=1)]
     assert sched.reconfigure(specs, limits, sched.health_policy, 0.5, rng) == []
-    held, count = 1, {"gold": 0, "plain": 0}
-    for _ in range(40):
-        (decision,) = sched.release(held, Outcome.SUCCESS, 1.0, rng)
-        held = decision.ticket.id
-        count[decision.ticket.key] += 1
-    assert count == {"gold": 30, "plain": 10}
+    assert turns(sched, 1, 40, rng) == {"gold": 30, "plain": 10}
 
 
 def test_places_before_steps_each_key_by_its_mean_cost_over_its_share() -> None:
