@@ -100,6 +100,10 @@ class GatewaySection(Frozen):
     # serves only the API. None: everything on the main port.
     admin_port: int | None = Field(None, ge=0, le=65535)
     admin_host: str | None = None  # default: `host`
+    # What /readyz answers: "fleet", 503 while no instance is up (a balancer then sends
+    # nothing here); "process", 200 whenever this process serves, so clients get our own
+    # 503 with Retry-After, not the balancer's, when the fleet is down. Both 503 draining.
+    readiness: Literal["fleet", "process"] = "fleet"
 
     @model_validator(mode="after")
     def _admin_port_fixed_for_workers(self) -> GatewaySection:

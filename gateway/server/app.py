@@ -309,10 +309,13 @@ async def _healthz(request: web.Request) -> web.StreamResponse:
 
 
 async def _readyz(request: web.Request) -> web.StreamResponse:
+    """Ready: not draining and, with `readiness = "fleet"`, an instance up (read per probe:
+    a reload changes it)."""
     up = len(request.app[DISPATCHER].snapshot().up())
     draining = request.app[LIFECYCLE].draining
-    ready = up > 0 and not draining
-    body = {"ready": ready, "instances_up": up, "draining": draining}
+    readiness = request.app[PROXY].config.gateway.readiness
+    ready = not draining and (up > 0 or readiness == "process")
+    body = {"ready": ready, "instances_up": up, "draining": draining, "readiness": readiness}
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -104,6 +104,9 @@ def start_trace(spans: Spans | None, request: web.Request, ex: Exchange) -> None
 
 # What the admin listener serves (`[gateway] admin_port`); the main port serves the rest.
 ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})
+# Served on both: a load balancer that checks the pod's IP at the API port (a cloud LB's
+# target group, a NodePort's health check) must find the probes there too.
+BOTH_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 def is_admin_path(path: str) -> bool:
@@ -111,15 +114,16 @@ def is_admin_path(path: str) -> bool:
 
 
 def split_listeners(admin_port: Callable[[], int | None]) -> Middleware:
-    """With an admin listener: operations routes only there, the API only on the main port;
-    the other answers 404 as an unknown route does. `admin_port` is the bound port."""
+    """With an admin listener: operations routes only there, the API only on the main port,
+    the probes on both; the other answers 404 as an unknown route does. `admin_port` is the
+    bound port."""
 
     @web.middleware
     async def split(request: web.Request, handler: Handler) -> web.StreamResponse:
         transport = request.transport
         local = transport.get_extra_info("sockname") if transport is not None else None
         on_admin = isinstance(local, tuple) and local[1] == admin_port()
-        if on_admin != is_admin_path(request.path):
+        if on_admin != is_admin_path(request.path) and request.path not in BOTH_PATHS:
             raise web.HTTPNotFound()
         return await handler(request)
 

@@ -55,7 +55,8 @@ async def _status(session: aiohttp.ClientSession, method: str, url: str) -> int:
 
 
 async def test_each_listener_serves_only_its_own_routes() -> None:
-    """The API on the main port; metrics, admin and probes on the admin port; else 404."""
+    """The API on the main port; metrics and admin on the admin port; the probes on both
+    (for balancers that check the pod's IP at the API port); else 404."""
     async with (
         fleet(SimConfig(instant=True)) as sims,
         two_listeners(sims, {"admin_port": 0}) as (api, admin, _),
@@ -63,8 +64,11 @@ async def test_each_listener_serves_only_its_own_routes() -> None:
     ):
         assert await _status(session, "POST", api + "/v1/chat/completions") == 200
         assert await _status(session, "GET", api + "/v1/models") == 200
-        for path in ("/metrics", "/healthz", "/readyz", "/admin/instances"):
+        for path in ("/metrics", "/admin/instances"):
             assert await _status(session, "GET", api + path) == 404, path
+            assert await _status(session, "GET", admin + path) == 200, path
+        for path in ("/healthz", "/readyz"):
+            assert await _status(session, "GET", api + path) == 200, path
             assert await _status(session, "GET", admin + path) == 200, path
         assert await _status(session, "POST", admin + "/v1/chat/completions") == 404
         async with session.get(api + "/metrics") as resp:
