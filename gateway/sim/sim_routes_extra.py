@@ -1,6 +1,5 @@
 """vLLM's other routes on a simulated instance: minimal answers in vLLM's shapes.
 
-`/v1/responses` (streamed as named events ending in `response.completed`, no `[DONE]`),
 `/detokenize`, `/rerank` (and `/v1/rerank`, `/v2/rerank`), `/score` (and `/v1/score`),
 `/pooling`, `/classify`, and the multipart uploads `/v1/audio/transcriptions` and
 `/v1/audio/translations` (streamed as `transcription.chunk` events ending in `[DONE]`).
@@ -94,7 +93,6 @@ class ExtraRoutes:
 
     def install(self, router: web.UrlDispatcher) -> None:
         routes: list[tuple[str, Handler]] = [
-            ("/v1/responses", self.responses),
             ("/detokenize", self.detokenize),
             ("/rerank", self.rerank),
             ("/v1/rerank", self.rerank),
@@ -127,59 +125,7 @@ class ExtraRoutes:
             "model": self.sim.config.model,
         }
 
-    # --- generation -------------------------------------------------------------------------
-
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        prompt = dumps(body.get("input", ""))
-        prompt_tokens = count_tokens(prompt)
-        limit = body.get("max_output_tokens")
-        n = limit if isinstance(limit, int) and limit > 0 else self.sim.config.default_max_tokens
-        words = [VOCAB[i % len(VOCAB)] for i in range(n)]
-        self._done(prompt_tokens, n)
-        usage = {
-            "input_tokens": prompt_tokens,
-            "output_tokens": n,
-            "total_tokens": prompt_tokens + n,
-        }
-        response = {
-            "id": "resp_" + self.sim._request_id(request),
-            "object": "response",
-            "created_at": int(time.time()),
-            "model": self.sim.config.model,
-            "status": "completed",
-            "output": [
-                {
-                    "type": "message",
-                    "id": "msg_0",
-                    "role": "assistant",
-                    "status": "completed",
-                    "content": [{"type": "output_text", "text": "".join(words), "annotations": []}],
-                }
-            ],
-            "usage": usage,
-        }
-        if body.get("stream") is not True:
-            return _json(response)
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await out.prepare(request)
-        events: list[tuple[str, dict[str, Any]]] = [
-            ("response.created", {"response": {**response, "status": "in_progress"}}),
-        ]
-        events += [
-            ("response.output_text.delta", {"item_id": "msg_0", "output_index": 0, "delta": w})
-            for w in words
-        ]
-        events.append(("response.completed", {"response": response}))
-        die_after = self.sim.faults.die_after_chunks
-        for number, (kind, data) in enumerate(events):
-            if die_after is not None and number >= die_after:
-                self.sim._drop(request)  # killed mid-stream: no response.completed
-                return out
-            payload = {**data, "sequence_number": number, "type": kind}
-            await out.write(f"event: {kind}\ndata: {dumps(payload)}\n\n".encode())
-        await out.write_eof()
-        return out
+    # --- audio ------------------------------------------------------------------------------
 
     async def transcription(self, request: web.Request) -> web.StreamResponse:
         await self.sim._apply_faults()

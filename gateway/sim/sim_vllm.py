@@ -54,6 +54,7 @@ from .sim_kv_transfer import (
     wants_remote_prefill,
 )
 from .sim_metrics import VllmMetrics
+from .sim_responses import ResponsesRoutes
 from .sim_routes_extra import ExtraRoutes
 
 __all__ = [
@@ -105,6 +106,7 @@ class SimInstance:
         self.app.router.add_post("/tokenize", self._tokenize)
         self.app.router.add_get("/metrics", self._metrics)
         ExtraRoutes(self).install(self.app.router)
+        ResponsesRoutes(self).install(self.app.router)
         AnthropicRoutes(self).install(self.app.router)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
