@@ -494,6 +494,13 @@ class StateCollector(Collector):
                 "vllm:kv_cache_usage_perc at the last scrape, 0..1 (NaN if unknown).",
                 labels=["server"],
             ),
+            "scrape_age": GaugeMetricFamily(
+                "gateway_instance_scrape_age_seconds",
+                "Seconds since the instance's /metrics was last read (+Inf before the first "
+                "read): past the staleness limit its load is unknown and dispatch counts it "
+                "busy.",
+                labels=["server"],
+            ),
         }
         prefix: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "index": GaugeMetricFamily(
@@ -532,7 +539,7 @@ class StateCollector(Collector):
             "Passive ejections of each instance after consecutive failures.",
             labels=["server"],
         )
-        nan = float("nan")
+        nan, inf = float("nan"), float("inf")
         for state in snap.instances:
             name = [state.name]
             report = state.fresh_report
@@ -544,6 +551,9 @@ class StateCollector(Collector):
             families["waiting"].add_metric(name, report.waiting if report else nan)
             kv = report.kv_usage if report else None
             families["kv"].add_metric(name, nan if kv is None else kv)
+            last = state.report  # however old: a scrape that keeps failing ages it
+            age = inf if last is None else max(0.0, snap.at - last.at)
+            families["scrape_age"].add_metric(name, age)
             learned = state.learned_slots
             slots = state.slots if learned is None else min(learned, state.slots)
             families["slots"].add_metric(name, slots)
@@ -558,7 +568,7 @@ class StateCollector(Collector):
             prefix["index"].add_metric(name, state.prefix_index_blocks)
             prefix["queries"].add_metric(name, state.prefix_query_tokens)
             prefix["hits"].add_metric(name, state.prefix_hit_tokens)
-            last = state.report  # the instance's own counters, however old the scrape
+            # The instance's own counters, however old the scrape.
             if last is not None and last.prefix_queries is not None:
                 prefix["vllm_queries"].add_metric(name, last.prefix_queries)
             if last is not None and last.prefix_hits is not None:

@@ -77,6 +77,8 @@ GAUGES: dict[str, str] = {
     "gateway_instance_queue_depth": "max",
     "gateway_shared_state_peers": "max",
     "gateway_shared_state_up": "min",
+    # The freshest read any worker has of the instance's /metrics.
+    "gateway_instance_scrape_age_seconds": "min",
     # Estimates and scraped values: each worker's is an equally good reading.
     "gateway_instance_score": "mean",
     "gateway_instance_vllm_running": "mean",

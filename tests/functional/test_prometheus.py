@@ -11,7 +11,8 @@ about whether it reads series that exist. So the test evaluates each one with it
 comparisons made `bool` (`gateway_instance_up == 0` becomes `gateway_instance_up == bool
 0`): the same expression, returning 0 or 1 for every series it watches instead of only the
 ones over the threshold. An expression that names a metric or label the gateway does not
-export stays empty and fails.
+export stays empty and fails. An `absent(x)` alert is checked the other way round: `x`
+returns data, and the rule as written none.
 
 The one series that appears only with a failure, gateway_shared_state_errors_total, is made
 to appear by a malformed peer entry written into Redis, which the gateway refuses each round.
@@ -143,6 +144,23 @@ def comparisons_as_bool(expr: str) -> str:
     gets the `bool` modifier, so the expression keeps every series it compares."""
     parts = re.split(r"(\{[^}]*\})", expr)
     return "".join(p if p.startswith("{") else _COMPARISON.sub(r"\1 bool", p) for p in parts)
+
+
+_ABSENT = re.compile(r"absent\((.+)\)")
+
+
+def watched_series(expr: str) -> str:
+    """What an alert expression watches, made to return every series it looks at:
+    `absent(x)` watches `x` (and returns data only when `x` has none); any other
+    expression with its comparisons made `bool`."""
+    absent = _ABSENT.fullmatch(expr.strip())
+    return absent.group(1) if absent else comparisons_as_bool(expr)
+
+
+def test_watched_series_of_an_absent_alert_is_its_selector() -> None:
+    """absent(up{job="gateway"}) watches up{job="gateway"}; a threshold watches with bool."""
+    assert watched_series('absent(up{job="gateway"})') == 'up{job="gateway"}'
+    assert watched_series('x{a="b"} > 1') == 'x{a="b"} > bool 1'
 
 
 def test_comparisons_as_bool_leaves_label_matchers_alone() -> None:
@@ -346,10 +364,12 @@ async def scrape_traffic_and_evaluate(gw: Gateway, prom: Prometheus, folder: Pat
         results[expr] = await prom.query(fill_variables(expr))
         assert results[expr], f"dashboard panel {title!r} has no data: {expr}"
     for rule in rules:
-        watched = comparisons_as_bool(rule["expr"])
-        assert " bool " in watched, rule["expr"]
+        watched = watched_series(rule["expr"])
+        assert watched != rule["expr"], rule["expr"]
         assert await prom.query(watched), f"alert {rule['alert']} watches nothing: {watched}"
-        await prom.query(rule["expr"])  # the rule as written evaluates too
+        written = await prom.query(rule["expr"])  # the rule as written evaluates too
+        if rule["expr"].startswith("absent("):
+            assert written == [], f"{rule['alert']}: the gateway is scraped, yet {written}"
 
     async def rules_evaluated() -> bool:
         data = await prom.get("/api/v1/rules")
