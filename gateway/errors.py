@@ -148,6 +148,12 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class InstanceNotFound(NotFound):
+    """An /admin route named an instance the fleet does not hold."""
+
+    code = "instance_not_found"
+
+
 class MethodNotAllowed(GatewayError):
     status = 405
     type = "invalid_request_error"
@@ -218,6 +224,14 @@ class NoInstanceAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_instance_available"
+
+
+class SharedStoreUnavailable(GatewayError):
+    """An order that must reach every replica (a drain) could not be written to Redis."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "shared_store_unavailable"
 
 
 class ShuttingDown(GatewayError):

@@ -238,22 +238,24 @@ class Fleet:
             min(claim.long_running, room),
         )
 
-    def observe_error(self, name: str, error: str) -> None:
+    def observe_error(self, name: str, error: str, now: float) -> None:
         """A failure that is no verdict (a scrape's): kept among the instance's recent ones."""
         state = self._by_name.get(name)
         if state is not None:
-            note_error(state, error)
+            note_error(state, error, now)
 
-    def observe_probe(self, name: str, ok: bool, error: str | None = None) -> bool | None:
+    def observe_probe(
+        self, name: str, ok: bool, now: float, error: str | None = None
+    ) -> bool | None:
         """An active health probe answered (or failed, `error` says why): whether `name`'s
         up/down verdict changed; None for an instance no longer in the fleet."""
         state = self._by_name.get(name)
         if state is None:
             return None
         if error is not None:
-            note_error(state, error)
+            note_error(state, error, now)
         was_up = state.up
-        changed = apply_probe(state, ok, self.health_policy)
+        changed = apply_probe(state, ok, self.health_policy, now)
         if changed and state.up and was_up is False:
             state.cache.clear()  # it came back: most likely restarted, with a cold cache
         return changed

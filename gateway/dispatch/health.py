@@ -21,7 +21,7 @@ def ejection_time(ejections: int, policy: HealthPolicy) -> float:
     return float(min(policy.ejection_max, policy.ejection_base * 2 ** max(0, ejections - 1)))
 
 
-def apply_probe(state: InstanceState, ok: bool, policy: HealthPolicy) -> bool:
+def apply_probe(state: InstanceState, ok: bool, policy: HealthPolicy, now: float) -> bool:
     """Record one active probe; return True when the up/down verdict changed.
 
     The first probe decides at once (start-up should not wait rise x interval); after
@@ -32,6 +32,7 @@ def apply_probe(state: InstanceState, ok: bool, policy: HealthPolicy) -> bool:
         state.probe_streak = max(0, state.probe_streak) + 1
     else:
         state.probe_streak = min(0, state.probe_streak) - 1
+        state.probe_failures_total += 1
     before = state.up
     if state.up is None:
         state.up = ok
@@ -44,6 +45,8 @@ def apply_probe(state: InstanceState, ok: bool, policy: HealthPolicy) -> bool:
         state.ejections -= 1
     if state.up and not before:
         state.consecutive_failures = 0
+    if state.up != before:
+        state.verdict_since = now
     return state.up != before
 
 
@@ -75,7 +78,7 @@ def apply_outcome(
         return False
     state.failures_total += 1
     if error:
-        note_error(state, error)
+        note_error(state, error, now)
     if state.ejected_until is not None:
         return False  # failures of requests sent before the ejection do not count again
     state.consecutive_failures += 1
@@ -97,7 +100,7 @@ def apply_outcome(
     return True
 
 
-def note_error(state: InstanceState, error: str) -> None:
-    """Keep `error` among the instance's last few, for the operator (/admin/instances)."""
-    state.recent_errors.append(error)
+def note_error(state: InstanceState, error: str, now: float) -> None:
+    """Keep `error` (and when) among the instance's last few, for /admin/instances."""
+    state.recent_errors.append((now, error))
     del state.recent_errors[:-_RECENT_ERRORS]

@@ -236,6 +236,9 @@ class InstanceState:
     ejected_until: float | None = None
     # A busy answer (429/503) makes the instance a last resort until then.
     busy_until: float | None = None
+    # Taken out of rotation by the operator (POST /admin/instances/{name}/drain), since
+    # this wall-clock time: no new request, those it holds finish. None: in rotation.
+    drained_since: float | None = None
     # The gateway's own traffic: exact and instant.
     inflight: int = 0
     long_prefilling: int = 0
@@ -265,7 +268,12 @@ class InstanceState:
     assigned_total: int = 0
     failures_total: int = 0
     ejections_total: int = 0
-    recent_errors: list[str] = field(default_factory=list)
+    # The last few failures (health.note_error), each with the scheduler's clock then.
+    recent_errors: list[tuple[float, str]] = field(default_factory=list)
+    # When the up/down verdict last changed (scheduler clock; None before the first
+    # probe), and the active probes that failed, in all.
+    verdict_since: float | None = None
+    probe_failures_total: int = 0
 
     @property
     def name(self) -> str:
@@ -283,8 +291,12 @@ class InstanceState:
         return self.inflight + self.peers.inflight
 
     def available(self, now: float) -> bool:
-        """Up by its probes and not ejected for passive failures."""
-        return self.up is True and (self.ejected_until is None or now >= self.ejected_until)
+        """Up by its probes, not ejected for passive failures and not drained."""
+        return (
+            self.up is True
+            and (self.ejected_until is None or now >= self.ejected_until)
+            and self.drained_since is None
+        )
 
     def busy(self, now: float) -> bool:
         return self.busy_until is not None and now < self.busy_until

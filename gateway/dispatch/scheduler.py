@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from .admission import DrainRates, predicted_wait, refusal
@@ -342,7 +343,7 @@ class Scheduler(Fleet):
     ) -> list[Decision]:
         """An active health probe answered (or failed, and why); ignored for a removed
         instance."""
-        changed = self.observe_probe(name, ok, error)
+        changed = self.observe_probe(name, ok, now, error)
         if changed is None:
             return []
         # Also drain when nothing changed: an ejection may have run out since.
@@ -353,6 +354,22 @@ class Scheduler(Fleet):
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
         return self._drain(now, rng) if self.observe_models(name, models) else []
+
+    def set_drained(
+        self, drained: Mapping[str, float], now: float, rng: random.Random
+    ) -> list[Decision]:
+        """The instances taken out of rotation (name: since when), every other back in.
+
+        A drained instance takes no new request; those it holds finish. Queued requests
+        go elsewhere, or are refused if nowhere is left; one resumed may take them.
+        """
+        changed = False
+        for state in self.states:
+            since = drained.get(state.name)
+            if (since is None) != (state.drained_since is None):
+                changed = True
+            state.drained_since = since
+        return self._drain(now, rng) if changed else []
 
     def apply_shared(
         self, view: SharedView, now: float, rng: random.Random, *, drain: bool = True
@@ -508,6 +525,7 @@ class Scheduler(Fleet):
             instances=instances_at(self.states, now, self.limits.metrics_stale_after),
             key_service=MappingProxyType(self._service.own()),
             key_queued=MappingProxyType(self._queues.key_counts()),
+            model_queued=MappingProxyType(Counter(t.model for t in self._queues if t.model)),
         )
 
     def queued_tickets(self) -> Iterable[Ticket]:

@@ -19,7 +19,9 @@ from .select import score_all
 class InstanceSnapshot:
     name: str
     verdict: str  # up | down | unknown
-    available: bool  # up by its probes and not ejected
+    verdict_for: float | None  # seconds since the verdict last changed
+    available: bool  # up by its probes, not ejected and not drained
+    drained_since: float | None  # wall clock, as the operator's drain gave it
     ejected_for: float | None  # seconds of ejection left
     lane: InstanceLane
     role: Role
@@ -46,9 +48,11 @@ class InstanceSnapshot:
     slow: bool
     assigned_total: int
     failures_total: int
-    consecutive_failures: int
+    consecutive_failures: int  # requests
+    probe_failures_total: int
+    consecutive_probe_failures: int
     ejections_total: int
-    recent_errors: tuple[str, ...]
+    recent_errors: tuple[tuple[float, str], ...]  # (seconds ago, error), oldest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,8 @@ class Snapshot:
     # Per key: the weighted tokens this process served it, and its requests waiting here.
     key_service: Mapping[str, float] = field(default_factory=dict)
     key_queued: Mapping[str, int] = field(default_factory=dict)
+    # Requests waiting here, by the model they name (those naming none left out).
+    model_queued: Mapping[str, int] = field(default_factory=dict)
 
     def up(self) -> tuple[InstanceSnapshot, ...]:
         """The instances that take traffic."""
@@ -81,7 +87,9 @@ def instances_at(
             InstanceSnapshot(
                 name=state.name,
                 verdict=state.verdict,
+                verdict_for=None if state.verdict_since is None else now - state.verdict_since,
                 available=state.available(now),
+                drained_since=state.drained_since,
                 ejected_for=until - now if until is not None and until > now else None,
                 lane=state.spec.lane,
                 role=state.spec.role,
@@ -108,8 +116,10 @@ def instances_at(
                 assigned_total=state.assigned_total,
                 failures_total=state.failures_total,
                 consecutive_failures=state.consecutive_failures,
+                probe_failures_total=state.probe_failures_total,
+                consecutive_probe_failures=max(0, -state.probe_streak),
                 ejections_total=state.ejections_total,
-                recent_errors=tuple(state.recent_errors),
+                recent_errors=tuple((now - at, error) for at, error in state.recent_errors),
             )
         )
     return tuple(instances)

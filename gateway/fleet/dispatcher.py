@@ -13,7 +13,8 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 
 from gateway import errors
 from gateway.dispatch import (
@@ -133,6 +134,8 @@ class Dispatcher:
         self.claim: Callable[[str, int, int], Awaitable[bool | None]] | None = None
         self.unclaim: Callable[[int], None] | None = None
         self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
+        # The operator's drains (fleet/drains.py): name -> since, wall clock.
+        self._drained: dict[str, float] = {}
 
     def snapshot(self) -> Snapshot:
         """The scheduler's state now, as a frozen copy (dispatch/snapshot.py)."""
@@ -274,6 +277,10 @@ class Dispatcher:
         if self.on_change is not None:
             self.on_change()
 
+    def observe_error(self, name: str, error: str) -> None:
+        """A failure that is no verdict (a scrape's), kept for the operator."""
+        self.scheduler.observe_error(name, error, self.clock())
+
     def observe_tpot(self, name: str, seconds: float) -> None:
         self.scheduler.observe_tpot(name, seconds)
 
@@ -352,8 +359,25 @@ class Dispatcher:
         self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
 
     def reconfigure(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
-        """A reloaded instance list and limits; queued requests may be placed or refused."""
+        """A reloaded instance list and limits; queued requests may be placed or refused.
+
+        A drained instance that stays stays drained; one removed is forgotten."""
         self._settle(self.scheduler.reconfigure(specs, limits, policy, self.clock(), self.rng))
+        self._drained = {n: t for n, t in self._drained.items() if self.scheduler.has(n)}
+
+    def instance_names(self) -> frozenset[str]:
+        return self.scheduler.names()
+
+    @property
+    def drained(self) -> Mapping[str, float]:
+        """The instances out of rotation by the operator's order, and since when."""
+        return MappingProxyType(self._drained)
+
+    def set_drained(self, drained: Mapping[str, float]) -> None:
+        """The operator's drains now: these instances out of rotation, every other in."""
+        self._drained = dict(drained)
+        self._settle(self.scheduler.set_drained(self._drained, self.clock(), self.rng))
+        self._changed()
 
     def close(self) -> None:
         """Shutting down: every queued request gets 503 now."""

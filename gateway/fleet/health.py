@@ -234,7 +234,7 @@ class HealthChecker:
             # An unknown load counts as the busiest fleet's, so a scrape that keeps failing
             # changes dispatch: counted always, logged when it starts, kept for the operator.
             self.dispatcher.metrics.probe_failures.labels(target.name, "scrape", failed).inc()
-            self.dispatcher.scheduler.observe_error(target.name, f"scrape: {failed}")
+            self.dispatcher.observe_error(target.name, f"scrape: {failed}")
             if target.name not in self._scrape_failing:
                 self._scrape_failing.add(target.name)
                 _log.warning("scrape_failed", server=target.name, reason=failed)

@@ -68,17 +68,18 @@ import os
 import random
 import socket
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.dispatch import LocalShare, RetryBudget, SharedView
 from gateway.dispatch.fleet import MAX_PLACEMENTS
 from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.drains import DrainOrder, parse_since
 from gateway.fleet.shared_codec import (
     MAX_ENTRY_BYTES,
     PeerEntry,
@@ -160,6 +161,9 @@ class SharedState:
         self._stream = f"{namespace}:placements"
         self._channel = f"{namespace}:pushes"
         self._leases = f"{namespace}:leases:"  # + instance: a sorted set of held places
+        self._drained = f"{namespace}:drained"  # the operator's drains (drains.py)
+        # Called each round with the drains the store holds for our instances.
+        self.on_drains: Callable[[dict[str, float]], None] | None = None
         self._held: dict[int, str] = {}  # ticket -> instance, the leases we hold
         self._unheld: list[tuple[str, int]] = []  # leases to give back
         self._give_back = asyncio.Event()
@@ -403,6 +407,7 @@ class SharedState:
             pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
             results = await pipe.execute()
         self._learn(results[-1])
+        await self._read_drains()
         others = [_text(m) for m in results[2] if _text(m) != self.process_id]
         if len(others) > MAX_PEERS:
             self.failed("too_many_peers", f"{len(others)} processes listed, {MAX_PEERS} read")
@@ -414,7 +419,7 @@ class SharedState:
             for process in others:
                 pipe.getrange(self._prefix + process, 0, MAX_ENTRY_BYTES)
             values = await pipe.execute()
-        known = self.dispatcher.scheduler.names()
+        known = self.dispatcher.instance_names()
         read: dict[str, PeerEntry] = {}
         gone: list[str] = []
         for process, value in zip(others, values, strict=True):
@@ -429,6 +434,42 @@ class SharedState:
             await self._redis.srem(self._members, *gone)
         # A push heard while this round was on its way may be newer than the key.
         return {p: newest(self._peers.get(p), entry) for p, entry in read.items()}
+
+    async def _read_drains(self) -> None:
+        """The drains the store holds for our instances (only theirs: a poisoned hash costs
+        no more than the fleet), handed to `on_drains`. An entry of the wrong type is
+        counted and skipped, never the round's end."""
+        names = sorted(self.dispatcher.instance_names())
+        if not names or self.on_drains is None:
+            return
+        try:
+            values = await self._redis.hmget(self._drained, names)
+        except ResponseError as exc:  # not a hash
+            self.failed("malformed", exc)
+            return
+        drained: dict[str, float] = {}
+        for name, raw in zip(names, values, strict=True):
+            since = parse_since(raw)
+            if since is not None:
+                drained[name] = since
+            elif raw is not None:
+                self.failed("malformed", f"drain entry of {name!r}: {raw[:40]!r}")
+        self.on_drains(drained)
+
+    async def store_drain(self, order: DrainOrder) -> bool:
+        """Write a drain or a resume to the store; False if Redis did not take it."""
+        try:
+            async with asyncio.timeout(max(1.0, self.ttl / 2)):
+                if order.since is None:
+                    await self._redis.hdel(self._drained, order.name)
+                else:
+                    await self._redis.hset(self._drained, order.name, repr(order.since))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.failed("redis", exc)
+            return False
+        return True
 
     def _add_placements(self, pipe: Any, placements: list[tuple[str, tuple[int, ...]]]) -> None:
         entry = {"p": self.process_id, "d": json.dumps(placements)}

@@ -30,10 +30,11 @@ from aiohttp import web
 
 from gateway.config.load import Config, ConfigError, load
 from gateway.config.schema import ConfigFile, Settings
+from gateway.fleet.drains import DrainTable
 from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
 from gateway.observe import log
 from gateway.proxy.tenants import key_checker
-from gateway.server.app import DISPATCHER, HEALTH, PROXY
+from gateway.server.app import DISPATCHER, DRAINS, HEALTH, PROXY
 
 _log = log.get("gateway.reload")
 
@@ -181,8 +182,9 @@ class Ping:
 
 
 def reload_from(app: web.Application, inbox: Connection) -> Callable[[], None]:
-    """A worker's side of its pipe: a ping answered at once, a reload applied on arrival
-    (the newest, if several came); EOF (the supervisor is gone) stops listening."""
+    """A worker's side of its pipe: a ping answered at once, the supervisor's drains and
+    a reload applied on arrival (the newest, if several came); EOF (the supervisor is
+    gone) stops listening."""
 
     def on_message() -> None:
         newest: Pushed | None = None
@@ -191,6 +193,8 @@ def reload_from(app: web.Application, inbox: Connection) -> Callable[[], None]:
                 message = inbox.recv()
                 if isinstance(message, Ping):
                     inbox.send(message)
+                elif isinstance(message, DrainTable):
+                    app[DRAINS].apply(message.drained)
                 else:
                     newest = message
         except (EOFError, OSError):

@@ -23,7 +23,7 @@ from gateway.config.load import Config
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log
 from gateway.process.reload import reload_from, reload_on_signal
-from gateway.server.app import DISPATCHER, PROXY, build_app
+from gateway.server.app import DISPATCHER, DRAINS, PROXY, build_app
 from gateway.server.runner import GatewayRunner, make_runner
 
 _log = log.get("gateway.server")
@@ -86,6 +86,9 @@ async def serve(
             on_hup[0] = reload_on_signal(app)
         else:
             on_hup[0] = _a_workers_sighup
+            if config.file.shared.redis_url is None:
+                # The supervisor holds the drains then; with [shared], Redis does.
+                app[DRAINS].upward = inbox.send
             apply = reload_from(app, inbox)
             asyncio.get_running_loop().add_reader(inbox.fileno(), apply)
             apply()  # what came while this worker was starting

@@ -31,7 +31,8 @@ Like uvicorn's and gunicorn's workers:
   forwarded too, and each worker ends its drain as a single process does (in-band errors,
   access lines, exit 0); only `drain_timeout` + `KILL_GRACE` seconds without all of them
   gone sends SIGKILL.
-- SIGHUP: the parent reads and validates both files once, keeps the result as the
+- SIGHUP, or with `[gateway] reload_on_change` a change of the files it watches
+  (watch.py): the parent reads and validates both files once, keeps the result as the
   configuration it owns and hands what it read to every worker through that worker's
   pipe; each worker applies it as it arrives, as a single process applies a reload
   (reload.py), and a worker that was starting applies it once it serves. A worker
@@ -69,9 +70,11 @@ from typing import Any
 import structlog
 
 from gateway.config.load import Config, ConfigError
+from gateway.fleet.drains import DrainOrder, DrainTable, ordered
 from gateway.observe import log
 from gateway.observe.peer_metrics import PORTS_ENV, SLOT_ENV
 from gateway.process.reload import Ping, Pushed, merge, read_again
+from gateway.process.watch import POLL_INTERVAL, Watcher, watched
 
 MIN_UPTIME = 10.0  # seconds: a worker that died sooner died young and its restart backs off
 MAX_RESTART_DELAY = 30.0
@@ -199,6 +202,9 @@ class Supervisor:
     stopping: bool = False
     kill_at: float | None = None
     exit_codes: list[int] = field(default_factory=list)  # of workers that exited on a stop
+    # The operator's drains (fleet/drains.py), held here so that every worker, and every
+    # worker started later, applies the same ones.
+    drained: dict[str, float] = field(default_factory=dict)
     _signals: list[int] = field(default_factory=list)
 
     def run(self) -> int:
@@ -240,10 +246,21 @@ class Supervisor:
             _log.info("supervising", workers=gateway.workers, url=f"http://{gateway.host}:{port}")
             for slot in self.slots:
                 self._start(slot, context, ports)
+            # [gateway] reload_on_change: the files are watched here, and a change takes
+            # SIGHUP's path; the workers never watch (watch.py).
+            watcher = Watcher(
+                lambda: watched(self.config),
+                self._reload,
+                lambda: self.config.gateway.reload_on_change,
+            )
+            next_look = 0.0
             while True:
                 self._wait(wake_r)
                 self._handle_signals()
                 self._reap()
+                if not self.stopping and time.monotonic() >= next_look:
+                    watcher.poll()
+                    next_look = time.monotonic() + POLL_INTERVAL
                 if self.stopping:
                     if not self._alive():
                         break
@@ -317,6 +334,16 @@ class Supervisor:
                     slot.inbox.send(pushed)
         _log.info("sighup_forwarded", workers=len(self._alive()), digest=self.config.digest())
 
+    def _drain_order(self, order: DrainOrder) -> None:
+        """A worker took a drain or resume order: every worker applies the new table."""
+        self.drained = ordered(self.drained, order)
+        table = DrainTable(dict(self.drained))
+        for slot in self.slots:
+            if slot.inbox is not None and slot.process is not None:
+                with contextlib.suppress(OSError):  # a worker that just died
+                    slot.inbox.send(table)
+        _log.info("drains_forwarded", drained=sorted(self.drained))
+
     def _check_alive(self, slot: Slot, now: float) -> None:
         """Read `slot`'s worker's answers; ping it when due; kill it if it is stuck."""
         process, pipe = slot.process, slot.inbox
@@ -327,6 +354,8 @@ class Supervisor:
                 answer = pipe.recv()
                 if isinstance(answer, Ping) and answer.seq == slot.pinged:
                     slot.ping_sent, slot.answered = None, True
+                elif isinstance(answer, DrainOrder):
+                    self._drain_order(answer)
             if slot.ping_sent is None:
                 if now - slot.started_at >= PING_INTERVAL * slot.pinged:
                     slot.pinged += 1
@@ -361,6 +390,8 @@ class Supervisor:
         slot.inbox = outbox
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
         slot.pinged, slot.ping_sent, slot.answered = 0, None, False
+        if self.drained:  # read by the worker once it serves
+            outbox.send(DrainTable(dict(self.drained)))
         _log.info("worker_started", worker=slot.index, pid=process.pid)
 
     def _alive(self) -> list[BaseProcess]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ from gateway.config.urls import without_credentials
 from gateway.dispatch import STRATEGIES, Lane, Scheduler
 from gateway.dispatch.least_time import LeastTime
 from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.drains import Drains, UnknownInstance
 from gateway.fleet.health import HealthChecker
 from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
 from gateway.lifecycle import Lifecycle
@@ -48,6 +51,7 @@ LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
+DRAINS = web.AppKey("drains", Drains)
 METRICS = web.AppKey("metrics", Metrics)
 # redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
 # installed, which a gateway without tracing or sharing should not load.
@@ -107,6 +111,8 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/admin/instances", _admin_instances)
+    app.router.add_post("/admin/instances/{server}/drain", _admin_drain)
+    app.router.add_post("/admin/instances/{server}/resume", _admin_resume)
     app.router.add_get("/admin/config", _admin_config)
     app.router.add_get("/admin/usage", _admin_usage)
     return app
@@ -143,6 +149,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[METRICS] = metrics
     metrics.serving(config.digest())
     app[DISPATCHER] = dispatcher
+    app[DRAINS] = Drains(dispatcher)
     app[HEALTH] = checker
     app[PROXY] = Proxy(
         config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
@@ -192,6 +199,9 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     )
     app[SHARED] = shared
     app[METRICS].registry.register(SharedStateCollector(shared))
+    # The drains live in Redis: every replica applies them (drains.py).
+    app[DRAINS].store = shared.store_drain
+    shared.on_drains = app[DRAINS].apply
     limits = SharedLimits(shared, settings.namespace)
     app[PROXY].limiter.shared = limits
     await shared.run_round()  # join the view before the first request, if Redis answers
@@ -201,6 +211,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         app[PROXY].limiter.shared = None
+        app[DRAINS].store = None
         await _stop(settling)
         await _stop(task)
         await shared.close()
@@ -381,8 +392,47 @@ def _without_credentials(value: Any) -> Any:
     return without_credentials(value) if isinstance(value, str) else value
 
 
+async def _admin_drain(request: web.Request) -> web.StreamResponse:
+    return await _drain_order(request, drained=True)
+
+
+async def _admin_resume(request: web.Request) -> web.StreamResponse:
+    return await _drain_order(request, drained=False)
+
+
+async def _drain_order(request: web.Request, *, drained: bool) -> web.StreamResponse:
+    """Take `{server}` out of rotation or back in (fleet/drains.py); idempotent."""
+    name = request.match_info["server"]
+    try:
+        order = await request.app[DRAINS].order(name, drained)
+    except UnknownInstance:
+        known = sorted(request.app[DISPATCHER].instance_names())
+        raise errors.InstanceNotFound(
+            f"no instance named {name!r}: the fleet holds {known} (GET /admin/instances)",
+            param="server",
+        ) from None
+    if order is None:
+        raise errors.SharedStoreUnavailable(
+            "the shared store (Redis) did not take the order, so no replica applies it: "
+            "nothing changed; try again"
+        )
+    since = order.since
+    body = {
+        "name": name,
+        "drained": since is not None,
+        "drained_since": None if since is None else _iso(since),
+        "fleet_wide": request.app[DRAINS].store is not None,
+    }
+    return web.json_response(body)
+
+
+def _iso(wall: float) -> str:
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="seconds")
+
+
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
     snap = request.app[DISPATCHER].snapshot()
+    wall = time.time()  # the snapshot's ages, as times an operator can read
     # The long lane is named by [prefill].tag here too, as in metrics and logs.
     lane_names = {lane.value: name for lane, name in request.app[METRICS].lane_names.items()}
     instances: list[dict[str, Any]] = []
@@ -392,7 +442,10 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
             {
                 "name": i.name,
                 "state": i.verdict,
+                "state_since": None if i.verdict_for is None else _iso(wall - i.verdict_for),
                 "available": i.available,
+                "drained": i.drained_since is not None,
+                "drained_since": None if i.drained_since is None else _iso(i.drained_since),
                 "ejected_for_s": None if i.ejected_for is None else round(i.ejected_for, 1),
                 "lane": lane_names.get(i.lane, i.lane),
                 "role": i.role,
@@ -423,8 +476,12 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "assigned_total": i.assigned_total,
                 "failures_total": i.failures_total,
                 "consecutive_failures": i.consecutive_failures,
+                "probe_failures_total": i.probe_failures_total,
+                "consecutive_probe_failures": i.consecutive_probe_failures,
                 "ejections_total": i.ejections_total,
-                "recent_errors": list(i.recent_errors),
+                "recent_errors": [
+                    {"at": _iso(wall - ago), "error": error} for ago, error in i.recent_errors
+                ],
             }
         )
     queues = {lane_names[lane.value]: n for lane, n in snap.queues.items()}

@@ -27,7 +27,7 @@ def fleet(n: int) -> list[InstanceState]:
     """`n` instances, each brought up by one good probe."""
     states = [InstanceState(InstanceSpec(f"i{k}")) for k in range(n)]
     for state in states:
-        apply_probe(state, True, POLICY)
+        apply_probe(state, True, POLICY, 0.0)
     return states
 
 
@@ -48,7 +48,7 @@ def test_first_probe_decides_at_once(ok: bool) -> None:
     state = InstanceState(InstanceSpec("a"))
     assert state.up is None
     assert not state.available(0.0)
-    assert apply_probe(state, ok, POLICY) is True
+    assert apply_probe(state, ok, POLICY, 0.0) is True
     assert state.up is ok
     assert state.available(0.0) is ok
 
@@ -56,39 +56,39 @@ def test_first_probe_decides_at_once(ok: bool) -> None:
 def test_down_instance_needs_rise_good_probes() -> None:
     """After the first verdict, `rise` good probes in a row bring an instance up."""
     state = InstanceState(InstanceSpec("a"))
-    apply_probe(state, False, POLICY)
-    assert apply_probe(state, True, POLICY) is False
+    apply_probe(state, False, POLICY, 0.0)
+    assert apply_probe(state, True, POLICY, 0.0) is False
     assert state.up is False
-    assert apply_probe(state, False, POLICY) is False  # the streak restarts
-    assert apply_probe(state, True, POLICY) is False
-    assert apply_probe(state, True, POLICY) is True
+    assert apply_probe(state, False, POLICY, 0.0) is False  # the streak restarts
+    assert apply_probe(state, True, POLICY, 0.0) is False
+    assert apply_probe(state, True, POLICY, 0.0) is True
     assert state.up is True
 
 
 def test_up_instance_needs_fall_bad_probes() -> None:
     """An up instance goes down only after `fall` bad probes in a row."""
     state = InstanceState(InstanceSpec("a"))
-    apply_probe(state, True, POLICY)
-    assert [apply_probe(state, False, POLICY) for _ in range(2)] == [False, False]
+    apply_probe(state, True, POLICY, 0.0)
+    assert [apply_probe(state, False, POLICY, 0.0) for _ in range(2)] == [False, False]
     assert state.up is True
-    assert apply_probe(state, False, POLICY) is True
+    assert apply_probe(state, False, POLICY, 0.0) is True
     assert state.up is False
 
 
 def test_one_bad_probe_does_not_flap() -> None:
     """Alternating bad and good probes never take an up instance down."""
     state = InstanceState(InstanceSpec("a"))
-    apply_probe(state, True, POLICY)
+    apply_probe(state, True, POLICY, 0.0)
     for _ in range(20):
-        assert apply_probe(state, False, POLICY) is False
-        assert apply_probe(state, True, POLICY) is False
+        assert apply_probe(state, False, POLICY, 0.0) is False
+        assert apply_probe(state, True, POLICY, 0.0) is False
     assert state.up is True
 
 
 def test_coming_up_clears_consecutive_failures() -> None:
     """An instance that comes back up starts with a clean failure count."""
     state = InstanceState(InstanceSpec("a"), consecutive_failures=4)
-    apply_probe(state, True, POLICY)
+    apply_probe(state, True, POLICY, 0.0)
     assert state.consecutive_failures == 0
 
 
@@ -121,7 +121,7 @@ def test_ejected_after_consecutive_failures() -> None:
     assert a.ejections == a.ejections_total == 1
     assert a.consecutive_failures == 0
     assert a.failures_total == 5
-    assert a.recent_errors == ["boom"]
+    assert a.recent_errors == [(5.0, "boom")]  # with when, for /admin/instances
 
 
 def test_ejected_instance_returns_when_the_time_passes() -> None:
@@ -188,14 +188,33 @@ def test_success_resets_the_failure_count() -> None:
 
 
 def test_recent_errors_keep_the_last_five() -> None:
-    """Only the five most recent error strings are kept for the operator."""
+    """Only the five most recent errors are kept for the operator, each with its time."""
     states = fleet(2)
     a = states[0]
     for i in range(8):
         apply_outcome(
-            a, Outcome.FAILURE, 0.0, HealthPolicy(eject_after_failures=100), states, f"e{i}"
+            a, Outcome.FAILURE, float(i), HealthPolicy(eject_after_failures=100), states, f"e{i}"
         )
-    assert a.recent_errors == ["e3", "e4", "e5", "e6", "e7"]
+    assert a.recent_errors == [(float(i), f"e{i}") for i in range(3, 8)]
+
+
+def test_verdict_time_moves_only_when_the_verdict_changes() -> None:
+    """`verdict_since` says when an instance went down (or up): a probe that confirms
+    the verdict leaves it; failed probes are counted whatever they change."""
+    state = InstanceState(InstanceSpec("a"))
+    assert state.verdict_since is None
+    apply_probe(state, True, POLICY, 1.0)
+    assert state.verdict_since == 1.0
+    apply_probe(state, True, POLICY, 2.0)
+    assert state.verdict_since == 1.0
+    for t in range(3, 3 + POLICY.fall):
+        apply_probe(state, False, POLICY, float(t))
+    assert state.up is False
+    assert state.verdict_since == float(2 + POLICY.fall)
+    assert state.probe_failures_total == POLICY.fall
+    apply_probe(state, False, POLICY, 50.0)
+    assert state.verdict_since == float(2 + POLICY.fall)
+    assert state.probe_failures_total == POLICY.fall + 1
 
 
 def test_the_last_available_instance_is_never_ejected() -> None:
@@ -229,8 +248,8 @@ def test_down_instances_count_toward_the_ejected_fraction() -> None:
     """An instance already down by its probes uses up the ejection allowance."""
     policy = HealthPolicy(fall=1, eject_after_failures=1, max_ejected_fraction=0.5)
     states = fleet(4)
-    apply_probe(states[0], False, policy)
-    apply_probe(states[1], False, policy)
+    apply_probe(states[0], False, policy, 0.0)
+    apply_probe(states[1], False, policy, 0.0)
     assert apply_outcome(states[2], Outcome.FAILURE, 0.0, policy, states) is False
 
 
@@ -292,13 +311,13 @@ def test_good_probes_decay_the_ejection_multiplier_once_back() -> None:
     fail(a, states, 5, now=0.0)
     fail(a, states, 5, now=10.0)
     assert (a.ejections, a.ejected_until) == (2, 30.0)
-    apply_probe(a, True, POLICY)  # still ejected: no decay
+    apply_probe(a, True, POLICY, 0.0)  # still ejected: no decay
     assert a.ejections == 2
     assert not apply_outcome(a, Outcome.FAILURE, 20.0, POLICY, states)  # out already
     apply_outcome(a, Outcome.SUCCESS, 30.0, POLICY, states)  # back: the ejection is over
     assert a.ejected_until is None
     for expected in (1, 0, 0):
-        apply_probe(a, True, POLICY)
+        apply_probe(a, True, POLICY, 0.0)
         assert a.ejections == expected
     fail(a, states, 5, now=40.0)
     assert a.ejected_until == 50.0  # the base time again
@@ -310,6 +329,6 @@ def test_a_good_probe_of_an_up_instance_keeps_its_failure_count() -> None:
     states = fleet(2)
     a = states[0]
     fail(a, states, 3)
-    apply_probe(a, True, POLICY)
+    apply_probe(a, True, POLICY, 0.0)
     assert a.consecutive_failures == 3
     assert fail(a, states, 2)  # the 5th failure in a row still ejects

@@ -377,4 +377,4 @@ def test_release_records_the_error_on_the_instance() -> None:
     bring_up(sched, rng)
     sched.submit(tk(1), 0.0, rng)
     sched.release(1, Outcome.FAILURE, 0.0, rng, error="status 502")
-    assert sched.state("a").recent_errors == ["status 502"]
+    assert [e for _, e in sched.state("a").recent_errors] == ["status 502"]

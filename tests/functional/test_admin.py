@@ -145,7 +145,13 @@ async def test_an_instance_down_says_why_in_the_log_metrics_and_admin() -> None:
             metrics = await resp.text()
     down = next(e for e in events if e["event"] == "instance_down")
     assert down["reason"] == "status_503"
-    assert "probe: status_503" in instance["recent_errors"]
+    assert "probe: status_503" in [e["error"] for e in instance["recent_errors"]]
+    assert all(e["at"].endswith("+00:00") for e in instance["recent_errors"])
+    # When it went down, and its failed probes: a runbook reads these, not the requests'.
+    assert instance["state"] == "down"
+    assert instance["state_since"] is not None
+    assert instance["consecutive_probe_failures"] >= 1
+    assert instance["probe_failures_total"] >= instance["consecutive_probe_failures"]
     assert 'check="probe",reason="status_503"' in metrics
 
 
