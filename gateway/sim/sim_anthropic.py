@@ -38,9 +38,11 @@ from .sim_engine import (
     SimConfig,
     SimStats,
     count_message_tokens,
+    count_tool_tokens,
     dumps,
     parse_max_tokens,
     tokenize_messages,
+    tokenize_tools,
 )
 
 
@@ -181,6 +183,31 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     return chat
 
 
+def chat_tools(request: CountTokensRequest) -> list[dict[str, Any]]:
+    """The tools as vLLM hands them to the chat template: OpenAI's function tools."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.input_schema,
+            },
+        }
+        for tool in request.tools or ()
+    ]
+
+
+def prompt_of(request: CountTokensRequest, prefix_caching: bool) -> tuple[int, list[int] | None]:
+    """The prompt's token count, with its ids when the prefix cache needs them: the tools
+    (which the chat template writes first), the system prompt and the messages."""
+    chat, tools = chat_messages(request), chat_tools(request)
+    if prefix_caching:
+        ids = tokenize_tools(tools) + tokenize_messages(chat)
+        return len(ids), ids
+    return count_tool_tokens(tools) + count_message_tokens(chat), None
+
+
 def _event(kind: str, payload: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {dumps({'type': kind, **payload})}\n\n".encode()
 
@@ -228,7 +255,7 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
         parsed: CountTokensRequest = await self._read(request, CountTokensRequest)
-        count = count_message_tokens(chat_messages(parsed))
+        count, _ = prompt_of(parsed, prefix_caching=False)
         return _json(
             {"input_tokens": count, "context_management": {"original_input_tokens": count}}
         )
@@ -236,10 +263,8 @@ class AnthropicRoutes:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         parsed: MessagesRequest = await self._read(request, MessagesRequest)
         sim = self.sim
-        chat = chat_messages(parsed)
         # Token ids only matter to the prefix cache; counting alone is cheaper.
-        ids = tokenize_messages(chat) if sim.config.prefix_caching else None
-        prompt_tokens = len(ids) if ids is not None else count_message_tokens(chat)
+        prompt_tokens, ids = prompt_of(parsed, sim.config.prefix_caching)
         try:
             max_tokens = parse_max_tokens(
                 {"max_tokens": parsed.max_tokens}, sim.config.default_max_tokens, prompt_tokens

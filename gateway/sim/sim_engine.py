@@ -161,6 +161,33 @@ def count_message_tokens(messages: Iterable[Any]) -> int:
     return sum(count_tokens(_message_text(m)) + len(_TEMPLATE_IDS) for m in messages)
 
 
+def _tools_text(tools: Any) -> str:
+    # vLLM hands the tools to the chat template, which writes their JSON schemas into the
+    # prompt (most templates near the start, in the system turn), so they cost what the JSON
+    # text costs; a request without tools adds nothing.
+    return dumps(tools) if tools else ""
+
+
+def count_tool_tokens(tools: Any) -> int:
+    """Prompt tokens of a request's tool definitions (0 without tools)."""
+    return count_tokens(_tools_text(tools)) if tools else 0
+
+
+def tokenize_tools(tools: Any) -> list[int]:
+    """Token ids of a request's tool definitions; always count_tool_tokens(tools) of them."""
+    return tokenize_text(_tools_text(tools)) if tools else []
+
+
+def parse_tools(body: Mapping[str, Any]) -> list[Any]:
+    """A chat request's `tools`: a list of objects, or none (vLLM's model refuses the rest)."""
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise ApiError(400, "tools: Input should be a valid list of objects")
+    return tools
+
+
 def tokenize_text(text: str) -> list[int]:
     """Token ids of a text; always count_tokens(text) of them."""
     data = text.encode()

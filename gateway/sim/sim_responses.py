@@ -44,9 +44,11 @@ from .sim_engine import (
     SimConfig,
     SimStats,
     count_message_tokens,
+    count_tool_tokens,
     dumps,
     parse_max_tokens,
     tokenize_messages,
+    tokenize_tools,
 )
 
 
@@ -333,9 +335,13 @@ class ResponsesRoutes:
         if parsed.previous_response_id is not None:
             raise _NotFound(parsed.previous_response_id)
         chat = chat_messages(parsed)
-        # Token ids only matter to the prefix cache; counting alone is cheaper.
-        ids = tokenize_messages(chat) if sim.config.prefix_caching else None
-        prompt_tokens = len(ids) if ids is not None else count_message_tokens(chat)
+        # Token ids only matter to the prefix cache; counting alone is cheaper. The chat
+        # template writes the tools ahead of the messages.
+        tools = parsed.tools
+        ids = tokenize_tools(tools) + tokenize_messages(chat) if sim.config.prefix_caching else None
+        prompt_tokens = (
+            len(ids) if ids is not None else count_tool_tokens(tools) + count_message_tokens(chat)
+        )
         max_tokens = parse_max_tokens(
             {"max_tokens": parsed.max_output_tokens}, sim.config.default_max_tokens, prompt_tokens
         )

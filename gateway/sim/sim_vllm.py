@@ -33,16 +33,19 @@ from .sim_engine import (
     SimStats,
     count_message_tokens,
     count_tokens,
+    count_tool_tokens,
     dumps,
     embedding_inputs,
     embedding_vector,
     parse_max_tokens,
     parse_priority,
     parse_stream,
+    parse_tools,
     prompt_token_count,
     prompt_token_ids,
     tokenize_messages,
     tokenize_text,
+    tokenize_tools,
     usage_body,
 )
 from .sim_kv_transfer import (
@@ -256,9 +259,19 @@ class SimInstance:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: field required (a non-empty list)")
-        # Token ids only matter to the prefix cache; counting alone is cheaper.
-        ids = tokenize_messages(messages) if self.config.prefix_caching else None
-        count = len(ids) if ids is not None else count_message_tokens(messages)
+        tools = parse_tools(body)
+        # Token ids only matter to the prefix cache; counting alone is cheaper. The chat
+        # template writes the tools ahead of the messages.
+        ids = (
+            tokenize_tools(tools) + tokenize_messages(messages)
+            if self.config.prefix_caching
+            else None
+        )
+        count = (
+            len(ids)
+            if ids is not None
+            else count_tool_tokens(tools) + count_message_tokens(messages)
+        )
         return await self._generate(request, body, count, chat=True, token_ids=ids)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -440,7 +453,7 @@ class SimInstance:
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request)
         if isinstance(body.get("messages"), list):
-            tokens = tokenize_messages(body["messages"])
+            tokens = tokenize_tools(parse_tools(body)) + tokenize_messages(body["messages"])
         elif isinstance(body.get("prompt"), str):
             tokens = tokenize_text(body["prompt"])
         else:
