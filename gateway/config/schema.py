@@ -104,6 +104,9 @@ class GatewaySection(Frozen):
     # nothing here); "process", 200 whenever this process serves, so clients get our own
     # 503 with Retry-After, not the balancer's, when the fleet is down. Both 503 draining.
     readiness: Literal["fleet", "process"] = "fleet"
+    # Reload when config.toml, settings.json or a key_file changes on disk, as on SIGHUP
+    # (process/watch.py): a ConfigMap update then needs no signal.
+    reload_on_change: bool = False
 
     @model_validator(mode="after")
     def _admin_port_fixed_for_workers(self) -> GatewaySection:

@@ -1,4 +1,5 @@
-"""Runs the gateway: bind, serve, reload on SIGHUP, and drain on SIGINT/SIGTERM.
+"""Runs the gateway: bind, serve, reload on SIGHUP (or a file change: watch.py), and drain
+on SIGINT/SIGTERM.
 
 Shutdown order: readiness turns 503 for `drain_delay` seconds while everything is still
 served and new connections are still accepted; then the listening socket closes,
@@ -22,6 +23,7 @@ from aiohttp import web
 from gateway.config.load import Config
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log
+from gateway.process import watch
 from gateway.process.reload import reload_from, reload_on_signal
 from gateway.server.app import DISPATCHER, DRAINS, PROXY, build_app
 from gateway.server.runner import GatewayRunner, make_runner
@@ -80,6 +82,8 @@ async def serve(
         for sim in sims:
             _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
         app = build_app(config, lifecycle)
+        if inbox is None:  # a worker's files are watched by its supervisor
+            app.cleanup_ctx.append(watch.reloading())
         runner = make_runner(app, config.gateway.drain_timeout)
         await runner.setup()
         if inbox is None:
