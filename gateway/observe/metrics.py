@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from gateway import __version__
 from gateway.dispatch import GiveUp, Lane, Priority, Rejected, Snapshot
 from gateway.dispatch.retry import RetryReason
+from gateway.observe.saturation import fleet_saturation
 
 PRIORITIES = [p.value for p in Priority]  # the SLO series' class label
 
@@ -602,3 +603,13 @@ class StateCollector(Collector):
         for key in sorted(snap.key_service.keys() | snap.key_queued.keys()):
             queued.add_metric([key], snap.key_queued.get(key, 0))
         yield queued
+        saturation = GaugeMetricFamily(
+            "gateway_fleet_saturation",
+            "Per model: requests waiting in the gateway plus those running or waiting at the "
+            "instances that serve it, over those instances' running slots (up ones only; "
+            "+Inf if none is up while requests wait). Above 1: more demand than slots.",
+            labels=["model"],
+        )
+        for model, value in fleet_saturation(snap).items():
+            saturation.add_metric([model], value)
+        yield saturation

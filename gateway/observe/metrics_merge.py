@@ -77,6 +77,9 @@ GAUGES: dict[str, str] = {
     "gateway_instance_queue_depth": "max",
     "gateway_shared_state_peers": "max",
     "gateway_shared_state_up": "min",
+    # Each worker counts its own queue beside the instances' shared load: adding would
+    # count that load once per worker; the largest is exact while one worker queues.
+    "gateway_fleet_saturation": "max",
     # The freshest read any worker has of the instance's /metrics.
     "gateway_instance_scrape_age_seconds": "min",
     # Estimates and scraped values: each worker's is an equally good reading.
