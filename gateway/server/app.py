@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import errors
 from gateway.config.load import Config
-from gateway.config.urls import without_credentials
 from gateway.dispatch import STRATEGIES, Lane, Scheduler
 from gateway.dispatch.least_time import LeastTime
 from gateway.fleet.dispatcher import Dispatcher
@@ -38,7 +37,7 @@ from gateway.proxy import auth, tenants
 from gateway.proxy.handler import Proxy, Route
 from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
 from gateway.routes import mount
-from gateway.server import middleware, usage
+from gateway.server import middleware, redact, usage
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
 
@@ -352,11 +351,8 @@ async def _admin_config(request: web.Request) -> web.StreamResponse:
         "settings_path": config.settings_path,
         "waiting_for_restart": proxy.waiting_for_restart,
         "keys": len(config.api_keys) + len(config.named_keys),
-        "config": _without_credentials(config.file.model_dump(mode="json")),
-        "settings": _without_credentials(
-            _redacted_settings(config.settings.model_dump(mode="json"))
-        ),
     }
+    body["config"], body["settings"] = redact.config_dump(config)  # server/redact.py
     return web.json_response(body)
 
 
@@ -374,22 +370,6 @@ async def _admin_usage(request: web.Request) -> web.StreamResponse:
     standings = {t.name: await proxy.limiter.standings(t) for t in configured if t.limits.any}
     body = usage.report(configured, families, standings)
     return web.Response(text=json.dumps(body, indent=2), content_type="application/json")
-
-
-def _redacted_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Header values may carry an instance's credentials: names only."""
-    channel = settings.get("channel") or {}
-    channel["headers"] = dict.fromkeys(channel.get("headers") or {}, "**********")
-    return settings
-
-
-def _without_credentials(value: Any) -> Any:
-    """Every URL in a dumped configuration without its user and password."""
-    if isinstance(value, dict):
-        return {k: _without_credentials(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_without_credentials(v) for v in value]
-    return without_credentials(value) if isinstance(value, str) else value
 
 
 async def _admin_drain(request: web.Request) -> web.StreamResponse:
