@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config import load as gateway_config
+from gateway.fleet.discovery import Resolver, system_resolver
 from gateway.server.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
 from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig, SimInstance
@@ -111,14 +112,16 @@ async def gateway_with(
     sections: dict[str, dict[str, Any]] | None = None,
     channel: dict[str, Any] | None = None,
     send_buffer: int | None = None,
+    resolver: Resolver = system_resolver,
 ) -> AsyncIterator[Gateway]:
     """`send_buffer` fixes SO_SNDBUF of client connections (Linux's autotuning off), so a
-    test of a client that stops reading does not depend on how much the kernel buffers."""
+    test of a client that stops reading does not depend on how much the kernel buffers.
+    `resolver` answers for `"discover": "dns"` entries."""
     urls: Sequence[str | dict[str, Any]] = instances or [s.url for s in sims]
     with tempfile.TemporaryDirectory() as folder:
         path = write_config(Path(folder), urls, sections=sections, channel=channel)
         config = gateway_config.load(path)
-    app = build_app(config)
+    app = build_app(config, resolver=resolver)
     runner = make_runner(app, shutdown_timeout=2)
     await runner.setup()
     try:

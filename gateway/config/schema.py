@@ -155,6 +155,9 @@ class DispatchSection(Frozen):
     # affinity off. None: as many as each instance's KV cache holds, from its
     # vllm:cache_config_info (8,192, about 524k tokens, until it says).
     prefix_index_blocks: int | None = Field(None, ge=0)
+    # How often the host name of each `"discover": "dns"` instance entry is resolved again
+    # (fleet/discovery.py); the resolver's own cache may hold an answer longer.
+    discovery_interval: float = Field(5.0, gt=0)
     health: HealthSection = HealthSection()
 
     @field_validator("strategy")
@@ -408,6 +411,10 @@ class InstanceConfig(Frozen):
     # by the `priority` field the gateway writes from the key. Under fcfs the field means
     # nothing (vLLM v1 ignores it, v0 refused a nonzero one): it is written only there.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # "dns": the URL's host name stands for every address it resolves to, each one
+    # instance with this entry's other fields (fleet/discovery.py): a Kubernetes headless
+    # Service's pods, found again every `[dispatch] discovery_interval`.
+    discover: Literal["dns"] | None = None
 
     @field_validator("url")
     @classmethod

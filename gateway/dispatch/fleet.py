@@ -78,8 +78,8 @@ class Fleet:
         `departed` are removed instances that still hold requests: one added back gets
         its state back, so its in-flight count stays exact.
         """
-        if not specs:
-            raise ValueError("a scheduler needs at least one instance")
+        # No instance at all is a fleet too (discovery found none yet): every request is
+        # refused, 503, until one comes.
         states = []
         for spec in specs:
             state = self._by_name.get(spec.name) or (departed or {}).get(spec.name)

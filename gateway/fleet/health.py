@@ -146,6 +146,7 @@ class HealthChecker:
     async def run_round(self) -> None:
         await asyncio.gather(*(self._check(t) for t in self.targets))
         self.rounds += 1
+        self.dispatcher.metrics.sweep()  # series of instances gone long enough
         flags = self.dispatcher.scheduler.update_slow_flags()
         self.dispatcher.drain()
         if not flags:

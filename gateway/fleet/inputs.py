@@ -4,8 +4,10 @@ and the prober's targets; built at start and again on each reload."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from gateway.config.load import Config
+from gateway.config.schema import InstanceConfig
 from gateway.dispatch import HealthPolicy, InstanceSpec, Limits
 from gateway.dispatch.affinity import DEFAULT_INDEX_BLOCKS
 from gateway.fleet.health import ProbeTarget
@@ -42,8 +44,11 @@ def queue_per_instance(config: Config) -> int:
     return min(dispatch.max_queue_per_instance, FAIR_QUEUE_PER_INSTANCE)
 
 
-def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
-    """What the pure scheduler is built from (at start, and again on each reload)."""
+def scheduler_inputs(
+    config: Config, instances: Sequence[InstanceConfig] | None = None
+) -> tuple[list[InstanceSpec], Limits, HealthPolicy]:
+    """What the pure scheduler is built from (at start, and again on each reload or change
+    of the discovered instances): `instances`, by default the configured ones."""
     dispatch = config.dispatch
     specs = [
         InstanceSpec(
@@ -54,7 +59,7 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
             models=frozenset(i.models) if i.models is not None else None,
             role=i.role,
         )
-        for i in config.instances
+        for i in (config.instances if instances is None else instances)
     ]
     limits = Limits(
         max_queue_per_instance=queue_per_instance(config),
@@ -82,8 +87,10 @@ def scheduler_inputs(config: Config) -> tuple[list[InstanceSpec], Limits, Health
     return specs, limits, policy
 
 
-def endpoints_of(config: Config) -> dict[str, Endpoint]:
-    """Each instance as the proxy sends to it, by name."""
+def endpoints_of(
+    config: Config, instances: Sequence[InstanceConfig] | None = None
+) -> dict[str, Endpoint]:
+    """Each instance (by default the configured ones) as the proxy sends to it, by name."""
     return {
         i.label: Endpoint(
             i.label,
@@ -91,7 +98,7 @@ def endpoints_of(config: Config) -> dict[str, Endpoint]:
             _instance_headers(config, i.api_key_env),
             priority_scheduling=i.scheduling_policy == "priority",
         )
-        for i in config.instances
+        for i in (config.instances if instances is None else instances)
     }
 
 

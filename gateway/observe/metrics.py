@@ -14,6 +14,7 @@ sees their first increase.
 from __future__ import annotations
 
 import platform
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, get_args, get_type_hints
 
@@ -98,6 +99,7 @@ class Metrics:
     ) -> None:
         self.registry = registry
         # How lanes are named in labels and logs (the app names the long one [prefill].tag).
+        self._departed: dict[str, float] = {}  # instances gone: when to forget them for good
         self.lane_names = lane_names or {lane: lane.value for lane in Lane}
         self.max_tags = max_tags
         self._tags: dict[str, float] = {}  # tag -> when last counted, least recent first
@@ -167,6 +169,13 @@ class Metrics:
         )
         self.rejections = Counter(
             "gateway_rejections",
+        self.discovery_failures = Counter(
+            "gateway_discovery_failures",
+            'Rounds in which the name of a `"discover": "dns"` instance entry could not be '
+            "resolved (the entry keeps its last good addresses), by entry.",
+            ["entry"],
+            registry=registry,
+        )
             "Requests the gateway turned away itself, by reason.",
             ["reason"],
             registry=registry,
@@ -328,6 +337,48 @@ class Metrics:
 
     def serving(self, digest: str) -> None:
         """The configuration served now is the one whose digest this is."""
+    def depart(self, gone: Iterable[str], present: Iterable[str], grace: float) -> None:
+        """Instances left the fleet (a reload, discovery): their series go now, and again
+        once `grace` seconds have passed (`sweep`), since a request still on one counts
+        when it ends; one back in the fleet keeps its series from now on."""
+        now = time.monotonic()
+        for server in gone:
+            self.forget_server(server)
+            self._departed[server] = now + grace
+        for server in present:
+            self._departed.pop(server, None)
+
+    def sweep(self) -> None:
+        """Forget, for good, the departed instances whose last request has ended by now."""
+        now = time.monotonic()
+        for server, until in list(self._departed.items()):
+            if now >= until:
+                self.forget_server(server)
+                del self._departed[server]
+
+    def forget_server(self, server: str) -> None:
+        """An instance left the fleet: its series go with it, so a fleet whose pods come
+        and go does not grow the exposition without end."""
+        by_server: list[tuple[Counter | Histogram, tuple[str, ...]]] = [
+            (self.instance_requests, ("server", "status")),
+            (self.instance_errors, ("server", "kind")),
+            (self.probe_failures, ("server", "check", "reason")),
+            (self.taken_back, ("server",)),
+            (self.slo, ("lane", "server", "objective", "result", "priority")),
+            (self.goodput, ("lane", "server", "priority")),
+            (self.ttft, ("lane", "server")),
+            (self.tpot, ("lane", "server")),
+        ]
+        for metric, names in by_server:
+            children = {
+                tuple(sample.labels[n] for n in names)
+                for family in metric.collect()
+                for sample in family.samples
+                if sample.labels.get("server") == server
+            }
+            for labels in children:
+                metric.remove(*labels)
+
         self.config_info.clear()
         self.config_info.labels(digest).set(1)
 

@@ -76,6 +76,7 @@ def start_series(
     config: Config,
     routes: Iterable[web.AbstractRoute],
     *,
+    servers: Iterable[str],
     keyed: bool,
     models: Iterable[str],
     keys: Iterable[str] = (),
@@ -85,7 +86,7 @@ def start_series(
     `keys` (the keys' names) has its outcomes and tokens."""
     table = route_table(routes, config.route_prefixes)
     metrics.start_series(
-        [i.label for i in config.instances],
+        list(servers),
         placed_routes=[r for r, methods in table.items() if "POST" in methods],
         keyed_routes=[r for r in table if r not in PROBE_ROUTES] if keyed else [],
         models=models,

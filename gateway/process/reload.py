@@ -31,10 +31,9 @@ from aiohttp import web
 from gateway.config.load import Config, ConfigError, load
 from gateway.config.schema import ConfigFile, Settings
 from gateway.fleet.drains import DrainTable
-from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
 from gateway.observe import log
 from gateway.proxy.tenants import key_checker
-from gateway.server.app import DISPATCHER, DRAINS, HEALTH, PROXY
+from gateway.server.app import DISCOVERY, DISPATCHER, DRAINS, PROXY, apply_instances
 
 _log = log.get("gateway.reload")
 
@@ -141,12 +140,12 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
         return False
     if restart:
         _log.warning("reload_needs_restart", settings=restart, kept="the running values")
-    before = {i.label for i in old.instances}
-    endpoints = endpoints_of(config)
-    specs, limits, policy = scheduler_inputs(config)
-    app[DISPATCHER].reconfigure(specs, limits, policy)
-    proxy.reconfigure(config, key_checker(config), endpoints)
-    app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
+    before = app[DISPATCHER].instance_names()
+    proxy.reconfigure(config, key_checker(config))
+    # The discovered entries keep what they resolved; new ones resolve at the next round.
+    instances = app[DISCOVERY].reconfigure(config.instances, config.dispatch.discovery_interval)
+    apply_instances(app, instances)
+    names = {i.label for i in instances}
     proxy.metrics.config_reloads.labels("applied").inc()
     # The files on disk are not what runs while a setting waits for a restart: not a
     # success to alert on (docs/operations.md, Reload).
@@ -156,9 +155,9 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
     _log.info(
         "reloaded",
         changed=changed,
-        instances_added=sorted(set(endpoints) - before),
-        instances_removed=sorted(before - set(endpoints)),
-        instances=len(endpoints),
+        instances_added=sorted(names - before),
+        instances_removed=sorted(before - names),
+        instances=len(names),
     )
     return True
 

@@ -131,21 +131,22 @@ class Proxy:
                 (long, Priority.BATCH): (batch.long_ttft, batch.long_tpot),
             },
         )
-        self.reconfigure(config, keys, endpoints)
+        self.reconfigure(config, keys)
 
-    def reconfigure(
-        self, config: Config, keys: KeyChecker[Tenant], endpoints: dict[str, Endpoint]
-    ) -> None:
+    def know(self, endpoints: dict[str, Endpoint]) -> None:
+        """The instances' endpoints now (a reload, discovery). Those of removed instances
+        stay known, so a request still on one finishes normally."""
+        self.endpoints.update(endpoints)
+
+    def reconfigure(self, config: Config, keys: KeyChecker[Tenant]) -> None:
         """Take a (reloaded) configuration: what is read per request changes from here on.
 
-        Requests in progress keep what they read at their start. Endpoints of removed
-        instances stay known, so a request still on one finishes normally.
+        Requests in progress keep what they read at their start.
         """
         self.config = config
         self.keys = keys
         self.loaded_at = time.time()  # wall clock, for /admin/config
         self.waiting_for_restart: list[str] = []  # settings a reload left (reload.py)
-        self.endpoints.update(endpoints)
         self.recorder.trusted = networks(config.gateway.trusted_proxies)
         channel = config.channel
         self.default_model = channel.default_model

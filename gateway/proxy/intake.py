@@ -147,6 +147,12 @@ class Intake:
             tenant.check_model(None)
             return None  # none at all, or not a string: the instance answers that
         scheduler = self.scheduler
+        if not scheduler.names():
+            # No instance at all (discovery found none yet): nothing says the model is
+            # wrong, and the fleet may come back; the client should try again.
+            raise errors.NoInstanceAvailable(
+                "the fleet has no instance now", retry_after=scheduler.limits.queue_retry_after
+            )
         if not scheduler.model_served(model):
             models = scheduler.served_models()
             if tenant.models is not None:

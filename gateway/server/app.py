@@ -23,8 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import errors
 from gateway.config.load import Config
+from gateway.config.schema import InstanceConfig
+from gateway.config.urls import without_credentials
 from gateway.dispatch import STRATEGIES, Lane, Scheduler
 from gateway.dispatch.least_time import LeastTime
+from gateway.fleet.discovery import Discovery, Resolver, host_port, system_resolver
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.drains import Drains, UnknownInstance
 from gateway.fleet.health import HealthChecker
@@ -51,6 +54,7 @@ PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 DRAINS = web.AppKey("drains", Drains)
+DISCOVERY = web.AppKey("discovery", Discovery)
 METRICS = web.AppKey("metrics", Metrics)
 # redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
 # installed, which a gateway without tracing or sharing should not load.
@@ -70,7 +74,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _UNKEYED = ("/healthz", "/readyz", "/metrics")  # probes and scrapes take no key
 
 
-def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Application:
+def build_app(
+    config: Config, lifecycle: Lifecycle | None = None, *, resolver: Resolver = system_resolver
+) -> web.Application:
+    """`resolver`: how `"discover": "dns"` entries are resolved (tests inject their own)."""
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
         middlewares=[  # the order matters: middleware.py says why
@@ -95,6 +102,7 @@ def build_app(config: Config, lifecycle: Lifecycle | None = None) -> web.Applica
         app.middlewares.insert(3, middleware.split_listeners(lambda: admin.port))
     app[CONFIG] = config
     app[LIFECYCLE] = lifecycle or Lifecycle()
+    app[DISCOVERY] = Discovery(config.instances, config.dispatch.discovery_interval, resolver)
     app.cleanup_ctx.append(_resources)
     if config.file.shared.redis_url is not None:
         app.cleanup_ctx.append(_shared_state)
@@ -122,7 +130,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     dispatch = config.dispatch
     registry = Registry()
     metrics = Metrics(registry, lane_names={Lane.SHORT: "short", Lane.LONG: config.prefill.tag})
-    specs, limits, policy = scheduler_inputs(config)
+    discovery = app[DISCOVERY]
+    if discovery.active:  # the addresses before the first request, as the verdicts
+        await discovery.run_round()
+    instances = discovery.instances()
+    specs, limits, policy = scheduler_inputs(config, instances)
     stale_after = limits.metrics_stale_after
     slo = config.file.slo
     strategy = STRATEGIES[dispatch.strategy](
@@ -135,7 +147,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics.watch(dispatcher.snapshot)
     upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
     await upstream.start()
-    endpoints = endpoints_of(config)
+    endpoints = endpoints_of(config, instances)
     checker = HealthChecker(
         probe_targets(endpoints),
         upstream,
@@ -149,6 +161,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics.serving(config.digest())
     app[DISPATCHER] = dispatcher
     app[DRAINS] = Drains(dispatcher)
+    discovery.on_change = functools.partial(apply_instances, app)
+    discovery.on_failure = lambda entry: metrics.discovery_failures.labels(entry.label).inc()
     app[HEALTH] = checker
     app[PROXY] = Proxy(
         config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
@@ -159,16 +173,34 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         metrics,
         config,
         app.router.routes(),
+        servers=scheduler.names(),
         keyed=not keys.open,
         models=scheduler.served_models(),
         keys=[t.name for t in tenants.tenants_of(config)],
     )
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    finding = asyncio.create_task(discovery.run_forever(), name="discovery")
     try:
         yield
     finally:
+        await _stop(finding)
         await _stop(task)
         await upstream.close()
+
+
+def apply_instances(app: web.Application, instances: list[InstanceConfig]) -> None:
+    """A new instance list (a reload, or discovery found others): the scheduler keeps the
+    state of those that stay, the proxy learns the new ones' endpoints, the prober probes
+    them now; a removed one's requests finish and its per-instance series go."""
+    config = app[PROXY].config
+    before = app[DISPATCHER].instance_names()
+    endpoints = endpoints_of(config, instances)
+    specs, limits, policy = scheduler_inputs(config, instances)
+    app[DISPATCHER].reconfigure(specs, limits, policy)
+    app[PROXY].know(endpoints)
+    app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
+    # A removed instance's streams may still end (and count) for up to a request's time.
+    app[METRICS].depart(before - set(endpoints), set(endpoints), config.gateway.request_timeout)
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
@@ -465,10 +497,23 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
             }
         )
     queues = {lane_names[lane.value]: n for lane, n in snap.queues.items()}
+    discovery = request.app[DISCOVERY]
     body = {
         "strategy": snap.strategy,
         "inflight": snap.inflight,
         "instances": instances,
         "queues": queues,
+        "discovery": [
+            {
+                "entry": without_credentials(entry.url),
+                "addresses": [host_port(a) for a in state.addresses],
+                "resolved_at": None if state.resolved_at is None else _iso(state.resolved_at),
+                "empty_answers_in_a_row": state.empty_rounds,
+                "error": state.error,
+                "failing_since": None if state.failing_since is None else _iso(state.failing_since),
+                "failures_total": state.failures_total,
+            }
+            for entry, state in discovery.entry_states()
+        ],
     }
     return web.Response(text=json.dumps(body, indent=2), content_type="application/json")

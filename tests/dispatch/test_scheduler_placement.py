@@ -302,10 +302,16 @@ def test_release_of_unknown_ticket_raises() -> None:
         sched.release(1, Outcome.SUCCESS, 0.0, rng)
 
 
-def test_scheduler_needs_an_instance() -> None:
-    """A scheduler over an empty fleet is refused at construction."""
-    with pytest.raises(ValueError, match="at least one instance"):
-        make()
+def test_an_empty_fleet_refuses_every_request_until_an_instance_comes() -> None:
+    """Discovery may find no instance yet: the scheduler holds none, refuses at once, and
+    a reconfigure that brings one serves."""
+    rng = random.Random(0)
+    sched = make()
+    assert isinstance(sched.submit(tk(1), 0.0, rng), Rejected)
+    assert sched.snapshot(0.0).instances == ()
+    sched.reconfigure([InstanceSpec("a")], sched.limits, sched.health_policy, 0.0, rng)
+    bring_up(sched, rng)
+    assert assigned_to(sched.submit(tk(2), 0.0, rng)) == "a"
 
 
 def test_reprs_show_counts() -> None:
