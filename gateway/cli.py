@@ -98,8 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        help="processes serving the port (default: [gateway] workers, itself 1; see Workers "
-        "in README)",
+        help="processes serving the port (default: [gateway] workers, itself 1; see "
+        "Workers in docs/operations.md)",
     )
     p.add_argument("--version", action="version", version=f"gateway {__version__}")
     return p

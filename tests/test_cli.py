@@ -5,6 +5,7 @@ must catch before serving: test_cli_preflight.py."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -268,3 +269,16 @@ def test_help_names_the_environment_variables_and_every_flag_with_its_default(
         assert flag in text, flag
         shown = flat.split(flag, 2)[-1].split(" --", 1)[0]  # the flag's own help entry
         assert "default" in shown, (flag, shown)
+
+
+def test_help_points_at_doc_sections_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each "see <Section> in <file>" of `gateway --help` names a heading of that file."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    pointers = re.findall(r"see ([A-Z][\w -]*?) in ([\w/]+\.md)", flat)
+    assert ("Workers", "docs/operations.md") in pointers
+    root = Path(__file__).resolve().parents[1]
+    for section, page in pointers:
+        headings = re.findall(r"^#+ (.+)$", (root / page).read_text(), re.MULTILINE)
+        assert section in headings, (section, page)
