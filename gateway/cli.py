@@ -127,6 +127,26 @@ def run_preflight(config: Config, args: argparse.Namespace) -> list[str]:
     )
 
 
+def listen_report(config: Config) -> str:
+    """What `--check` found of the addresses serving would listen on: it listens on none,
+    it only tries to bind each one and lets go at once."""
+    gateway = config.gateway
+    addresses = [("", gateway.host, gateway.port)]
+    if gateway.admin_port is not None:
+        addresses.append(("admin ", gateway.admin_host or gateway.host, gateway.admin_port))
+    shown = []
+    for role, host, port in addresses:
+        if port == 0:
+            state = "any free port"
+        elif preflight.bind_problem(host, port):
+            state = "cannot be bound now"
+        else:
+            state = "free now"
+        shown.append(f"{role}{host}:{port} ({state})")
+    workers = f" with {gateway.workers} workers" if gateway.workers > 1 else ""
+    return f"would listen on {' and '.join(shown)}{workers}; nothing was started"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -141,9 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"ok: {config.config_path} and {config.settings_path} are valid; "
             f"{len(config.instances)} instance(s), strategy {config.dispatch.strategy}, "
-            f"{len(config.api_keys) + len(config.named_keys)} key(s), listening on "
-            f"{config.gateway.host}:{config.gateway.port}"
-            + (f" with {config.gateway.workers} workers" if config.gateway.workers > 1 else "")
+            f"{len(config.api_keys) + len(config.named_keys)} key(s); {listen_report(config)}"
         )
         return 0
     log.configure(

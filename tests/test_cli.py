@@ -116,9 +116,33 @@ def test_host_and_port_overrides_show_in_check(
     """`--host` and `--port` override the file's listen address, as `--check` reports."""
     config = write(tmp_path, '[gateway]\nhost = "127.0.0.1"\nport = 8080\n')
     assert main(["--config", str(config), "--host", "0.0.0.0", "--port", "9123", "--check"]) == 0
-    assert "listening on 0.0.0.0:9123" in capsys.readouterr().out
+    assert "would listen on 0.0.0.0:9123" in capsys.readouterr().out
     assert main(["--config", str(config), "--port", "9124", "--check"]) == 0
-    assert "listening on 127.0.0.1:9124" in capsys.readouterr().out
+    assert "would listen on 127.0.0.1:9124" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("keyed")
+def test_check_says_what_it_checked_of_the_addresses_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--check` never claims to listen: it says each address serving would use, whether
+    it can be bound now (a taken one also warns), and that nothing was started."""
+    port, admin_port = free_port(), free_port()
+    config = write(tmp_path, f"[gateway]\nport = {port}\nadmin_port = {admin_port}\n")
+    assert main(["--config", str(config), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "listening on" not in out
+    assert out.rstrip().endswith(
+        f"would listen on 127.0.0.1:{port} (free now) and admin 127.0.0.1:{admin_port} "
+        "(free now); nothing was started"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert main(["--config", str(config), "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert f"127.0.0.1:{port} (cannot be bound now)" in out
+    assert f"port {port} on '127.0.0.1' cannot be bound now" in err
 
 
 @pytest.mark.usefixtures("keyed")

@@ -108,4 +108,4 @@ def test_check_reports_the_workers(tmp_path: Path, capsys: pytest.CaptureFixture
     """`--check --workers 3` validates the count and says how many workers would serve."""
     config = _write(tmp_path, "[gateway]\nport = 0\n")
     assert main(["--config", str(config), "--check", "--workers", "3"]) == 0
-    assert "listening on 127.0.0.1:0 with 3 workers" in capsys.readouterr().out
+    assert "would listen on 127.0.0.1:0 (any free port) with 3 workers" in capsys.readouterr().out
