@@ -442,3 +442,30 @@ def test_a_real_redis_with_the_manifests_args_takes_the_configmaps_url_only() ->
     finally:
         proc.kill()
         proc.wait(10)
+
+
+# ---------------------------------------------------------------- the vLLM fleet by DNS
+
+
+def test_the_vllm_example_is_a_headless_service_the_configmaps_entry_discovers() -> None:
+    """deploy/kubernetes/vllm: a Deployment and a headless Service over its pods, strictly
+    valid; the ConfigMap's instance entry discovers that Service's name on its port, and the
+    pods are ready by vLLM's /health (what the Service's DNS answer follows)."""
+    docs = render(K8S / "vllm")
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+    (service,) = objects("Service", docs)
+    (deployment,) = objects("Deployment", docs)
+    assert service["spec"]["clusterIP"] == "None"
+    pod = deployment["spec"]["template"]
+    assert _selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    (container,) = pod["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    (entry,) = json.loads(configmap_file("settings.json"))["vllm"]["instances"]
+    assert entry["discover"] == "dns"
+    url = urlsplit(entry["url"])
+    assert url.hostname == service["metadata"]["name"]
+    assert url.port == service["spec"]["ports"][0]["port"]
+    assert f"--port={container_ports(container)['http']}" in container["args"]
+    # Not applied with the gateway: the fleet is the user's own.
+    assert "vllm" not in [e.rstrip("/") for _, k in kustomizations() for e in k["resources"]]
