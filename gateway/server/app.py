@@ -343,7 +343,11 @@ async def _models(request: web.Request) -> web.StreamResponse:
     allowed = request.get(tenants.TENANT, tenants.DEFAULT).models
     if allowed is not None:  # a key sees only the models it may use, as OpenAI lists them
         data = [m for m in data if m["id"] in allowed]
-    return web.json_response({"object": "list", "data": data})
+    # The list is the union of the instances' own: each of them answered it, in part.
+    instances = ", ".join(i.name for i in up)
+    return web.json_response(
+        {"object": "list", "data": data}, headers={"X-Gateway-Instance": instances}
+    )
 
 
 async def _healthz(request: web.Request) -> web.StreamResponse:
