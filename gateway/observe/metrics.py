@@ -98,8 +98,8 @@ class Metrics:
         lane_names: dict[Lane, str] | None = None,
     ) -> None:
         self.registry = registry
-        # How lanes are named in labels and logs (the app names the long one [prefill].tag).
         self._departed: dict[str, float] = {}  # instances gone: when to forget them for good
+        # How lanes are named in labels and logs (the app names the long one [prefill].tag).
         self.lane_names = lane_names or {lane: lane.value for lane in Lane}
         self.max_tags = max_tags
         self._tags: dict[str, float] = {}  # tag -> when last counted, least recent first
@@ -167,8 +167,6 @@ class Metrics:
             ["server"],
             registry=registry,
         )
-        self.rejections = Counter(
-            "gateway_rejections",
         self.discovery_failures = Counter(
             "gateway_discovery_failures",
             'Rounds in which the name of a `"discover": "dns"` instance entry could not be '
@@ -176,6 +174,8 @@ class Metrics:
             ["entry"],
             registry=registry,
         )
+        self.rejections = Counter(
+            "gateway_rejections",
             "Requests the gateway turned away itself, by reason.",
             ["reason"],
             registry=registry,
@@ -335,8 +335,6 @@ class Metrics:
             registry=registry,
         )
 
-    def serving(self, digest: str) -> None:
-        """The configuration served now is the one whose digest this is."""
     def depart(self, gone: Iterable[str], present: Iterable[str], grace: float) -> None:
         """Instances left the fleet (a reload, discovery): their series go now, and again
         once `grace` seconds have passed (`sweep`), since a request still on one counts
@@ -379,6 +377,8 @@ class Metrics:
             for labels in children:
                 metric.remove(*labels)
 
+    def serving(self, digest: str) -> None:
+        """The configuration served now is the one whose digest this is."""
         self.config_info.clear()
         self.config_info.labels(digest).set(1)
 
