@@ -45,7 +45,7 @@ _log = log.get("gateway.discovery")
 EMPTY_ROUNDS = 3  # rounds in a row an empty answer must hold before it empties an entry
 MAX_ADDRESSES = 256  # per entry: a name that answers more is cut (and says so)
 
-Address = tuple[str, int]
+HostPort = tuple[str, int]
 
 
 class ResolveFailed(Exception):
@@ -53,10 +53,10 @@ class ResolveFailed(Exception):
 
 
 # (host, port) -> the addresses and ports it stands for now; [] when the name has none.
-Resolver = Callable[[str, int], Awaitable[list[Address]]]
+Resolver = Callable[[str, int], Awaitable[list[HostPort]]]
 
 
-async def system_resolver(host: str, port: int) -> list[Address]:
+async def system_resolver(host: str, port: int) -> list[HostPort]:
     """getaddrinfo, as every other client on the machine resolves: [] for a name with no
     address (NXDOMAIN, NODATA), ResolveFailed for a resolver that did not answer."""
     no_address = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
@@ -75,7 +75,7 @@ async def system_resolver(host: str, port: int) -> list[Address]:
 class EntryState:
     """What one discovered entry stands for now, and how its resolution goes."""
 
-    addresses: tuple[Address, ...] = ()
+    addresses: tuple[HostPort, ...] = ()
     empty_rounds: int = 0  # empty answers in a row (the set stays until EMPTY_ROUNDS)
     error: str | None = None  # the resolver's failure while it lasts
     failing_since: float | None = None  # wall clock
@@ -84,7 +84,7 @@ class EntryState:
 
 
 def next_state(
-    state: EntryState, answer: Sequence[Address] | ResolveFailed, now: float
+    state: EntryState, answer: Sequence[HostPort] | ResolveFailed, now: float
 ) -> EntryState:
     """The entry after one round's answer (pure)."""
     if isinstance(answer, ResolveFailed):
@@ -102,7 +102,7 @@ def next_state(
     return dataclasses.replace(healed, addresses=kept, empty_rounds=empty)
 
 
-def host_port(address: Address) -> str:
+def host_port(address: HostPort) -> str:
     host, port = address
     with contextlib.suppress(ValueError):
         if ipaddress.ip_address(host).version == 6:
@@ -217,7 +217,7 @@ class Discovery:
             except Exception:  # never the end of discovery; the last set stays
                 _log.exception("discovery_round_failed")
 
-    async def _resolve(self, entry: InstanceConfig) -> list[Address] | ResolveFailed:
+    async def _resolve(self, entry: InstanceConfig) -> list[HostPort] | ResolveFailed:
         host, port = _name_and_port(entry.url)
         try:
             async with asyncio.timeout(max(1.0, min(self.interval, 10.0))):
