@@ -67,6 +67,9 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     code: ClassVar[str] = "internal_error"
+    # Why the scheduler turned the request away unplaced (its `Rejected.reason`), for the
+    # access line and the key's counts; "" for every other error.
+    rejection: str = ""
 
     def __init__(
         self, message: str, *, param: str | None = None, retry_after: float | None = None

@@ -399,6 +399,11 @@ class Dispatcher:
 
     def _rejection(self, decision: Rejected) -> errors.GatewayError:
         self.metrics.rejections.labels(decision.reason).inc()
+        error = self._refusal(decision)
+        error.rejection = decision.reason
+        return error
+
+    def _refusal(self, decision: Rejected) -> errors.GatewayError:
         after = decision.retry_after
         if decision.reason == "queue_full":
             return errors.Overloaded(

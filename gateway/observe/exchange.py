@@ -58,7 +58,9 @@ class Exchange:
     trace: TraceContext | None = None
     span: Span | None = None  # with OpenTelemetry on: the request's span
     forward: dict[str, str] = field(default_factory=dict)  # client headers the instance gets
-    refused: str = ""  # why its key's request was refused: model, requests, tokens, concurrent
+    # Why it was refused: by its key (model, requests, tokens, concurrent), or by the
+    # gateway's scheduler (a Rejected reason: queue_full, predicted_wait, no_instance, ...).
+    refused: str = ""
 
 
 def tokens_used(ex: Exchange) -> tuple[int, int]:

@@ -67,6 +67,7 @@ KEY_OUTCOMES = (
     "ok",
     "cut",
     "error",
+    "refused",
     "denied",
     "limit_requests",
     "limit_tokens",
@@ -115,7 +116,8 @@ class Metrics:
         self.key_requests = Counter(
             "gateway_key_requests",
             "Requests of each key (its name; `default`: the unnamed keys), by model and "
-            "outcome: ok, cut (a stream cut short, a client that left), error, denied (a "
+            "outcome: ok, cut (a stream cut short, a client that left), error, refused "
+            "(turned away by the gateway: gateway_rejections_total's reasons), denied (a "
             "model the key may not use), limit_requests, limit_tokens, limit_concurrent "
             "(refused by the key's limits).",
             ["key", "model", "outcome"],

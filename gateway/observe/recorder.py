@@ -21,7 +21,7 @@ from gateway.config.load import Config
 from gateway.observe import log, request_id
 from gateway.observe.client_address import Network, client_of
 from gateway.observe.exchange import Exchange, tokens_used
-from gateway.observe.metrics import NONE, Metrics
+from gateway.observe.metrics import NONE, REJECTIONS, Metrics
 
 _access = log.get("gateway.access")
 
@@ -96,7 +96,11 @@ def start_series(
 
 
 def key_outcome(ex: Exchange) -> str:
-    """What became of a key's request, as `gateway_key_requests_total` counts it."""
+    """What became of a key's request, as `gateway_key_requests_total` counts it: turned
+    away by the gateway itself (`refused`: the fleet is full, not the client wrong), by the
+    key's own model list or limits, or answered."""
+    if ex.refused in REJECTIONS:
+        return "refused"
     if ex.refused:
         return "denied" if ex.refused == "model" else f"limit_{ex.refused}"
     if ex.status == 499 or ex.cut:
@@ -159,7 +163,9 @@ def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str
 
 
 def bytes_of(response: web.StreamResponse) -> int:
-    """A stream has been written (the count includes its head); a whole answer not yet."""
+    """The answer's body bytes, without its head or any chunk framing: a stream counts what
+    it wrote (the relay's `_Out`: also when cut short), a whole answer, not written yet, is
+    its Content-Length."""
     return response.body_length if response.prepared else response.content_length or 0
 
 

@@ -240,6 +240,7 @@ class Proxy:
             return await self._forward(call, ex, ticket)
         except errors.GatewayError as exc:
             ex.status = exc.status
+            ex.refused = ex.refused or exc.rejection  # the scheduler's reason, if it refused
             return exc.response(headers, route.api)
         except asyncio.CancelledError:
             if self.aborting and ex.status == 0 and task is not None:

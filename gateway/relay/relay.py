@@ -81,9 +81,17 @@ _MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not 
 
 
 class _Out(web.StreamResponse):
-    """A stream answer whose bytes written below aiohttp (splice.py) count as its own."""
+    """A stream answer that counts its body's bytes, those written below aiohttp
+    (splice.py) included.
 
-    spliced = 0
+    `body_length` is the body only, as the client's HTTP parser hands it on: no head and no
+    chunk framing, so a stream's figure means what a whole answer's Content-Length does.
+    aiohttp's own counts the head and the framing too.
+    """
+
+    spliced = 0  # body bytes the splice wrote
+    written = 0  # body bytes written through aiohttp
+    ended = False
     writer: AbstractStreamWriter | None = None
     # The head waits for the first event and goes out in the same write (aiohttp's own
     # `Response` does the same; a stream answer otherwise sends its head alone).
@@ -93,13 +101,19 @@ class _Out(web.StreamResponse):
         self.writer = await super().prepare(request)
         return self.writer
 
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await super().write(data)
+        self.written += len(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        ended, self.ended = self.ended, True
+        await super().write_eof(data)
+        if not ended:  # aiohttp ignores a second end, and its data
+            self.written += len(data)
+
     @property
     def body_length(self) -> int:
-        # aiohttp counts a stream's bytes when it ends; one cut short counts what was written.
-        written = super().body_length
-        if not written and self.writer is not None:
-            written = self.writer.output_size
-        return written + self.spliced
+        return self.written + self.spliced
 
 
 def _ended_well(framer: sse.Framer, route: Route) -> bool:

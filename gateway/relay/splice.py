@@ -105,7 +105,7 @@ class Splice:
         self.write_timeout = write_timeout
         self.decode = decode
         self.done: asyncio.Future[End] = self._loop.create_future()
-        self.sent = 0  # bytes written to the client, framing included (as aiohttp counts)
+        self.sent = 0  # body bytes written to the client, without the chunk framing
         self.behind = False  # the client's buffer is over its high-water mark
         self.last_event = self._loop.time()
         self._quiet: asyncio.TimerHandle | None = None
@@ -150,10 +150,10 @@ class Splice:
             if client.is_closing():
                 self._end(End(Why.CLIENT))
                 return
+            self.sent += len(out)
             if self.chunked:
                 out = b"%x\r\n%b\r\n" % (len(out), out)
             client.write(out)
-            self.sent += len(out)
         if framer.done and self.silence > DONE_GRACE_S:
             self._grace()
 

@@ -1,7 +1,8 @@
 """What `GET /admin/usage` shows: each configured key's use since start, its limits, and
 what is left of them now.
 
-The use is read from the key counters of /metrics (`gateway_key_requests_total`,
+The use is read from the key counters of /metrics (`gateway_key_requests_total`, whose
+outcomes tell a request the gateway turned away, `refused`, from one that failed, `error`;
 `gateway_key_tokens_total`, and fair share's `gateway_key_service_total`), so the page
 and Prometheus never disagree: this process's, or with `--workers` every worker's merged.
 What is left comes from where the limits are counted: Redis with `[shared]` (fleet-wide),
