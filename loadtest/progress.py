@@ -2,12 +2,17 @@
 
 tqdm comes with the `bench` extra. Without it, or when stderr is not a terminal (a log
 file, CI), one line a second says the same: elapsed, sent, done, errors, in flight, req/s.
+So does a terminal that reports no size (a pseudo-terminal nobody sized, as `docker run
+-t` or `kubectl exec -t` may give): tqdm sizes its bar to the width less one, and at a
+width of 0 it prints nothing at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -39,20 +44,36 @@ def _tqdm() -> Any | None:
         return None
 
 
+def terminal_width(stream: TextIO) -> int:
+    """The columns of the terminal `stream` writes to; 0 if it is none or reports none."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return 0
+
+
 def want_bar(stream: TextIO, bar: bool | None) -> bool:
-    """A bar when asked for (and tqdm is there), else when `stream` is a terminal."""
+    """A bar when asked for (and tqdm is there), else when `stream` is a terminal with a
+    width; plain lines otherwise."""
     if _tqdm() is None:
         return False
     if bar is not None:
         return bar
     isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+    return bool(isatty and isatty()) and terminal_width(stream) > 1
 
 
 def make_bar(total: float, desc: str, unit: str, stream: TextIO) -> Any:
-    """A tqdm bar (it shows rate and ETA itself); the caller checked want_bar."""
+    """A tqdm bar (it shows rate and ETA itself); the caller checked want_bar.
+
+    It follows the terminal's width; asked for on a terminal that reports none, it takes
+    $COLUMNS, else 120 columns, rather than tqdm's nothing."""
     tqdm = _tqdm()
     assert tqdm is not None
+    isatty = getattr(stream, "isatty", None)
+    if isatty and isatty() and terminal_width(stream) <= 1:
+        columns = shutil.get_terminal_size(fallback=(120, 24)).columns
+        return tqdm(total=total, desc=desc, unit=unit, file=stream, ncols=columns, leave=True)
     return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=True)
 
 
