@@ -151,3 +151,51 @@ def test_the_dashboard_variables_narrow_job_then_instance_then_server() -> None:
     )
     for name in ("job", "instance", "server"):
         assert (variables[name]["includeAll"], variables[name]["allValue"]) == (True, ".*")
+
+
+def panels(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every panel and row, those nested in a collapsed row included."""
+    return [p for node in nodes for p in (node, *panels(node.get("panels", [])))]
+
+
+def test_panel_ids_are_unique() -> None:
+    """Grafana keys a panel's state (links, edits, repeats) by its id: no two share one."""
+    ids = [p["id"] for p in panels(dashboard()["panels"])]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+
+
+def test_no_panel_overlaps_another() -> None:
+    """Each panel has its own place on the grid (Grafana would push one down at random)."""
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels(dashboard()["panels"]):
+        grid = panel["gridPos"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in taken, (panel["title"], taken.get((x, y)))
+                taken[x, y] = panel["title"]
+
+
+# What a panel must show, by the series it reads and the labels it sums by.
+SHOWN = {
+    "Requests by key and outcome": ("gateway_key_requests_total", "by (key, outcome)"),
+    "Tokens by key": ("gateway_key_tokens_total", "by (key, kind)"),
+    "Service share by key": ("gateway_key_service_total", "by (key)"),
+    "Prefill fallbacks by reason": ("gateway_prefill_fallbacks_total", "by (reason)"),
+    "Prefix-cache hit rate per server": (
+        "gateway_instance_vllm_prefix_cache_hit_tokens_total",
+        "by (server)",
+    ),
+    "Fleet saturation by model": ("gateway_fleet_saturation", "by (model)"),
+    "Metrics scrape age per server": ("gateway_instance_scrape_age_seconds", "by (server)"),
+}
+
+
+def test_keys_capacity_and_cache_each_have_one_panel() -> None:
+    """Each of these is shown by exactly one panel, which reads its series by its labels,
+    and no other panel reads those series (service share by key is not shown twice)."""
+    by_title = {p["title"]: exprs(p.get("targets", [])) for p in panels(dashboard()["panels"])}
+    for title, (metric, grouping) in SHOWN.items():
+        assert title in by_title, title
+        assert any(metric in e and grouping in e for e in by_title[title]), (title, metric)
+        readers = [t for t, es in by_title.items() if any(metric in e for e in es)]
+        assert readers == [title], (metric, readers)

@@ -432,6 +432,26 @@ async def scrape_traffic_and_evaluate(gw: Gateway, prom: Prometheus, folder: Pat
     assert by("job", "Configurations and reloads", "count by (job)") == {GATEWAY_JOB: 1}
     last_reload = by("instance", "Configurations and reloads", "last_reload_successful")
     assert list(last_reload.values()) == [1]
+    # Keys: the unnamed key's tokens of both kinds, its requests served and those the
+    # burst had refused (429s of the gateway's own, not errors).
+    tokens = by("kind", "Tokens by key", key="default")
+    assert tokens["prompt"] > 0, tokens
+    assert tokens["completion"] > 0, tokens
+    outcomes = by("outcome", "Requests by key and outcome", key="default")
+    assert outcomes["ok"] > 0, outcomes
+    assert outcomes["refused"] > 0, outcomes
+    assert outcomes["error"] == 0, outcomes
+    # Capacity and cache: the model's saturation (idle by now), each server's metrics read
+    # within the last health rounds, its prefix-cache rate, no fallback (no prefill role).
+    saturation = by("model", "Fleet saturation by model")
+    assert list(saturation) == ["sim-model"]
+    assert 0 <= saturation["sim-model"] < 1
+    ages = by("server", "Metrics scrape age per server")
+    assert sorted(ages) == sorted(gw.names())
+    assert all(0 <= age < 5 for age in ages.values()), ages
+    assert sorted(by("server", "Prefix-cache hit rate per server", "vllm")) == sorted(gw.names())
+    fallbacks = by("reason", "Prefill fallbacks by reason", "fallbacks")
+    assert fallbacks == dict.fromkeys(("prefill_failed", "unplaced", "no_params"), 0.0)
     errors = by("reason", "Shared state errors by reason")
     assert errors.get("malformed", 0) > 0, errors
     # The broken peer holds GatewaySharedStateErrors' condition (pending, `for:` to go).
