@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
@@ -430,6 +431,16 @@ class InstanceConfig(Frozen):
                 "(the gateway adds /v1/... and /health itself)"
             )
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _srv_needs_the_dns_extra(self) -> InstanceConfig:
+        host = urlsplit(self.url).hostname or ""
+        if self.discover == "dns" and host.startswith("_") and find_spec("dns") is None:
+            raise ValueError(
+                f"{host!r} is an SRV name (_service._proto.name): reading SRV records needs "
+                "the dns extra (pip install 'vllm-dispatch-gateway[dns]', dnspython)"
+            )
+        return self
 
     @property
     def endpoint(self) -> tuple[str, int]:

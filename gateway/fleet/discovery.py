@@ -16,9 +16,13 @@ STRICT_DNS cluster and nginx's `resolve` have them:
   entry only once it has held for `EMPTY_ROUNDS` rounds in a row: a rollout's brief gap,
   or one resolver's stale answer, does not drop the fleet;
 - the system's resolver (getaddrinfo: /etc/hosts, the pod's resolv.conf search domains)
-  unless a test injects its own. Its cache (nscd, systemd-resolved, a node-local DNS
-  cache) may hold an answer up to the record's TTL (Kubernetes: 30 s by default) beyond
-  the interval.
+  unless a test injects its own. A host named as SRV records are, `_service._proto.name`
+  (RFC 2782: no host name starts with `_`), is looked up as SRV (with the `dns` extra,
+  dnspython, which reads the same resolv.conf): each target's addresses with the record's
+  port, so instances on different ports are found too. SRV's priority and weight are not
+  read: every target is an instance (the entry's `weight` is each one's). A cache in
+  front of the resolver (nscd, systemd-resolved, a node-local DNS cache) may hold an
+  answer up to the record's TTL (Kubernetes: 30 s by default) beyond the interval.
 
 Under `--workers` each worker resolves on its own, and with `[shared]` each replica: all
 see the same addresses within an interval, as they all ask the same DNS.
@@ -29,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway.config.schema import InstanceConfig
@@ -57,8 +63,51 @@ Resolver = Callable[[str, int], Awaitable[list[HostPort]]]
 
 
 async def system_resolver(host: str, port: int) -> list[HostPort]:
-    """getaddrinfo, as every other client on the machine resolves: [] for a name with no
-    address (NXDOMAIN, NODATA), ResolveFailed for a resolver that did not answer."""
+    """getaddrinfo, as every other client on the machine resolves (an SRV name's records
+    through `srv_lookup`): [] for a name with no address (NXDOMAIN, NODATA), ResolveFailed
+    for a resolver that did not answer."""
+    if is_srv_name(host):
+        return await srv_lookup(host)
+    return await address_lookup(host, port)
+
+
+def is_srv_name(host: str) -> bool:
+    """`_service._proto.name`: an SRV record's name (RFC 2782); no host name starts so."""
+    return host.startswith("_")
+
+
+async def srv_lookup(host: str, dns_resolver: Any = None) -> list[HostPort]:
+    """The SRV records of `host`: each target's addresses (getaddrinfo), with its port.
+    `dns_resolver`: a dnspython asyncresolver.Resolver (default: the host's resolv.conf)."""
+    import dns.asyncresolver  # the `dns` extra: config.load refuses an SRV name without it
+    import dns.exception
+    import dns.resolver
+
+    resolver = dns_resolver or _default_dns_resolver()
+    try:
+        answer = await resolver.resolve(host, "SRV", search=True)
+    except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+        return []
+    except dns.exception.DNSException as exc:
+        raise ResolveFailed(str(exc) or type(exc).__name__) from exc
+    found: set[HostPort] = set()
+    for record in answer:
+        target = record.target.to_text(omit_final_dot=True)
+        if target in ("", "."):  # "." says: no such service here (RFC 2782)
+            continue
+        found.update(await address_lookup(target, int(record.port)))
+    return sorted(found)
+
+
+@functools.cache
+def _default_dns_resolver() -> Any:
+    import dns.asyncresolver
+
+    return dns.asyncresolver.Resolver()  # reads /etc/resolv.conf once
+
+
+async def address_lookup(host: str, port: int) -> list[HostPort]:
+    """getaddrinfo's addresses of `host`, each with `port`."""
     no_address = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
