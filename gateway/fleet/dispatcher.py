@@ -184,6 +184,7 @@ class Dispatcher:
         decision = self.scheduler.submit(ticket, self.clock(), self.rng)
         self._changed()
         if isinstance(decision, Assigned):
+            self._waited(ticket, 0.0)  # placed at once: its wait counts too, as none
             return decision.instance
         if isinstance(decision, Rejected):
             raise self._rejection(decision)
@@ -248,11 +249,15 @@ class Dispatcher:
         finally:
             timer.cancel()
             self._waiters.pop(ticket.id, None)
-        lane = self.metrics.lane_names[ticket.lane]
-        waited = self.clock() - started
-        self.metrics.queue_wait.labels(lane, ticket.priority).observe(waited)
-        self.metrics.key_queue_wait.labels(ticket.key).observe(waited)
+        self._waited(ticket, self.clock() - started)
         return instance
+
+    def _waited(self, ticket: Ticket, seconds: float) -> None:
+        """A place was found after `seconds` in the gateway queue: every placement is
+        observed, so the wait's percentiles and a key's mean are of all placed requests."""
+        lane = self.metrics.lane_names[ticket.lane]
+        self.metrics.queue_wait.labels(lane, ticket.priority).observe(seconds)
+        self.metrics.key_queue_wait.labels(ticket.key).observe(seconds)
 
     def _expire(self, ticket_id: int) -> None:
         self._settle(self.scheduler.expire(ticket_id, self.clock(), self.rng))
