@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -125,16 +125,19 @@ async def two_workers(
     *,
     channel: dict[str, Any] | None = None,
     extra_env: dict[str, str] | None = None,
+    entries: Callable[[list[str]], list[Any]] | None = None,
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, Path]]:
-    """`python -m gateway --workers 2` before two simulated instances; its log file."""
+    """`python -m gateway --workers 2` before two simulated instances; its log file.
+    `entries`: the instance entries to configure, made from the instances' URLs."""
     sims = [SimInstance(SIM), SimInstance(SIM)]
     for sim in sims:
         await sim.start()
     log = folder / "gateway.log"
     try:
+        urls = [s.url for s in sims]
         config = write_config(
             folder,
-            [s.url for s in sims],
+            entries(urls) if entries is not None else urls,
             sections={
                 "gateway": {"drain_timeout": DRAIN, "request_timeout": 60},
                 "dispatch": {"health_check_interval": 60},

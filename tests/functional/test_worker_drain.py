@@ -1,5 +1,6 @@
 """`gateway --workers 2`: a drain reaches every worker, whichever one took the order, and a
-worker started later (after a SIGKILL) starts with it; a resume likewise."""
+worker started later (after a SIGKILL) starts with it; a resume likewise. Discovered
+instances are the same in every worker."""
 
 from __future__ import annotations
 
@@ -61,5 +62,30 @@ async def test_a_drain_reaches_every_worker_and_outlives_a_worker_restart(tmp_pa
         await _until_every_worker_says(session, url, [])
         forwarded = named(await read_log(log), "drains_forwarded")
         assert [e["drained"] for e in forwarded] == [[name], []]
+        proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0
+
+
+async def test_every_worker_discovers_the_same_instances(tmp_path: Path) -> None:
+    """Each worker resolves on its own (the system's resolver: localhost, /etc/hosts): both
+    list the same instances, named by address, and serve through them."""
+
+    def by_dns(urls: list[str]) -> list[Any]:
+        return [{"url": u.replace("127.0.0.1", "localhost"), "discover": "dns"} for u in urls]
+
+    async with two_workers(tmp_path, entries=by_dns) as (proc, log), new_session() as session:
+        text = await wait_for_events(log, proc, "listening", 2)
+        url = str(named(text, "supervising")[0]["url"])
+        seen: dict[str, set[str]] = {}
+        async with asyncio.timeout(10):
+            while len(seen) < 2:
+                async with session.get(url + "/admin/instances") as resp:
+                    body = await resp.json()
+                    names = {i["name"] for i in body["instances"]}
+                    seen.setdefault(resp.headers[HEADER], names)
+        first, second = seen.values()
+        assert first == second
+        assert {n.split(":")[0] for n in first} >= {"127.0.0.1"}
+        assert len(named(await read_log(log), "instances_discovered")) >= 2  # one per worker
         proc.send_signal(signal.SIGTERM)
         assert await proc.wait() == 0
