@@ -191,6 +191,7 @@ class Client:
                 "model": self.model,
                 "messages": spec.chat_messages(),
                 "max_tokens": spec.max_tokens,
+                "ignore_eos": True,  # all of max_tokens, as `vllm bench serve` asks
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }

@@ -103,6 +103,7 @@ async def _one(session: aiohttp.ClientSession, url: str, kind: Kind, rng: random
         "model": "sim-model",
         "messages": [{"role": "user", "content": _LONG_PROMPT if kind.long else _SHORT_PROMPT}],
         "max_tokens": rng.randint(4, 24) if kind.long else rng.randint(4, 64),
+        "ignore_eos": True,  # all of max_tokens, as `vllm bench serve` asks
         "stream": kind.stream,
     }
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Tag": f"soak-{kind.name}"}

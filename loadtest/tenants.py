@@ -109,6 +109,7 @@ async def _ask(http: aiohttp.ClientSession, url: str, key: LimitedKey, answer: A
         "model": "sim-model",
         "messages": [{"role": "user", "content": "abcd" * key.prompt_tokens}],
         "max_tokens": key.max_tokens,
+        "ignore_eos": True,  # all of max_tokens: the limit's cost counts them
     }
     headers = {"Authorization": f"Bearer {key.key}"}
     try:

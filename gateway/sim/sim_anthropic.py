@@ -43,6 +43,7 @@ from .sim_engine import (
     parse_max_tokens,
     tokenize_messages,
     tokenize_tools,
+    tokens_to_generate,
 )
 
 
@@ -269,8 +270,11 @@ class AnthropicRoutes:
             max_tokens = parse_max_tokens(
                 {"max_tokens": parsed.max_tokens}, sim.config.default_max_tokens, prompt_tokens
             )
-            # vLLM's AnthropicMessagesRequest has no `priority`: every message is priority 0.
-            req = None if sim.config.instant else sim._submit(prompt_tokens, max_tokens, ids)
+            # vLLM's AnthropicMessagesRequest has no `priority` and no `ignore_eos` (it drops
+            # unknown fields): every message is priority 0 and may end before max_tokens.
+            prompt = [chat_tools(parsed), chat_messages(parsed)]
+            length = tokens_to_generate(sim.config, prompt, max_tokens, ignore_eos=False)
+            req = None if sim.config.instant else sim._submit(prompt_tokens, length, ids)
         except ApiError as exc:
             raise AnthropicError(exc.status, exc.message) from None
         model = parsed.model if parsed.model in sim.config.lora_adapters else sim.config.model
@@ -286,7 +290,7 @@ class AnthropicRoutes:
                 writer.resp = resp
             elif die_after is not None:
                 raise Dropped
-            while len(message.words) < max_tokens:
+            while len(message.words) < length:
                 if req is not None and await req.next_token() is None:
                     break
                 message.words.append(VOCAB[len(message.words) % len(VOCAB)])

@@ -6,11 +6,14 @@ The batching engine is in sim_batching.py, the prefix cache in sim_prefix_cache.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from statistics import NormalDist
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
@@ -27,6 +30,9 @@ SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 _TEMPLATE_IDS = (1, 2, 3, 4)
 # Every word is exactly 4 bytes, so count_tokens() of generated text equals the tokens generated.
 VOCAB = (" the", " and", " for", " sim", " gpu", " llm", " run", " set", " one", " two", " new")
+# The spread of natural answer lengths around their median (log-normal): at sigma 1 about two in
+# three answers lie within a factor e of the median, one in a hundred past ten times it.
+ANSWER_SIGMA = 1.0
 
 
 def dumps(obj: object) -> str:
@@ -48,7 +54,12 @@ class SimConfig:
     max_waiting: int | None = None  # queued requests beyond this get 503 engine busy
     # vLLM's --scheduling-policy: the order the waiting queue is served in (sim_queue.py).
     scheduling_policy: SchedulingPolicy = "fcfs"
-    default_max_tokens: int = 16
+    # A request's limit when it names none. vLLM's is the rest of the context (None here); a
+    # small one keeps a test's answers short (they end at it with finish_reason "length").
+    default_max_tokens: int | None = 16
+    # The median length of an answer that ends on its own (the model's end-of-sequence token),
+    # unless max_tokens cuts it first or the request sets vLLM's ignore_eos (answer_tokens()).
+    answer_tokens_median: int = 200
     api_key: str | None = None  # like vLLM --api-key: guards /v1/* only
     instant: bool = False  # no timing model: answer at once
     seed: int = 0
@@ -92,6 +103,10 @@ class SimConfig:
             raise ValueError("kv_bytes_per_token must be >= 1 and kv_link_bytes_per_s > 0")
         if self.kv_hold_timeout_s <= 0:
             raise ValueError("kv_hold_timeout_s must be > 0")
+        if self.answer_tokens_median < 1:
+            raise ValueError("answer_tokens_median must be >= 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1 (or None: the rest of the context)")
 
     @property
     def prefix_caching(self) -> bool:
@@ -281,11 +296,12 @@ class ApiError(Exception):
         }
 
 
-def parse_max_tokens(body: Mapping[str, Any], default: int, prompt_tokens: int) -> int:
-    """max_completion_tokens or max_tokens, checked against the context length like vLLM."""
+def parse_max_tokens(body: Mapping[str, Any], default: int | None, prompt_tokens: int) -> int:
+    """max_completion_tokens or max_tokens, checked against the context length like vLLM;
+    without either, `default`, or (None) the rest of the context as vLLM gives it."""
     value = body.get("max_completion_tokens") or body.get("max_tokens")
     if value is None:
-        return default
+        return default if default is not None else max(1, MAX_MODEL_LEN - prompt_tokens)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {value}.")
     if prompt_tokens + value > MAX_MODEL_LEN:
@@ -330,6 +346,46 @@ def parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise ApiError(400, problems) from None
     options = fields.stream_options
     return bool(fields.stream), bool(options is not None and options.include_usage)
+
+
+def answer_tokens(seed: int, prompt: object, median: int) -> int:
+    """How many tokens the simulated model answers `prompt` (any JSON: the messages and tools,
+    a prompt text) with before its end-of-sequence token: a log-normal draw around `median`
+    (ANSWER_SIGMA), fixed by the seed and the prompt, so a request gets the same length on
+    every run and on every instance of the same seed. At least 1, at most the context."""
+    digest = hashlib.sha256(f"{seed}\n{dumps(prompt)}".encode()).digest()
+    uniform = (int.from_bytes(digest[:8], "big") + 0.5) / 2**64  # strictly inside (0, 1)
+    drawn = median * math.exp(ANSWER_SIGMA * NormalDist().inv_cdf(uniform))
+    return max(1, min(MAX_MODEL_LEN, round(drawn)))
+
+
+class _IgnoreEosField(BaseModel):
+    """vLLM's `ignore_eos` sampling field (lax: "true" and 1 are True)."""
+
+    ignore_eos: bool = False
+
+
+def parse_ignore_eos(body: Mapping[str, Any]) -> bool:
+    """A completions or chat request's `ignore_eos`: generate all of max_tokens."""
+    try:
+        return _IgnoreEosField.model_validate(
+            {"ignore_eos": body["ignore_eos"]} if "ignore_eos" in body else {}
+        ).ignore_eos
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ApiError(400, problems) from None
+
+
+def tokens_to_generate(
+    config: SimConfig, prompt: object, max_tokens: int, *, ignore_eos: bool
+) -> int:
+    """The answer's length: its natural length (answer_tokens) unless max_tokens cuts it first,
+    or all of max_tokens with ignore_eos, as vLLM's `vllm bench serve` asks for."""
+    if ignore_eos:
+        return max_tokens
+    return min(max_tokens, answer_tokens(config.seed, prompt, config.answer_tokens_median))
 
 
 class _PriorityField(BaseModel):
@@ -420,7 +476,14 @@ class Generation:
     model: str
     chat: bool
     prompt_tokens: int
+    max_tokens: int
     tokens: list[str] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        # vLLM checks the length cap before the stop token: an answer that ends exactly at
+        # max_tokens is "length".
+        return "length" if len(self.tokens) >= self.max_tokens else "stop"
 
     def _envelope(self, choices: list[dict[str, Any]], obj: str) -> dict[str, Any]:
         return {
@@ -447,7 +510,7 @@ class Generation:
             }
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        choice.update(logprobs=None, finish_reason=self.finish_reason, stop_reason=None)
         body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
         body["usage"] = usage_body(self.prompt_tokens, len(self.tokens))
         return body
@@ -455,7 +518,7 @@ class Generation:
     def token_events(self, last: bool) -> list[bytes]:
         """The SSE events that carry the newest token (and the role chunk before the first)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        finish: dict[str, Any] = {"finish_reason": "length", "stop_reason": None}
+        finish: dict[str, Any] = {"finish_reason": self.finish_reason, "stop_reason": None}
         if not last:
             finish = {"finish_reason": None}
         events = []

@@ -49,6 +49,7 @@ from .sim_engine import (
     parse_max_tokens,
     tokenize_messages,
     tokenize_tools,
+    tokens_to_generate,
 )
 
 
@@ -105,6 +106,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     background: bool | None = False
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    ignore_eos: bool = False
 
 
 class _NotFound(ApiError):
@@ -345,10 +347,12 @@ class ResponsesRoutes:
         max_tokens = parse_max_tokens(
             {"max_tokens": parsed.max_output_tokens}, sim.config.default_max_tokens, prompt_tokens
         )
+        prompt = [tools, chat]
+        length = tokens_to_generate(sim.config, prompt, max_tokens, ignore_eos=parsed.ignore_eos)
         req = (
             None
             if sim.config.instant
-            else sim._submit(prompt_tokens, max_tokens, ids, priority=parsed.priority)
+            else sim._submit(prompt_tokens, length, ids, priority=parsed.priority)
         )
         model = parsed.model if parsed.model in sim.config.lora_adapters else sim.config.model
         answer = Answer(
@@ -365,7 +369,7 @@ class ResponsesRoutes:
                 await writer.send(answer.head_events())
             elif writer.die_after is not None:
                 raise Dropped
-            while len(answer.words) < max_tokens:
+            while len(answer.words) < length:
                 if req is not None and await req.next_token() is None:
                     break
                 answer.words.append(VOCAB[len(answer.words) % len(VOCAB)])

@@ -37,6 +37,7 @@ from .sim_engine import (
     dumps,
     embedding_inputs,
     embedding_vector,
+    parse_ignore_eos,
     parse_max_tokens,
     parse_priority,
     parse_stream,
@@ -46,6 +47,7 @@ from .sim_engine import (
     tokenize_messages,
     tokenize_text,
     tokenize_tools,
+    tokens_to_generate,
     usage_body,
 )
 from .sim_kv_transfer import (
@@ -272,7 +274,9 @@ class SimInstance:
             if ids is not None
             else count_tool_tokens(tools) + count_message_tokens(messages)
         )
-        return await self._generate(request, body, count, chat=True, token_ids=ids)
+        return await self._generate(
+            request, body, count, chat=True, token_ids=ids, prompt=[tools, messages]
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         await self._apply_faults()
@@ -280,7 +284,9 @@ class SimInstance:
         prompt = body.get("prompt")
         prompt_tokens = prompt_token_count(prompt)
         ids = prompt_token_ids(prompt) if self.config.prefix_caching else None
-        return await self._generate(request, body, prompt_tokens, chat=False, token_ids=ids)
+        return await self._generate(
+            request, body, prompt_tokens, chat=False, token_ids=ids, prompt=prompt
+        )
 
     async def _generate(
         self,
@@ -289,11 +295,17 @@ class SimInstance:
         prompt_tokens: int,
         *,
         chat: bool,
+        prompt: object,
         token_ids: list[int] | None = None,
     ) -> web.StreamResponse:
+        """prompt: the request's prompt as JSON (messages and tools, or the prompt), which
+        fixes the answer's natural length."""
         max_tokens = parse_max_tokens(body, self.config.default_max_tokens, prompt_tokens)
         stream, include_usage = parse_stream(body)
         priority = parse_priority(body)
+        length = tokens_to_generate(
+            self.config, prompt, max_tokens, ignore_eos=parse_ignore_eos(body)
+        )
         prefix = "chatcmpl-" if chat else "cmpl-"
         # vLLM names the adapter that answered, or else the base model.
         model = body.get("model")
@@ -303,6 +315,7 @@ class SimInstance:
             model=model if model in self.config.lora_adapters else self.config.model,
             chat=chat,
             prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
         )
         die_after = self.faults.die_after_chunks
         # Without a connector vLLM ignores kv_transfer_params, and so does the simulator.
@@ -315,7 +328,7 @@ class SimInstance:
         req = (
             None
             if self.config.instant
-            else self._submit(prompt_tokens, max_tokens, token_ids, computed, priority)
+            else self._submit(prompt_tokens, length, token_ids, computed, priority)
         )
         resp: web.StreamResponse | None = None
         dropped = done = False
@@ -327,15 +340,15 @@ class SimInstance:
                 writer.resp = resp
             elif die_after is not None:
                 raise Dropped
-            while len(gen.tokens) < max_tokens:
+            while len(gen.tokens) < length:
                 if req is not None and await req.next_token() is None:
                     break
                 gen.tokens.append(self._rng.choice(VOCAB))
                 if stream:
-                    await writer.send(gen.token_events(last=len(gen.tokens) == max_tokens))
+                    await writer.send(gen.token_events(last=len(gen.tokens) == length))
             if req is None:
                 self.stats.prompt_tokens += prompt_tokens
-                self.stats.generation_tokens += max_tokens
+                self.stats.generation_tokens += len(gen.tokens)
                 self.stats.completed += 1
             produced = None
             # Only a request that finished by length keeps its blocks (vLLM's

@@ -36,7 +36,13 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() ->
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
         body = json.dumps(
-            {"prompt": "x", "max_tokens": 30000, "stream": True, "model": "sim-model"}
+            {
+                "prompt": "x",
+                "max_tokens": 30000,
+                "ignore_eos": True,  # the whole 30000: the stream outlasts the test
+                "stream": True,
+                "model": "sim-model",
+            }
         ).encode()
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
