@@ -37,6 +37,10 @@ async def start_simulated(config: Config) -> list[object]:
     from gateway.sim.sim_vllm import SimConfig
 
     configs, ports = [], []
+    # A fleet with prefill and decode roles runs vLLM's KV connector on every instance (kv_both,
+    # as vLLM's disaggregated deployments do): without it a prefill hop gets no
+    # kv_transfer_params back and every long prompt falls back to one hop (no_params).
+    disaggregated = any(spec.role != "both" for spec in config.instances)
     for spec in config.instances:
         parts = urlsplit(spec.url)
         host = parts.hostname or ""
@@ -51,6 +55,10 @@ async def start_simulated(config: Config) -> list[object]:
                 scheduling_policy=spec.scheduling_policy,
                 # A tensor-parallel group of N cards prefills about N times faster.
                 prefill_tokens_per_s=SimConfig.prefill_tokens_per_s * tp,
+                kv_transfer=disaggregated,
+                # vLLM's limit for a request that names none (Codex CLI sends no
+                # max_output_tokens): the rest of the context; answers end on their own.
+                default_max_tokens=None,
             )
         )
     return list(await start_fleet(configs, ports=ports))
