@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from gateway.sim.fleet import _build_parser
 from gateway.sim.sim_engine import (
     MAX_MODEL_LEN,
     ApiError,
@@ -87,3 +88,10 @@ def test_no_default_limit_is_the_rest_of_the_context() -> None:
         SimConfig(default_max_tokens=0)
     with pytest.raises(ValueError, match="answer_tokens_median"):
         SimConfig(answer_tokens_median=0)
+
+
+def test_the_fleet_command_takes_the_median() -> None:
+    """`python -m gateway.sim.fleet --answer-tokens-median N` sets it; 200 when not given."""
+    assert _build_parser("fleet").parse_args([]).answer_tokens_median == 200
+    args = _build_parser("fleet").parse_args(["--answer-tokens-median", "50"])
+    assert args.answer_tokens_median == 50

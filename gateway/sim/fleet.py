@@ -144,6 +144,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         help="tokens per KV block (vLLM's default)",
     )
     parser.add_argument(
+        "--answer-tokens-median",
+        type=int,
+        default=SimConfig.answer_tokens_median,
+        help="median length of an answer that ends on its own (requests with ignore_eos run "
+        "to max_tokens)",
+    )
+    parser.add_argument(
         "--kv-transfer",
         action="store_true",
         help="every instance runs vLLM's NixlConnector as kv_both: prefill/decode "
@@ -191,6 +198,9 @@ async def _run(args: argparse.Namespace) -> None:
             kv_bytes_per_token=args.kv_bytes_per_token,
             kv_link_bytes_per_s=args.kv_link_bytes_per_s,
             kv_hold_timeout_s=args.kv_hold_timeout,
+            answer_tokens_median=args.answer_tokens_median,
+            # vLLM's limit for a request that names none: the rest of the context.
+            default_max_tokens=None,
         )
         for index, speed in enumerate(args.speeds)
     ]
