@@ -331,3 +331,20 @@ def test_an_anthropic_prompt_count_comes_from_message_start_when_the_end_lacks_i
     framer = Framer(token_event="content_block_delta")
     framer.feed(start + delta + delta)
     assert (framer.prompt_tokens(), framer.completion_tokens()) == (42, None)
+
+
+def test_a_kept_framer_keeps_each_whole_data_event_however_reads_split_them() -> None:
+    """For migration: every data event passed on (not [DONE], not comments), whole; an
+    event too long to hold, passed on in pieces, leaves nothing to read back (None)."""
+    events = [b'data: {"a":1}\n\n', b": keep-alive\n\n", b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+    for cut in range(1, len(stream)):
+        framer = Framer(keep=True)
+        framer.feed(stream[:cut])
+        framer.feed(stream[cut:])
+        assert framer.kept is not None
+        assert [e.strip() for e in framer.kept] == [b'data: {"a":1}', b'data: {"b":2}'], cut
+    assert Framer().kept is None  # off unless asked
+    small = Framer(max_event=16, keep=True)
+    small.feed(b"data: " + b"x" * 100)
+    assert small.kept is None

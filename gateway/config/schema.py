@@ -300,6 +300,9 @@ class RetrySettings(Frozen):
     max_attempts: int = Field(3, ge=1, le=10)
     backoff_base: float = Field(0.5, ge=0)
     backoff_max: float = Field(8.0, ge=0)
+    # Continuations of a stream its instance broke after the client got part of it, on
+    # other instances (relay/continuation.py); 0: such a stream ends with the in-band error.
+    migrations: int = Field(2, ge=0, le=10)
 
 
 class KeyEntry(Frozen):

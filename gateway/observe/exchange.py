@@ -61,6 +61,8 @@ class Exchange:
     # Why it was refused: by its key (model, requests, tokens, concurrent), or by the
     # gateway's scheduler (a Rejected reason: queue_full, predicted_wait, no_instance, ...).
     refused: str = ""
+    # The instances a migrated stream went on to after its first, in order (continuation.py).
+    migrated_to: list[str] = field(default_factory=list)
 
 
 def tokens_used(ex: Exchange) -> tuple[int, int]:

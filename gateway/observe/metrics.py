@@ -169,6 +169,16 @@ class Metrics:
             ["server"],
             registry=registry,
         )
+        self.migrations = Counter(
+            "gateway_migrations",
+            "Streams continued on another instance after theirs broke them mid-answer, by "
+            "why it broke (reset, eof, timeout) and outcome: completed (the client got the "
+            "whole answer), failed (a continuation broke too, or none could be placed), "
+            "refused (not continuable: n, logprobs, seed, structured output, a tool call in "
+            "flight, the route; it ends as before).",
+            ["reason", "outcome"],
+            registry=registry,
+        )
         self.discovery_failures = Counter(
             "gateway_discovery_failures",
             'Rounds in which the name of a `"discover": "dns"` instance entry could not be '

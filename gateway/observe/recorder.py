@@ -291,6 +291,8 @@ class Recorder:
             prefill_server=ex.prefill_instance or None,
             hop=ex.hop_path or None,
             attempts=ex.attempts,
+            migrated=len(ex.migrated_to) or None,
+            migrated_to=ex.migrated_to or None,
             queue_wait_ms=round(ex.queue_wait * 1000, 2) if ex.lane else None,
             ttft_ms=None if ex.ttft is None else round(ex.ttft * 1000, 2),
             duration_ms=round(duration * 1000, 2),

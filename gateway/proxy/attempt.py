@@ -19,7 +19,7 @@ from gateway import errors
 from gateway.dispatch import Lane, Limits, Outcome
 from gateway.observe.exchange import Exchange
 from gateway.proxy import jsoncodec
-from gateway.relay.records import Whole
+from gateway.relay.records import Broken, Whole
 from gateway.routes import Route
 from gateway.upstream.endpoint import Endpoint
 from gateway.upstream.response import AttemptFailed
@@ -40,6 +40,9 @@ class Call:
     # The `priority` an instance running vLLM's priority scheduler gets, where it is not
     # what the body says already (None: the body as it is, everywhere).
     priority: int | None = None
+    # Why a stream its instance breaks would not be continued elsewhere (a refusal of
+    # relay/continuation.py, or "off"); None: it would be (migration.py).
+    not_migrated: str | None = "off"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Committed:
     response: web.StreamResponse
     outcome: Outcome  # what it says about the instance
     error: str | None = None  # why it ended badly, for the instance's record
+    broken: Broken | None = None  # a stream its instance broke, not yet ended: migrate it
 
 
 @dataclass(frozen=True)

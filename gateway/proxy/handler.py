@@ -59,9 +59,11 @@ from gateway.proxy.body import InvalidField, ask_usage, wants_stream
 from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
 from gateway.proxy.limiter import Grant, Limiter
+from gateway.proxy.migration import Migration
 from gateway.proxy.tenants import DEFAULT, TENANT, Tenant
 from gateway.proxy.tokenizer import TokenCounter
-from gateway.relay.records import Unusable, Whole
+from gateway.relay import continuation
+from gateway.relay.records import Broken, Unusable, Whole
 from gateway.relay.relay import Relay, StreamAnswer
 from gateway.routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
 from gateway.upstream.client import Upstream
@@ -120,6 +122,7 @@ class Proxy:
         self.relay = Relay(
             metrics, config.channel.timeout.write, dispatcher.clock, lambda: self.aborting
         )
+        self.migration = Migration(dispatcher, upstream, self.relay, metrics, endpoints)
         slo, batch = config.file.slo, config.file.slo.batch
         short, long = self.lane_names[Lane.SHORT], self.lane_names[Lane.LONG]
         self.recorder = Recorder(
@@ -232,7 +235,21 @@ class Proxy:
                 priority=tenant.priority,
                 key=tenant.name,
             )
-            call = Call(request, route, body, stream, lane, ticket.deadline, headers, hide_usage)
+            # A stream its instance breaks may go on elsewhere (migration.py), unless the
+            # request is one a continuation cannot reproduce.
+            migrate = stream and self.retry.migrations > 0
+            not_migrated = continuation.refusal(route, payload) if migrate else "off"
+            call = Call(
+                request,
+                route,
+                body,
+                stream,
+                lane,
+                ticket.deadline,
+                headers,
+                hide_usage,
+                not_migrated=not_migrated,
+            )
             if route.prioritized:
                 call = vllm_priority(call, payload, tenant.vllm_priority)
             if route.disaggregates and self.dispatcher.scheduler.has_prefill_role:
@@ -321,6 +338,16 @@ class Proxy:
             ex.instance = lease.instance
             structlog.contextvars.bind_contextvars(server=lease.instance)
             result = await self._attempt(call, ex, lease)
+            if isinstance(result, Committed) and result.broken is not None:
+                return await self.migration.run(
+                    call,
+                    ex,
+                    ticket,
+                    tried | {lease.instance},
+                    result.broken,
+                    self.retry.migrations,
+                    self.ttft_allowance[call.lane],
+                )
             if isinstance(result, Committed):
                 return result.response
             tried = tried | {lease.instance}
@@ -427,7 +454,11 @@ class Proxy:
         if verdict.retry is None and status == 200 and stream is not None:
             first_by = min(call.deadline, opened + self.ttft_allowance[call.lane])
             started = await self.relay.first_chunk(
-                stream, first_by - self.clock(), call.route.token_event, hide_usage=call.hide_usage
+                stream,
+                first_by - self.clock(),
+                call.route.token_event,
+                hide_usage=call.hide_usage,
+                keep=call.not_migrated is None,
             )
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)
@@ -441,6 +472,10 @@ class Proxy:
                 sent_at=opened,
                 silence=self.ttft_allowance[call.lane],  # between two data events
             )
+            if isinstance(streamed, Broken):  # migration.py continues it, or ends it
+                return Committed(streamed.response, Outcome.FAILURE, "stream_broken", streamed)
+            if streamed.error == "stream_broken" and call.not_migrated not in (None, "off"):
+                self.metrics.migrations.labels(call.not_migrated, "refused").inc()
             ex.status, ex.tokens, ex.tpot = streamed.status, streamed.tokens, streamed.tpot
             ex.cut, ex.usage_prompt_tokens = streamed.cut, streamed.prompt_tokens
             return Committed(streamed.response, streamed.outcome, streamed.error)

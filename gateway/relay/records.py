@@ -3,7 +3,7 @@ and how a stream's Content-Encoding is undone before it is framed.
 
 Before the commit an answer is `Whole` (pass it on as it is), `Started` (a stream whose
 first data event arrived) or `Unusable` (why, and the error for the client); a committed
-stream ends in `Streamed`.
+stream ends in `Streamed`, or `Broken` while migration may still continue it.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ class Streamed:
     tpot: float | None = None  # seconds per output token after the first, when measured
     cut: str | None = None  # who cut it short: client, drain or instance (None: it ended)
     prompt_tokens: int | None = None  # the usage's (None: the stream carried none)
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A committed stream its instance broke, not yet ended for the client: the proxy may
+    continue it on another instance (continuation.py), else it ends it (`Relay.end`)."""
+
+    response: web.StreamResponse
+    framer: sse.Framer  # its events, kept (`Framer.kept`)
+    why: str  # what the instance did, for the in-band error and the instance's record
+    reason: str  # the same as a label: reset, eof or timeout
 
 
 def stream_decoder(response: UpstreamResponse) -> Decode | None:

@@ -35,7 +35,7 @@ from gateway.fleet.dispatcher import Lease
 from gateway.observe import log
 from gateway.observe.metrics import Metrics
 from gateway.relay import splice, sse
-from gateway.relay.records import Started, Streamed, Unusable, Whole, stream_decoder
+from gateway.relay.records import Broken, Started, Streamed, Unusable, Whole, stream_decoder
 from gateway.routes import CHAT, Route
 from gateway.upstream.response import AttemptFailed, UpstreamResponse
 
@@ -116,6 +116,13 @@ class _Out(web.StreamResponse):
         return self.written + self.spliced
 
 
+def _reason(why: str) -> str:
+    """A broken stream's `why` as a label: the instance reset it, ended it, or went quiet."""
+    if why.startswith("sent no data event"):
+        return "timeout"
+    return "eof" if why.startswith("ended the stream") else "reset"
+
+
 def _ended_well(framer: sse.Framer, route: Route) -> bool:
     """The stream's events so far make a whole answer: `data: [DONE]`, or the route's final
     event where it sends no [DONE]."""
@@ -186,10 +193,12 @@ class Relay:
         token_event: str = "",
         *,
         hide_usage: bool = False,
+        keep: bool = False,
     ) -> Started | Unusable:
         """Read until the stream's first token, within `timeout` (nothing is sent yet): its
         first data event, or with `token_event` (the route's) the first of those. With
-        `hide_usage` the usage chunk the gateway asked for is kept from the client.
+        `hide_usage` the usage chunk the gateway asked for is kept from the client; with
+        `keep` its data events are kept, for a migration to read back.
 
         Comment events before the first data event (keep-alives) are dropped: passing one
         on would commit the 200 before the instance has shown a token, and a retry would
@@ -200,7 +209,7 @@ class Relay:
             decode = stream_decoder(response)
         except ValueError as unknown:
             return Unusable("bad_response", errors.UpstreamError(str(unknown)))
-        framer = sse.Framer(_MAX_EVENT, token_event, hide_usage=hide_usage)
+        framer = sse.Framer(_MAX_EVENT, token_event, hide_usage=hide_usage, keep=keep)
         first = b""
         try:
             async with asyncio.timeout(max(0.001, timeout)):
@@ -247,8 +256,11 @@ class Relay:
         lease: Lease,
         sent_at: float,
         silence: float,
-    ) -> Streamed:
+    ) -> Streamed | Broken:
         """Commit: send headers and the events so far, then splice the rest as it arrives.
+
+        A stream whose events were kept (`first_chunk(keep=True)`) and that its instance
+        breaks is returned `Broken`, not ended: the proxy may continue it elsewhere.
 
         `sent_at` is when the request went out (its TTFT counts from there). `silence`
         bounds the time between two data events. Only data events reset it: comment
@@ -278,7 +290,66 @@ class Relay:
         broken = await self._splice(out, response, transport, started, silence, route)
         if isinstance(broken, Streamed):
             return broken
-        return await self._conclude(call, out, lease, started.framer, broken, first_at)
+        framer = started.framer
+        if broken is not None and framer.kept is not None and not _ended_well(framer, route):
+            return Broken(out, framer, broken, _reason(broken))
+        return await self._conclude(call, out, lease, framer, broken, first_at)
+
+    async def resume(
+        self,
+        call: Request,
+        broken: Broken,
+        response: StreamAnswer,
+        started: Started,
+        rewrite: Callable[[bytes], bytes],
+        lease: Lease,
+        silence: float,
+    ) -> Streamed | Broken:
+        """Continue `broken`'s answer to the client with another instance's stream (a
+        migration's), each event through `rewrite`; its events are kept in turn.
+
+        Read and written event by event through aiohttp, not spliced: a continuation is
+        rare, and its events are rewritten.
+        """
+        route, out, framer = call.route, broken.response, started.framer
+        lease.prefill_done(self.clock(), None)
+        why: str | None = None
+        data = started.first
+        try:
+            while True:
+                if data:
+                    await out.write(rewrite(data))
+                if response.drained or _ended_well(framer, route):
+                    break
+                try:
+                    chunk = await response.next_chunk(timeout=silence)
+                except AttemptFailed as failed:
+                    quiet = failed.kind == "timeout"
+                    why = f"sent no data event for {silence:g}s" if quiet else failed.detail
+                    break
+                if not chunk:
+                    break
+                data = framer.feed(started.decode(chunk) if started.decode else chunk)
+        except ConnectionResetError:
+            return self._client_left(out, framer, route)
+        if why is None and not _ended_well(framer, route):
+            done = "data: [DONE]" if route.sse_done else "its final event"
+            why = "ended the stream without " + done
+        if why is not None and framer.kept is not None:
+            return Broken(out, framer, why, _reason(why))
+        if why is not None:
+            return await self.end(call, Broken(out, framer, why, _reason(why)), lease.instance)
+        return await self._finish(out, Outcome.SUCCESS, None, framer, route)
+
+    async def end(self, call: Request, broken: Broken, instance: str) -> Streamed:
+        """End a broken stream no migration continues: the in-band error, the last chunk."""
+        route, framer = call.route, broken.framer
+        self.metrics.stream_aborts.labels("upstream").inc()
+        _log.warning("stream_aborted", side="upstream", why=broken.why, held=framer.held)
+        message = f"the vLLM instance {instance} {broken.why}; the answer is incomplete"
+        if not await self._end(broken.response, route, message, 502, mid_event=framer.mid_event):
+            return self._client_left(broken.response, framer, route)
+        return await self._finish(broken.response, Outcome.FAILURE, "stream_broken", framer, route)
 
     async def _conclude(
         self,

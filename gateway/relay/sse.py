@@ -101,6 +101,7 @@ class Framer:
         "events",
         "first",
         "hide_usage",
+        "kept",
         "last",
         "last_head",
         "max_event",
@@ -110,7 +111,12 @@ class Framer:
     )
 
     def __init__(
-        self, max_event: int = 64 * 1024, token_event: str = "", *, hide_usage: bool = False
+        self,
+        max_event: int = 64 * 1024,
+        token_event: str = "",
+        *,
+        hide_usage: bool = False,
+        keep: bool = False,
     ) -> None:
         if max_event < 16:  # [DONE] and the `data:` prefix must fit in an event's head
             raise ValueError(f"max_event must be at least 16 bytes, got {max_event}")
@@ -128,6 +134,9 @@ class Framer:
         self.first = b""  # the first data event (Anthropic's message_start counts the prompt)
         self.hide_usage = hide_usage  # keep vLLM's usage chunk from the client
         self.usage = b""  # that chunk, once kept back
+        # With `keep`: every whole data event passed on, for a stream that may have to be
+        # continued elsewhere (continuation.py); None once an oversized one was cut up.
+        self.kept: list[bytes] | None = [] if keep else None
         self._held = b""  # the start of an unfinished event, not passed on yet
         self._open = False  # inside an oversized event whose start was passed on
         self._tail = b""  # the last bytes passed on while `_open`: a blank line may straddle
@@ -188,6 +197,8 @@ class Framer:
                 self.before_last = self.last
                 self.last = data if len(data) - 2 <= self.max_event else b""
                 self.last_head = data[:_HEAD]
+                if self.kept is not None:
+                    self.kept.append(data)
             self.events += 1
             if self.events == 1:
                 self.first = self.last
@@ -235,6 +246,11 @@ class Framer:
                 self.last_head = head[:_HEAD]
                 if self.events == 1:
                     self.first = self.last
+                if self.kept is not None:
+                    if whole:
+                        self.kept.append(event)
+                    else:
+                        self.kept = None  # passed on in pieces: not ours to read back
         return False
 
     def _flush_oversized(self, start: bytes) -> bytes:

@@ -210,6 +210,13 @@ def tokenize_text(text: str) -> list[int]:
     return [int.from_bytes(chunk, "little") % _VOCAB_SIZE for chunk in chunks]
 
 
+def open_message_ids(message: Any) -> list[int]:
+    """Token ids of a final message rendered open, to be continued (vLLM's
+    `continue_final_message`): its text, its header standing where the generation prompt
+    stood (which this model counts as nothing), no end of turn."""
+    return tokenize_text(_message_text(message))
+
+
 def tokenize_messages(messages: Iterable[Any]) -> list[int]:
     """Token ids of chat messages; always count_message_tokens(messages) of them."""
     ids: list[int] = []

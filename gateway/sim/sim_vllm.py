@@ -37,6 +37,7 @@ from .sim_engine import (
     dumps,
     embedding_inputs,
     embedding_vector,
+    open_message_ids,
     parse_ignore_eos,
     parse_max_tokens,
     parse_priority,
@@ -261,18 +262,33 @@ class SimInstance:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: field required (a non-empty list)")
+        # vLLM's ChatCompletionRequest: a final message to continue (request migration's
+        # continuation) is rendered open, with no generation prompt after it; its text is
+        # prompt like any other message's.
+        if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+            raise ApiError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            )
         tools = parse_tools(body)
+        closed, continued = (
+            (messages[:-1], messages[-1:]) if body.get("continue_final_message") else (messages, [])
+        )
         # Token ids only matter to the prefix cache; counting alone is cheaper. The chat
         # template writes the tools ahead of the messages.
         ids = (
-            tokenize_tools(tools) + tokenize_messages(messages)
+            tokenize_tools(tools)
+            + tokenize_messages(closed)
+            + [i for m in continued for i in open_message_ids(m)]
             if self.config.prefix_caching
             else None
         )
         count = (
             len(ids)
             if ids is not None
-            else count_tool_tokens(tools) + count_message_tokens(messages)
+            else count_tool_tokens(tools)
+            + count_message_tokens(closed)
+            + sum(len(open_message_ids(m)) for m in continued)
         )
         return await self._generate(
             request, body, count, chat=True, token_ids=ids, prompt=[tools, messages]
