@@ -170,7 +170,7 @@ def _event(kind: str, payload: dict[str, Any], number: int) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
-class Answer:
+class ResponsesAnswer:
     """One response's bodies and events, in the shapes vLLM writes them."""
 
     def __init__(
@@ -355,7 +355,7 @@ class ResponsesRoutes:
             else sim._submit(prompt_tokens, length, ids, priority=parsed.priority)
         )
         model = parsed.model if parsed.model in sim.config.lora_adapters else sim.config.model
-        answer = Answer(
+        answer = ResponsesAnswer(
             parsed, "resp_" + sim._request_id(request), model, prompt_tokens, max_tokens
         )
         resp: web.StreamResponse | None = None
