@@ -24,8 +24,9 @@ What is not migrated (the stream ends with the in-band error, as without migrati
 reproduce the sampling), `echo`, guided / structured output (`response_format`,
 `guided_*`, `structured_outputs`: Dynamo switched migration off for these because the JSON
 came out corrupted), a completions prompt that is not one string, a tool call in flight
-(tool-call deltas already sent), and the Messages and Responses APIs (their streams name
-each content block: a continuation would have to renumber them).
+(tool-call deltas already sent), and the Messages and Responses APIs (vLLM's Messages
+endpoint builds its chat request without `continue_final_message`, so it would start a new
+turn; and both streams number each content block).
 """
 
 from __future__ import annotations

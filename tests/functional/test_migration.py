@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 import structlog
@@ -196,3 +197,38 @@ async def test_when_every_instance_breaks_the_stream_ends_with_the_in_band_error
     # Each part's text reached the client once: the first part's and the continuation's.
     pieces = re.findall(rb'"content":"([^"]+)"', data)
     assert len(pieces) >= 2 * (DIES_AFTER - 2)
+
+
+async def test_a_messages_stream_is_not_migrated_and_the_anthropic_sdk_sees_its_error() -> None:
+    """vLLM's /v1/messages starts a new assistant turn after a final assistant message (it
+    builds its chat request without continue_final_message), so a continuation would not
+    continue: the stream ends with Anthropic's error event, as before, counted refused."""
+    async with fleet(SIM, SIM) as sims:
+        dying, healthy = sims
+        dying.faults.die_after_chunks = DIES_AFTER
+        instances = [{"url": dying.url}, {"url": healthy.url, "weight": 0.01}]
+        async with (
+            gateway_with(sims, instances=instances, sections=SECTIONS) as gw,
+            anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0) as client,
+        ):
+            for _ in range(10):
+                text: list[str] = []
+                error: anthropic.APIError | None = None
+                try:
+                    async with client.messages.stream(
+                        model="sim-model",
+                        max_tokens=40,
+                        messages=[{"role": "user", "content": "a long story"}],
+                    ) as stream:
+                        async for piece in stream.text_stream:
+                            text.append(piece)  # what came before the error
+                except anthropic.APIError as exc:
+                    error = exc
+                if error is not None:
+                    break
+            else:
+                pytest.fail("no stream landed on the dying instance")
+            metrics = await metrics_text(gw)
+    assert text  # part of the answer came before the error
+    assert "the answer is incomplete" in str(error)
+    assert migrations(metrics, "route", "refused") >= 1
