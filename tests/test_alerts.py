@@ -187,6 +187,10 @@ SHOWN = {
     ),
     "Fleet saturation by model": ("gateway_fleet_saturation", "by (model)"),
     "Metrics scrape age per server": ("gateway_instance_scrape_age_seconds", "by (server)"),
+    "Stream migrations by reason and outcome": (
+        "gateway_migrations_total",
+        "by (reason, outcome)",
+    ),
 }
 
 
