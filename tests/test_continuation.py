@@ -6,8 +6,14 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.relay.continuation import Rewriter, Sent, continuation_body, refusal, sent_of
-from gateway.routes import CHAT, COMPLETIONS, MESSAGES
+from gateway.relay.continuation import (
+    Rewriter,
+    Sent,
+    Transcript,
+    continuation_body,
+    refusal,
+)
+from gateway.routes import CHAT, COMPLETIONS, MESSAGES, Route
 
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
 
@@ -50,16 +56,40 @@ def test_routes_and_prompts_a_continuation_cannot_extend() -> None:
     assert refusal(COMPLETIONS, {"prompt": "a", "echo": True}) == "echo"
 
 
+def transcript(*events: bytes, route: Route = CHAT) -> Transcript:
+    kept = Transcript(route)
+    for event in events:
+        kept.add(event)
+    return kept
+
+
 def test_what_the_first_part_sent() -> None:
-    events = [chunk(role="assistant", content=""), chunk("Hello"), chunk(" there")]
-    sent = sent_of(events, CHAT)
-    assert sent == Sent(b"chatcmpl-a", b"100", b"m", "Hello there", 2, False, False)
-    tool = b'data: {"id":"x","created":1,"model":"m","choices":[{"delta":{"tool_calls":[{}]}}]}\n\n'
-    assert sent_of([*events, tool], CHAT).tool_call  # type: ignore[union-attr]
-    assert sent_of([b"data: {not json\n\n"], CHAT) is None
-    done = sent_of([*events, chunk(finish="stop")], CHAT)
+    """The text as the client read it (JSON escapes undone), one token a chunk, the first
+    event's id, created and model."""
+    events = [chunk(role="assistant", content=""), chunk('He said "hi"'), chunk(" \u00e9\n")]
+    kept = transcript(*events)
+    assert kept.sent() == Sent(b"chatcmpl-a", b"100", b"m", 'He said "hi" \u00e9\n', 2)
+    assert sum(len(p) for p in kept.pieces) < sum(len(e) for e in events) / 5  # compact
+    tool = b'data: {"id":"x","created":1,"model":"m","choices":[{"delta":{"tool_calls":[{}]}}]}'
+    assert transcript(*events, tool).sent().tool_call  # type: ignore[union-attr]
+    thinking = chunk().replace(b'"delta":{}', b'"delta":{"reasoning_content":"hmm"}')
+    assert transcript(*events, thinking).sent().reasoning  # type: ignore[union-attr]
+    done = transcript(*events, chunk(finish="stop")).sent()
     assert done is not None
     assert done.finished
+    assert transcript().sent() is None  # nothing sent
+    lost = transcript(*events)
+    lost.lose()
+    assert lost.sent() is None
+
+
+def test_a_completions_transcript_reads_the_text() -> None:
+    event = (
+        b'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m",'
+        b'"choices":[{"index":0,"text":" upon","logprobs":null,"finish_reason":null}]}'
+    )
+    sent = transcript(event, event, route=COMPLETIONS).sent()
+    assert sent == Sent(b"cmpl-1", b"7", b"m", " upon upon", 2)
 
 
 def test_the_continuation_asks_for_the_rest_of_the_answer() -> None:

@@ -333,18 +333,38 @@ def test_an_anthropic_prompt_count_comes_from_message_start_when_the_end_lacks_i
     assert (framer.prompt_tokens(), framer.completion_tokens()) == (42, None)
 
 
-def test_a_kept_framer_keeps_each_whole_data_event_however_reads_split_them() -> None:
-    """For migration: every data event passed on (not [DONE], not comments), whole; an
-    event too long to hold, passed on in pieces, leaves nothing to read back (None)."""
-    events = [b'data: {"a":1}\n\n', b": keep-alive\n\n", b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
+class Kept:
+    """A keeper that records what the framer tells it."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.lost = False
+
+    def add(self, event: bytes) -> None:
+        self.events.append(event.strip())
+
+    def lose(self) -> None:
+        self.lost = True
+
+
+def test_a_keeper_is_told_each_whole_data_event_however_reads_split_them() -> None:
+    """For migration: every data event passed on (not [DONE], not comments, not the usage
+    chunk kept back), whole; an event too long to hold, passed on in pieces, is lost."""
+    events = [
+        b'data: {"a":1}\n\n',
+        b": keep-alive\n\n",
+        b'data: {"b":2}\n\n',
+        USAGE,
+        b"data: [DONE]\n\n",
+    ]
     stream = b"".join(events)
     for cut in range(1, len(stream)):
-        framer = Framer(keep=True)
+        kept = Kept()
+        framer = Framer(keep=kept, hide_usage=True)
         framer.feed(stream[:cut])
         framer.feed(stream[cut:])
-        assert framer.kept is not None
-        assert [e.strip() for e in framer.kept] == [b'data: {"a":1}', b'data: {"b":2}'], cut
-    assert Framer().kept is None  # off unless asked
-    small = Framer(max_event=16, keep=True)
-    small.feed(b"data: " + b"x" * 100)
-    assert small.kept is None
+        assert kept.events == [b'data: {"a":1}', b'data: {"b":2}'], cut
+        assert not kept.lost
+    small = Kept()
+    Framer(max_event=16, keep=small).feed(b"data: " + b"x" * 100)
+    assert small.lost

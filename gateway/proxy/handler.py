@@ -63,6 +63,7 @@ from gateway.proxy.migration import Migration
 from gateway.proxy.tenants import DEFAULT, TENANT, Tenant
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay import continuation
+from gateway.relay.continuation import Transcript
 from gateway.relay.records import Broken, Unusable, Whole
 from gateway.relay.relay import Relay, StreamAnswer
 from gateway.routes import CHAT, COMPLETIONS, EMBEDDINGS, Route
@@ -458,7 +459,7 @@ class Proxy:
                 first_by - self.clock(),
                 call.route.token_event,
                 hide_usage=call.hide_usage,
-                keep=call.not_migrated is None,
+                keep=Transcript(call.route) if call.not_migrated is None else None,
             )
             if isinstance(started, Unusable):
                 return Failed(started.reason, Outcome.FAILURE, started.error)

@@ -30,7 +30,7 @@ from gateway.observe.metrics import Metrics
 from gateway.proxy import jsoncodec
 from gateway.proxy.attempt import Call, send_headers
 from gateway.relay import continuation
-from gateway.relay.continuation import Rewriter, Sent
+from gateway.relay.continuation import Rewriter, Sent, Transcript
 from gateway.relay.records import Broken, Streamed, Unusable
 from gateway.relay.relay import Relay, StreamAnswer
 from gateway.upstream.client import Upstream
@@ -71,7 +71,7 @@ class Migration:
         """Continue `broken` (its instance is in `tried`) at most `limit` times; each
         continuation's first token is due within `allowance` seconds."""
         reason = broken.reason
-        first = continuation.sent_of(broken.framer.kept or [], call.route)
+        first = broken.transcript.sent()
         why_not = _why_not(first)
         if why_not is not None or first is None:
             self.metrics.migrations.labels(why_not or "unreadable", "refused").inc()
@@ -105,8 +105,8 @@ class Migration:
                     ex.usage_prompt_tokens = max(0, result.prompt_tokens - sent.tokens)
                 return result.response
             if result is not None:  # it broke too, after sending more
-                more = continuation.sent_of(result.framer.kept or [], call.route)
-                if more is None or more.tool_call:
+                more = result.transcript.sent()
+                if more is None or more.tool_call or more.reasoning:
                     self.metrics.migrations.labels(reason, "failed").inc()
                     return await self._end(call, ex, result, sent.tokens)
                 sent = replace(sent, text=sent.text + more.text, tokens=sent.tokens + more.tokens)
@@ -147,7 +147,10 @@ class Migration:
                 return None
             stream: StreamAnswer = response
             started = await self.relay.first_chunk(
-                stream, min(remaining, allowance), call.route.token_event, keep=True
+                stream,
+                min(remaining, allowance),
+                call.route.token_event,
+                keep=Transcript(call.route),
             )
             if isinstance(started, Unusable):
                 note = started.reason
@@ -183,6 +186,8 @@ def _why_not(sent: Sent | None) -> str | None:
         return "unreadable"
     if sent.tool_call:
         return "tool_call"
+    if sent.reasoning:
+        return "reasoning"
     if sent.finished:
         return "finished"
     return None

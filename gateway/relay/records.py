@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway import errors
 from gateway.dispatch import Outcome
 from gateway.relay import sse
+from gateway.relay.continuation import Transcript
 from gateway.upstream.response import UpstreamResponse
 
 Decode = Callable[[bytes], bytes]
@@ -68,7 +69,8 @@ class Broken:
     continue it on another instance (continuation.py), else it ends it (`Relay.end`)."""
 
     response: web.StreamResponse
-    framer: sse.Framer  # its events, kept (`Framer.kept`)
+    framer: sse.Framer
+    transcript: Transcript  # what it sent the client
     why: str  # what the instance did, for the in-band error and the instance's record
     reason: str  # the same as a label: reset, eof or timeout
 

@@ -35,6 +35,7 @@ from gateway.fleet.dispatcher import Lease
 from gateway.observe import log
 from gateway.observe.metrics import Metrics
 from gateway.relay import splice, sse
+from gateway.relay.continuation import Transcript
 from gateway.relay.records import Broken, Started, Streamed, Unusable, Whole, stream_decoder
 from gateway.routes import CHAT, Route
 from gateway.upstream.response import AttemptFailed, UpstreamResponse
@@ -193,12 +194,12 @@ class Relay:
         token_event: str = "",
         *,
         hide_usage: bool = False,
-        keep: bool = False,
+        keep: Transcript | None = None,
     ) -> Started | Unusable:
         """Read until the stream's first token, within `timeout` (nothing is sent yet): its
         first data event, or with `token_event` (the route's) the first of those. With
-        `hide_usage` the usage chunk the gateway asked for is kept from the client; with
-        `keep` its data events are kept, for a migration to read back.
+        `hide_usage` the usage chunk the gateway asked for is kept from the client; `keep`
+        is told its data events, for a migration to read back.
 
         Comment events before the first data event (keep-alives) are dropped: passing one
         on would commit the 200 before the instance has shown a token, and a retry would
@@ -259,7 +260,7 @@ class Relay:
     ) -> Streamed | Broken:
         """Commit: send headers and the events so far, then splice the rest as it arrives.
 
-        A stream whose events were kept (`first_chunk(keep=True)`) and that its instance
+        A stream whose events were kept (`first_chunk(keep=...)`) and that its instance
         breaks is returned `Broken`, not ended: the proxy may continue it elsewhere.
 
         `sent_at` is when the request went out (its TTFT counts from there). `silence`
@@ -291,8 +292,9 @@ class Relay:
         if isinstance(broken, Streamed):
             return broken
         framer = started.framer
-        if broken is not None and framer.kept is not None and not _ended_well(framer, route):
-            return Broken(out, framer, broken, _reason(broken))
+        kept = framer.keep
+        if broken is not None and isinstance(kept, Transcript) and not _ended_well(framer, route):
+            return Broken(out, framer, kept, broken, _reason(broken))
         return await self._conclude(call, out, lease, framer, broken, first_at)
 
     async def resume(
@@ -306,7 +308,7 @@ class Relay:
         silence: float,
     ) -> Streamed | Broken:
         """Continue `broken`'s answer to the client with another instance's stream (a
-        migration's), each event through `rewrite`; its events are kept in turn.
+        migration's), each event through `rewrite`; what it sends is kept in turn.
 
         Read and written event by event through aiohttp, not spliced: a continuation is
         rare, and its events are rewritten.
@@ -335,10 +337,9 @@ class Relay:
         if why is None and not _ended_well(framer, route):
             done = "data: [DONE]" if route.sse_done else "its final event"
             why = "ended the stream without " + done
-        if why is not None and framer.kept is not None:
-            return Broken(out, framer, why, _reason(why))
         if why is not None:
-            return await self.end(call, Broken(out, framer, why, _reason(why)), lease.instance)
+            kept = framer.keep if isinstance(framer.keep, Transcript) else Transcript(route)
+            return Broken(out, framer, kept, why, _reason(why))
         return await self._finish(out, Outcome.SUCCESS, None, framer, route)
 
     async def end(self, call: Request, broken: Broken, instance: str) -> Streamed:

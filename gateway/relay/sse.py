@@ -28,6 +28,7 @@ the client and from the counts: every other byte passes on as it came.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 _DONE_PAYLOADS = (b"data: [DONE]", b"data:[DONE]")
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
@@ -41,6 +42,16 @@ _USAGE = b'"usage":{'
 _EVENT_LINE = re.compile(rb"event:[ ]?([^\r\n]*)\r?\n")
 _KEEP_ALIVE = b"ping"  # Anthropic's keep-alive event, a comment to the framer
 _HEAD = 128
+
+
+class Keeper(Protocol):
+    """Takes a stream's data events as they pass (continuation.Transcript)."""
+
+    def add(self, event: bytes) -> None: ...
+
+    def lose(self) -> None:
+        """An event went by that could not be read whole."""
+        ...
 
 
 def _last_end(data: bytes, start: int) -> int:
@@ -101,7 +112,7 @@ class Framer:
         "events",
         "first",
         "hide_usage",
-        "kept",
+        "keep",
         "last",
         "last_head",
         "max_event",
@@ -116,7 +127,7 @@ class Framer:
         token_event: str = "",
         *,
         hide_usage: bool = False,
-        keep: bool = False,
+        keep: Keeper | None = None,
     ) -> None:
         if max_event < 16:  # [DONE] and the `data:` prefix must fit in an event's head
             raise ValueError(f"max_event must be at least 16 bytes, got {max_event}")
@@ -134,9 +145,9 @@ class Framer:
         self.first = b""  # the first data event (Anthropic's message_start counts the prompt)
         self.hide_usage = hide_usage  # keep vLLM's usage chunk from the client
         self.usage = b""  # that chunk, once kept back
-        # With `keep`: every whole data event passed on, for a stream that may have to be
-        # continued elsewhere (continuation.py); None once an oversized one was cut up.
-        self.kept: list[bytes] | None = [] if keep else None
+        # With `keep`: told every whole data event passed on (not [DONE], not a usage
+        # chunk kept back), for a stream that may be continued elsewhere (continuation.py).
+        self.keep = keep
         self._held = b""  # the start of an unfinished event, not passed on yet
         self._open = False  # inside an oversized event whose start was passed on
         self._tail = b""  # the last bytes passed on while `_open`: a blank line may straddle
@@ -197,8 +208,8 @@ class Framer:
                 self.before_last = self.last
                 self.last = data if len(data) - 2 <= self.max_event else b""
                 self.last_head = data[:_HEAD]
-                if self.kept is not None:
-                    self.kept.append(data)
+                if self.keep is not None:
+                    self.keep.add(data)
             self.events += 1
             if self.events == 1:
                 self.first = self.last
@@ -246,11 +257,11 @@ class Framer:
                 self.last_head = head[:_HEAD]
                 if self.events == 1:
                     self.first = self.last
-                if self.kept is not None:
+                if self.keep is not None:
                     if whole:
-                        self.kept.append(event)
+                        self.keep.add(event)
                     else:
-                        self.kept = None  # passed on in pieces: not ours to read back
+                        self.keep.lose()  # passed on in pieces: not ours to read back
         return False
 
     def _flush_oversized(self, start: bytes) -> bytes:
