@@ -35,6 +35,10 @@ class ServiceCounts:
         self.shares: Mapping[str, float] = dict(shares or {})
         self._own: dict[str, float] = {}  # weighted tokens served by this process
         self._placed: dict[str, int] = {}  # requests placed (prompts charged), per key
+        # Their sums, kept as they grow: a key not yet placed costs every key's mean, which
+        # `places_before` asks for each waiting key (a sum each time made it O(keys^2)).
+        self._total_own = 0.0
+        self._total_placed = 0
         self._lift: dict[str, float] = {}  # added to a key's count when it was lifted
         self.peers: Mapping[str, float] = {}  # the other processes' service, as published
         self._last_picked = 0.0  # the count of the key the queue picked last
@@ -53,8 +57,10 @@ class ServiceCounts:
         weighted = PROMPT_WEIGHT * prompt_tokens + OUTPUT_WEIGHT * output_tokens
         if weighted > 0:
             self._own[key] = self._own.get(key, 0.0) + weighted
+            self._total_own += weighted
         if prompt_tokens:
             self._placed[key] = self._placed.get(key, 0) + 1
+            self._total_placed += 1
 
     def arrive(self, key: str, waiting: Iterable[str]) -> None:
         """`key` starts waiting in the queue while the keys `waiting` wait (not `key`): lift
@@ -105,8 +111,8 @@ class ServiceCounts:
         if placed:
             cost = self._own.get(key, 0.0) / placed
         else:
-            total = sum(self._placed.values())
-            cost = sum(self._own.values()) / total if total else 1.0
+            total = self._total_placed
+            cost = self._total_own / total if total else 1.0
         return max(cost, 1e-9) / self.share(key)
 
     def own(self) -> dict[str, float]:

@@ -332,6 +332,11 @@ class Scheduler(Fleet):
         counted when it was placed)."""
         self._service.charge(key, output_tokens=output_tokens)
 
+    def key_count(self, key: str) -> float:
+        """`key`'s fair-share count: the service every process gave it (ours and the shared
+        view's), over its share, plus any lift."""
+        return self._service.count(key)
+
     def holder(self, ticket_id: int) -> str | None:
         held = self._holding.get(ticket_id)
         return held.state.name if held else None

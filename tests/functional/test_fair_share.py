@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from fakes import KEY, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
+from redis_server import redis_server
 
 from gateway.proxy import jsoncodec
 from gateway.server.app import DISPATCHER
@@ -120,3 +121,41 @@ async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None
     totals = {(s.name.rsplit("_", 1)[-1], s.labels["key"]): s.value for s in waits.samples}
     mean = {key: totals["sum", key] / totals["count", key] for key in ("flood", "calm")}
     assert mean["calm"] < mean["flood"], mean  # the flood waits on its own
+
+
+async def test_two_gateways_order_by_the_same_service_counts() -> None:
+    """With `[shared]`, each gateway counts the service the other gave a key (published at
+    the push interval): the calm key served only through B, the flood only through A."""
+    fast = SimConfig(max_num_seqs=2, decode_s_per_token=0.001, seed=4)
+    with redis_server() as redis:
+        async with recorded(fast) as (sim, _):
+            instance = {"url": sim.url, "max_num_seqs": 2}
+            sections = {
+                "dispatch": {"health_check_interval": 0.2},
+                "shared": {"redis_url": redis.url, "publish_interval": 0.05},
+            }
+            channel = {"keys": KEYS}
+            async with (
+                gateway_with([sim], instances=[instance], sections=sections, channel=channel) as a,
+                gateway_with([sim], instances=[instance], sections=sections, channel=channel) as b,
+                openai.AsyncOpenAI(base_url=a.base_url, api_key=FLOOD_KEY, max_retries=0) as flood,
+                openai.AsyncOpenAI(base_url=b.base_url, api_key=CALM_KEY, max_retries=0) as calm,
+            ):
+                await asyncio.gather(*(chat(flood, "flood", 8) for _ in range(6)))
+                await asyncio.gather(*(chat(calm, "calm", 8) for _ in range(2)))
+                at_a, at_b = a.app[DISPATCHER], b.app[DISPATCHER]
+                own_a, own_b = at_a.snapshot().key_service, at_b.snapshot().key_service
+
+                def heard() -> bool:  # the next round carries the answers' output tokens
+                    return at_a.key_count("calm") == pytest.approx(own_b["calm"] / 2) and (
+                        at_b.key_count("flood") == pytest.approx(own_a["flood"])
+                    )
+
+                async with asyncio.timeout(5):
+                    while not heard():
+                        await asyncio.sleep(0.05)
+    # A served the calm key nothing and B the flood nothing, yet each counts what the other
+    # gave (over the key's share: calm's is 2), prompts and answers alike.
+    assert own_a.get("calm", 0.0) == 0.0
+    assert own_b.get("flood", 0.0) == 0.0
+    assert own_b["calm"] > 2 * 8 * 2  # two answers of 8 tokens at weight 2, and prompts
