@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from gateway.relay.continuation import (
+    COMPACT_EVERY,
     Rewriter,
     Sent,
     Transcript,
@@ -130,3 +131,16 @@ def test_the_continuations_events_join_the_first_parts_stream() -> None:
     assert hidden.feed(token + usage + b"\n\n" + b"data: [DONE]\n\n") == (
         chunk(" world") + b"data: [DONE]\n\n"
     )
+
+
+def test_a_long_stream_is_boiled_down_as_it_goes() -> None:
+    """At most COMPACT_EVERY whole events are held; the text comes out the same."""
+    kept = Transcript(CHAT)
+    kept.add(chunk(role="assistant", content=""))
+    for i in range(1000):
+        kept.add(chunk(f" w{i}", id_="chatcmpl-z", created=5))
+        assert len(kept.raw) < COMPACT_EVERY
+    sent = kept.sent()
+    assert sent is not None
+    assert (sent.id, sent.created, sent.tokens) == (b"chatcmpl-a", b"100", 1000)
+    assert sent.text == "".join(f" w{i}" for i in range(1000))

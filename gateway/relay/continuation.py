@@ -41,6 +41,7 @@ from gateway.routes import CHAT, COMPLETIONS, Route
 
 _GUIDED = ("response_format", "structured_outputs", "guided_json", "guided_regex")
 _GUIDED_MORE = ("guided_choice", "guided_grammar", "guided_decoding_backend")
+COMPACT_EVERY = 64  # events held whole before they are boiled down to their text
 _EVENT_END = re.compile(rb"(\r?\n\r?\n)")
 _ID = re.compile(rb'"id":\s*"([^"\\]*)"')
 _CREATED = re.compile(rb'"created":\s*(\d+)')
@@ -96,35 +97,63 @@ class Transcript:
     """What a stream sent, kept as it passes (the framer's `Keeper`), as small as a
     continuation can be built from: the first data event (its id, created and model) and
     each token chunk's text as JSON escaped it, a few bytes a token rather than the whole
-    ~230-byte event. A regex search and two substring tests per event, no JSON parsing
-    until a migration reads it (`sent`)."""
+    ~230-byte event.
 
-    __slots__ = ("chat", "finished", "head", "lost", "pieces", "reasoning", "tokens", "tool_call")
+    The framer's hot path pays one list append per event: events are kept as they came
+    and boiled down `COMPACT_EVERY` at a time (a few regex passes over the block, in C),
+    so at most that many whole events are held; nothing is parsed as JSON unless a
+    migration reads it (`sent`)."""
+
+    __slots__ = (
+        "chat",
+        "finished",
+        "head",
+        "lost",
+        "pieces",
+        "raw",
+        "reasoning",
+        "tokens",
+        "tool_call",
+    )
 
     def __init__(self, route: Route) -> None:
         self.chat = route.name == CHAT.name
         self.head = b""
+        self.raw: list[bytes] = []  # events not boiled down yet
         self.pieces: list[bytes] = []
         self.tokens = 0
         self.tool_call = self.reasoning = self.finished = self.lost = False
 
     def add(self, event: bytes) -> None:
-        if not self.head:
-            self.head = event
-        piece = (_CONTENT if self.chat else _TEXT).search(event)
-        if piece is not None and piece.end(1) > piece.start(1):
-            self.pieces.append(piece.group(1))
-            self.tokens += 1
-        if self.chat:
-            self.tool_call = self.tool_call or _TOOL_CALLS.search(event) is not None
-            self.reasoning = self.reasoning or _REASONING.search(event) is not None
-        self.finished = self.finished or _FINISHED.search(event) is not None
+        raw = self.raw
+        raw.append(event)
+        if len(raw) >= COMPACT_EVERY:
+            self._compact()
 
     def lose(self) -> None:
         self.lost = True
 
+    def _compact(self) -> None:
+        raw = self.raw
+        if not raw:
+            return
+        if not self.head:
+            self.head = raw[0]
+        # Events end at a blank line, and no JSON string holds a raw line end: a match
+        # never spans two events.
+        block = b"\n\n".join(raw)
+        self.raw = []
+        found = [p for p in (_CONTENT if self.chat else _TEXT).findall(block) if p]
+        self.pieces.extend(found)
+        self.tokens += len(found)
+        if self.chat:
+            self.tool_call = self.tool_call or _TOOL_CALLS.search(block) is not None
+            self.reasoning = self.reasoning or _REASONING.search(block) is not None
+        self.finished = self.finished or _FINISHED.search(block) is not None
+
     def sent(self) -> Sent | None:
         """What the stream sent (None: not an answer a continuation can be built on)."""
+        self._compact()
         if self.lost or not self.head:
             return None
         found = (_ID.search(self.head), _CREATED.search(self.head), _MODEL.search(self.head))
