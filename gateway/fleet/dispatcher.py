@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from gateway import errors
@@ -21,10 +21,12 @@ from gateway.dispatch import (
     Assigned,
     Decision,
     HealthPolicy,
+    Hop,
     InstanceSpec,
     Lane,
     Limits,
     LoadReport,
+    LocalShare,
     Outcome,
     Priority,
     Queued,
@@ -374,8 +376,72 @@ class Dispatcher:
         self._settle(self.scheduler.reconfigure(specs, limits, policy, self.clock(), self.rng))
         self._drained = {n: t for n, t in self._drained.items() if self.scheduler.has(n)}
 
+    # ------------------------------------------------------------ the core's face
+    # What the shell above asks of the scheduler goes through here (issue 44): the
+    # proxy, the prober, the shared view and the routes never hold the scheduler.
+
     def instance_names(self) -> frozenset[str]:
         return self.scheduler.names()
+
+    @property
+    def limits(self) -> Limits:
+        """The limits the scheduler runs with now (a reload may change them)."""
+        return self.scheduler.limits
+
+    @property
+    def retry_after(self) -> float:
+        """The one Retry-After of the gateway's own 503s (fleet/inputs.py)."""
+        return self.scheduler.limits.queue_retry_after
+
+    @property
+    def has_prefill_role(self) -> bool:
+        """Whether some instance prefills for others (a disaggregated fleet)."""
+        return self.scheduler.has_prefill_role
+
+    def knows_model(self, model: str) -> bool:
+        return self.scheduler.knows_model(model)
+
+    def model_served(self, model: str) -> bool:
+        return self.scheduler.model_served(model)
+
+    def served_models(self) -> list[str]:
+        return self.scheduler.served_models()
+
+    def splits(self, ticket: Ticket) -> bool:
+        """Whether the core would send `ticket`'s prompt to a prefill instance now."""
+        return self.scheduler.splits(ticket, self.clock())
+
+    def untried_available(
+        self, lane: Lane, tried: frozenset[str], model: str | None, hop: Hop
+    ) -> bool:
+        """Whether an instance not in `tried` could take `hop` of a `lane` request now."""
+        return self.scheduler.untried_available(lane, tried, self.clock(), model, hop)
+
+    def least_busy_available(self) -> str | None:
+        """The available instance with the fewest of our requests (None: none is up)."""
+        now = self.clock()
+        up = [s for s in self.scheduler.states if s.available(now)]
+        return min(up, key=lambda s: s.inflight).name if up else None
+
+    def update_slow_flags(self) -> dict[str, bool]:
+        """A health round's look at speeds: the instances whose slow flag changed."""
+        return self.scheduler.update_slow_flags()
+
+    def local_share(self) -> LocalShare:
+        """What this process holds now, for the shared view (shared.py)."""
+        return self.scheduler.share(self.clock())
+
+    def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
+        return self.scheduler.take_placements()
+
+    def take_settled(self) -> list[tuple[str, tuple[int, ...]]]:
+        return self.scheduler.take_settled()
+
+    def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
+        self.scheduler.learn_placements(placements)
+
+    def learn_settled(self, settled: Iterable[tuple[str, Sequence[int]]]) -> None:
+        self.scheduler.learn_settled(settled)
 
     @property
     def drained(self) -> Mapping[str, float]:

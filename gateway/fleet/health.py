@@ -147,7 +147,7 @@ class HealthChecker:
         await asyncio.gather(*(self._check(t) for t in self.targets))
         self.rounds += 1
         self.dispatcher.metrics.sweep()  # series of instances gone long enough
-        flags = self.dispatcher.scheduler.update_slow_flags()
+        flags = self.dispatcher.update_slow_flags()
         self.dispatcher.drain()
         if not flags:
             return

@@ -387,14 +387,14 @@ class SharedState:
     def _publication(self, share: LocalShare | None = None) -> bytes:
         """Ours now, numbered; remembered as the last thing the others were told."""
         if share is None:
-            share = self.dispatcher.scheduler.share(self.dispatcher.clock())
+            share = self.dispatcher.local_share()
         requests, retries = self.budget.own_totals(self.dispatcher.clock())
         self._seq += 1
         self._pushed = push_key(share)
         return encode(share, requests, retries, self._seq)
 
     async def _exchange(self) -> dict[str, PeerEntry]:
-        placements = [*self._unstreamed, *self.dispatcher.scheduler.take_placements()]
+        placements = [*self._unstreamed, *self.dispatcher.take_placements()]
         self._unstreamed.clear()  # sent with this round, or lost with it if Redis fails
         if self._stream_at is None:
             await self._catch_up()
@@ -484,11 +484,11 @@ class SharedState:
             self._changed.clear()
             if self.up is not True:
                 continue
-            scheduler = self.dispatcher.scheduler
-            share = scheduler.share(self.dispatcher.clock())
+            share = self.dispatcher.local_share()
             if push_key(share) == self._pushed:
                 continue
-            placements, settled = scheduler.take_placements(), scheduler.take_settled()
+            placements = self.dispatcher.take_placements()
+            settled = self.dispatcher.take_settled()
             message = push_message(self.process_id, self._publication(share), placements, settled)
             # The stream gets them with the next round (a process that starts later reads
             # them there), so a push is one command: PUBLISH, no pipeline.
@@ -534,14 +534,14 @@ class SharedState:
             return  # our own push, back from the channel: not worth parsing
         try:
             process, payload, placements, settled = parse_push(raw)
-            entry = decode(payload, self.dispatcher.scheduler.names())
+            entry = decode(payload, self.dispatcher.instance_names())
         except ValueError as exc:
             self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
             return
         if placements:  # the stream brings them again at the next round: harmless
-            self.dispatcher.scheduler.learn_placements(placements)
+            self.dispatcher.learn_placements(placements)
         if settled:
-            self.dispatcher.scheduler.learn_settled(settled)
+            self.dispatcher.learn_settled(settled)
         old = self._peers.get(process)
         if old is not None and entry.seq <= old.seq:
             return
@@ -569,7 +569,7 @@ class SharedState:
                 except (KeyError, ValueError) as exc:
                     self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
                     continue
-                self.dispatcher.scheduler.learn_placements(learned)
+                self.dispatcher.learn_placements(learned)
 
     def _set_up(self, up: bool) -> None:
         if up == self.up:

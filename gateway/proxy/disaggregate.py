@@ -161,10 +161,8 @@ class PrefillHop:
                 return params, ended
             fallback = FAILED
             tried = tried | {lease.instance}
-            now = self.clock()
-            scheduler = self.dispatcher.scheduler
-            if now >= call.deadline or not scheduler.untried_available(
-                call.lane, tried, now, ticket.model, Hop.PREFILL
+            if self.clock() >= call.deadline or not self.dispatcher.untried_available(
+                call.lane, tried, ticket.model, Hop.PREFILL
             ):
                 break
         return None, fallback

@@ -102,7 +102,7 @@ class Proxy:
         self.metrics = metrics
         self.endpoints = endpoints
         self.counter = counter
-        self.intake = Intake(config, keys, dispatcher.scheduler, metrics)
+        self.intake = Intake(config, keys, dispatcher, metrics)
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.budget = RetryBudget()  # the core's ratio, 0.2 (docs/decisions/0017)
@@ -253,7 +253,7 @@ class Proxy:
             )
             if route.prioritized:
                 call = vllm_priority(call, payload, tenant.vllm_priority)
-            if route.disaggregates and self.dispatcher.scheduler.has_prefill_role:
+            if route.disaggregates and self.dispatcher.has_prefill_role:
                 return await self._disaggregated(call, ex, ticket, payload)
             return await self._forward(call, ex, ticket)
         except errors.GatewayError as exc:
@@ -265,7 +265,7 @@ class Proxy:
                 task.uncancel()  # our own drain deadline, not the client: answer it
                 error = errors.ShuttingDown(
                     "the gateway is shutting down",
-                    retry_after=self.dispatcher.scheduler.limits.queue_retry_after,
+                    retry_after=self.dispatcher.retry_after,
                 )
                 ex.status = error.status
                 return error.response(headers, route.api)
@@ -288,7 +288,7 @@ class Proxy:
         the access line only, the name asked for, cut short)."""
         if not isinstance(model, str):
             return
-        if self.dispatcher.scheduler.knows_model(model):
+        if self.dispatcher.knows_model(model):
             ex.model = model
         else:
             ex.model, ex.requested_model = "other", model[:LOGGED_MODEL_CHARS]
@@ -298,7 +298,7 @@ class Proxy:
     ) -> web.StreamResponse:
         """A request of a fleet with prefill instances: in two hops if the core says its
         prefill is worth moving off the decode instance (disaggregate.py), else whole."""
-        if not self.dispatcher.scheduler.splits(ticket, self.clock()):
+        if not self.dispatcher.splits(ticket):
             ex.hop_path = "whole"
             self.metrics.hops.labels("whole").inc()
             return await self._forward(call, ex, ticket)
@@ -353,10 +353,9 @@ class Proxy:
                 return result.response
             tried = tried | {lease.instance}
             now = self.clock()
-            scheduler = self.dispatcher.scheduler
             plan = plan_retry(
-                untried=scheduler.untried_available(
-                    call.lane, tried, now, ticket.model, ticket.hop
+                untried=self.dispatcher.untried_available(
+                    call.lane, tried, ticket.model, ticket.hop
                 ),
                 attempt=ex.attempts,
                 max_attempts=self.retry.max_attempts,
@@ -409,12 +408,12 @@ class Proxy:
                 if call.stream:  # the relay splices its body once committed
                     stream = response
             except AttemptFailed as failed:
-                retry_after = self.dispatcher.scheduler.limits.queue_retry_after
+                retry_after = self.dispatcher.retry_after
                 result = failed_to_send(failed, retry_after)
             else:
                 result = await self._judge(call, ex, lease, response, stream, opened)
             if lease.evicted and isinstance(result, Failed):
-                result = taken_back(lease.instance, self.dispatcher.scheduler.limits)
+                result = taken_back(lease.instance, self.dispatcher.limits)
             return result
         finally:
             if response is not None:

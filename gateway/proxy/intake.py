@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway import errors
 from gateway.config.load import Config
-from gateway.dispatch import Scheduler
+from gateway.fleet.dispatcher import Dispatcher
 from gateway.observe.metrics import Metrics
 from gateway.proxy import auth, form, jsoncodec
 from gateway.proxy.auth import KeyChecker
@@ -41,9 +41,9 @@ def max_tokens_of(payload: dict[str, Any]) -> int:
 
 class Intake:
     def __init__(
-        self, config: Config, keys: KeyChecker[Tenant], scheduler: Scheduler, metrics: Metrics
+        self, config: Config, keys: KeyChecker[Tenant], dispatcher: Dispatcher, metrics: Metrics
     ) -> None:
-        self.scheduler = scheduler
+        self.dispatcher = dispatcher
         self.metrics = metrics
         self.max_body = config.gateway.max_body_bytes  # the app's own limit: fixed at start
         self.reconfigure(config, keys)
@@ -146,15 +146,15 @@ class Intake:
         if not isinstance(model, str):
             tenant.check_model(None)
             return None  # none at all, or not a string: the instance answers that
-        scheduler = self.scheduler
-        if not scheduler.names():
+        fleet = self.dispatcher
+        if not fleet.instance_names():
             # No instance at all (discovery found none yet): nothing says the model is
             # wrong, and the fleet may come back; the client should try again.
             raise errors.NoInstanceAvailable(
-                "the fleet has no instance now", retry_after=scheduler.limits.queue_retry_after
+                "the fleet has no instance now", retry_after=fleet.retry_after
             )
-        if not scheduler.model_served(model):
-            models = scheduler.served_models()
+        if not fleet.model_served(model):
+            models = fleet.served_models()
             if tenant.models is not None:
                 models = [m for m in models if m in tenant.models]
             served = ", ".join(models) or "none yet"

@@ -173,9 +173,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         metrics,
         config,
         app.router.routes(),
-        servers=scheduler.names(),
+        servers=dispatcher.instance_names(),
         keyed=not keys.open,
-        models=scheduler.served_models(),
+        models=dispatcher.served_models(),
         keys=[t.name for t in tenants.tenants_of(config)],
     )
     task = asyncio.create_task(checker.run_forever(), name="health-checks")
@@ -275,11 +275,10 @@ def _token_counter(
         return TokenCounter(threshold, local=LocalTokenizer(source))
 
     def least_loaded_instance() -> tuple[str, dict[str, str]] | None:
-        now = dispatcher.clock()
-        up = [s for s in dispatcher.scheduler.states if s.available(now)]
-        if not up:
+        name = dispatcher.least_busy_available()
+        if name is None:
             return None
-        endpoint = endpoints[min(up, key=lambda s: s.inflight).name]
+        endpoint = endpoints[name]
         return endpoint.url, endpoint.headers
 
     return TokenCounter(threshold, upstream=upstream, pick_instance=least_loaded_instance)
@@ -331,7 +330,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
     up = dispatcher.snapshot().up()
     if not up:
         raise errors.NoInstanceAvailable(
-            "no vLLM instance is up", retry_after=dispatcher.scheduler.limits.queue_retry_after
+            "no vLLM instance is up", retry_after=dispatcher.retry_after
         )
     data = request.app[HEALTH].model_union({i.name for i in up})
     listed = {m["id"] for m in data}
