@@ -179,6 +179,9 @@ class Metrics:
             ["reason", "outcome"],
             registry=registry,
         )
+        for reason in ("reset", "eof", "timeout"):  # at zero: rate() sees the first break
+            for outcome in ("completed", "failed"):
+                self.migrations.labels(reason, outcome)
         self.discovery_failures = Counter(
             "gateway_discovery_failures",
             'Rounds in which the name of a `"discover": "dns"` instance entry could not be '

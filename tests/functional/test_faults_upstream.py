@@ -33,6 +33,11 @@ from gateway.sim.sim_vllm import SimConfig
 
 FAST = SimConfig(decode_s_per_token=0.001, prefill_tokens_per_s=1e6)
 
+# The in-band error's path, as a stream that cannot be continued elsewhere takes it.
+NO_MIGRATION = {
+    "retry": {"max_attempts": 3, "backoff_base": 0.01, "backoff_max": 0.05, "migrations": 0}
+}
+
 
 async def served_by(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> str:
     """Send one chat (streamed or not) and return the X-Gateway-Instance that served it."""
@@ -121,7 +126,9 @@ async def test_refused_long_request_waits_for_room_on_another_instance() -> None
         assert value(samples, "gateway_instance_requests_total", server="b", status="200") == 2
         assert value(samples, "gateway_retries_total") == 2
         long_lane = gw.metrics.lane_names[Lane.LONG]
-        assert value(samples, "gateway_queue_wait_seconds_count", lane=long_lane) == 1
+        # Every placement is observed: the two refused on a and the first's retry at once
+        # (0 s), the second's retry after its wait.
+        assert value(samples, "gateway_queue_wait_seconds_count", lane=long_lane) == 4
         assert value(samples, "gateway_rejections_total") == 0
         assert value(samples, "gateway_requests_total", status="200") == 2
         await settled(gw)
@@ -290,8 +297,9 @@ async def test_whole_answer_slower_than_read_timeout_succeeds_within_request_tim
 
 
 async def test_instance_dying_mid_stream_gives_an_in_band_error_and_no_replay() -> None:
-    """An instance dying mid-stream gives the SDK the gateway's APIError; nothing is replayed."""
-    async with proxied(SLOW, SLOW) as (gw, _), sdk(gw) as client:
+    """With migration off, an instance dying mid-stream gives the SDK the gateway's APIError;
+    nothing is replayed (test_migration.py has the stream going on elsewhere)."""
+    async with proxied(SLOW, SLOW, channel=NO_MIGRATION) as (gw, _), sdk(gw) as client:
         gw.sims[0].faults.die_after_chunks = 4
         stream = await client.chat.completions.create(
             model="sim-model", messages=MESSAGES, stream=True, max_tokens=50
@@ -309,8 +317,8 @@ async def test_instance_dying_mid_stream_gives_an_in_band_error_and_no_replay() 
 
 
 async def test_mid_stream_death_ends_with_error_event_then_done_on_the_wire() -> None:
-    """On the wire, a broken stream's last two events are the error object and `data: [DONE]`."""
-    async with proxied(SLOW, SLOW) as (gw, _), sdk(gw) as client:
+    """On the wire, a broken stream not migrated ends with the error object and `data: [DONE]`."""
+    async with proxied(SLOW, SLOW, channel=NO_MIGRATION) as (gw, _), sdk(gw) as client:
         gw.sims[0].faults.die_after_chunks = 3
         async with client.chat.completions.with_streaming_response.create(
             model="sim-model", messages=MESSAGES, stream=True, max_tokens=50
@@ -323,8 +331,9 @@ async def test_mid_stream_death_ends_with_error_event_then_done_on_the_wire() ->
 
 
 async def test_reset_in_the_middle_of_an_event_still_gives_an_in_band_api_error() -> None:
-    """A reset inside an SSE event still ends in the SDK's APIError, not a parse error."""
-    async with proxied(SLOW, SLOW) as (gw, (a, _)), sdk(gw) as client:
+    """A reset inside an SSE event, not migrated, ends in the SDK's APIError, not a parse
+    error."""
+    async with proxied(SLOW, SLOW, channel=NO_MIGRATION) as (gw, (a, _)), sdk(gw) as client:
         a.reset_after_bytes = 1000  # past the headers and first events, inside a later one
         with pytest.raises(openai.APIError) as info:
             await stream_text(client, max_tokens=50)
