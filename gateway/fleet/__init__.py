@@ -3,7 +3,8 @@
 `dispatcher` (queue waits and leases around `gateway.dispatch.Scheduler`), `health` (probes,
 `/metrics` and `/v1/models` scrapes), `shared` and `shared_codec` (the view of the other
 processes' load through Redis), `shared_limits` (the named keys' counters in Redis),
-`inputs` (what the config makes of the fleet).
+`inputs` (what the config makes of the fleet), `discovery` (instances found by DNS),
+`drains` (the operator's drains: which instances are out of rotation).
 May import: the vocabulary, `gateway.dispatch`, `gateway.config`, `gateway.upstream`,
 `gateway.observe`.
 """

@@ -5,7 +5,8 @@
 (whose key: its name, models and limits), `limiter` (applying a key's limits, the
 headers that say where it stands), `body`, `form` and `jsoncodec`
 (reading the request), `tokens`, `imagesize` and `tokenizer` (the prompt estimate),
-`anthropic_body` (a Messages body read as the chat request vLLM makes of it).
+`anthropic_body` (a Messages body read as the chat request vLLM makes of it), `migration`
+(a stream its instance broke continued on another), `disaggregate` (the prefill hop).
 May import: every package below it: the vocabulary, `dispatch`, `config`, `upstream`,
 `observe`, `fleet`, `relay`.
 """
