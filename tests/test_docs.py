@@ -56,3 +56,43 @@ def test_relative_links_resolve(page: Path) -> None:
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+ANCHORED = re.compile(r"\]\(([^)#\s]*)#([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} (.+?)\s*$", re.MULTILINE)
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings: lower case, punctuation dropped but
+    hyphens, spaces as hyphens (a repeated heading's -1, -2 suffixes too)."""
+    found: set[str] = set()
+    text = FENCE.sub("", page.read_text(encoding="utf-8"))  # a `# comment` in code is none
+    for heading in HEADING.findall(text):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in found:
+            n += 1
+            candidate = f"{slug}-{n}"
+        found.add(candidate)
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_anchored_links_reach_a_heading(page: Path) -> None:
+    """A link to a section (`page.md#section`, `#section`) names a heading that exists, so
+    moving a section to another page cannot leave links pointing at nothing."""
+    for target, anchor in ANCHORED.findall(page.read_text(encoding="utf-8")):
+        if "://" in target or not (target == "" or target.endswith(".md")):
+            continue
+        linked = page if target == "" else (page.parent / target).resolve()
+        assert anchor in anchors(linked), f"{page.name} links to {target}#{anchor}: no heading"
+
+
+def test_anchors_are_githubs(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Title\n\n## Drain (SIGTERM)\n\n```sh\n# a comment\n```\n\n### `reload_on_change`\n\n"
+        "## Title\n"
+    )
+    assert anchors(page) == {"title", "drain-sigterm", "reload_on_change", "title-1"}
