@@ -74,8 +74,9 @@ class Scheduler(Fleet):
         self._service = ServiceCounts(limits.shares)  # each key's fair-share count
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
-        # Drain rates per lane and model: each model's instances drain its own queue.
-        self._drained = DrainRates()
+        # Departure rates per lane and model (admission's drain rate): each model's
+        # instances serve its own queue.
+        self._departures = DrainRates()
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
@@ -105,7 +106,7 @@ class Scheduler(Fleet):
         departed = {h.state.name: h.state for h in self._holding.values()}
         self.set_fleet(specs, limits, health_policy, departed)
         self._service.shares = limits.shares
-        return self._drain(now, rng)
+        return self._place_waiting(now, rng)
 
     # ------------------------------------------------------------ queries
 
@@ -158,7 +159,7 @@ class Scheduler(Fleet):
         """How long a new `lane` request of `priority`'s class would wait to start (None:
         its class's rate not known yet)."""
         ahead = self.ahead(lane, model, hop, priority)
-        return predicted_wait(ahead, self._drained.rate(lane, model, now, priority))
+        return predicted_wait(ahead, self._departures.rate(lane, model, now, priority))
 
     def splits(self, ticket: Ticket, now: float) -> bool:
         """Whether `ticket` goes in two hops: prefill on a prefill instance, then decode
@@ -195,7 +196,7 @@ class Scheduler(Fleet):
         if self.bounded(lane, priority) >= self.limits.gateway_queue_size:
             wait = self.predicted_wait(lane, now, model, hop, priority)
             return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
-        rate = self._drained.rate(lane, model, now, priority)
+        rate = self._departures.rate(lane, model, now, priority)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
@@ -286,7 +287,7 @@ class Scheduler(Fleet):
         elif ttft is not None:
             held.state.speed.observe_prefill(held.ahead + held.uncached, ttft)
             self._service_ttft[held.ticket.lane].update(ttft)
-        return self._drain(now, rng) if held.long_place else []
+        return self._place_waiting(now, rng) if held.long_place else []
 
     def release(
         self,
@@ -309,7 +310,7 @@ class Scheduler(Fleet):
         if not held.departs_at_prefill:
             self._depart(held, now)
         apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
-        return self._drain(now, rng)
+        return self._place_waiting(now, rng)
 
     def _end_prefill(self, held: _Held, now: float) -> None:
         held.end_prefill()
@@ -325,7 +326,7 @@ class Scheduler(Fleet):
             return
         lane, model, priority = ticket.lane, ticket.model, ticket.priority
         saturated = self._queues.length_for(lane, model, ticket.hop, priority) > 0
-        self._drained.record(lane, model, now, saturated, priority)
+        self._departures.record(lane, model, now, saturated, priority)
 
     def charge_output(self, key: str, output_tokens: int) -> None:
         """`key`'s answer ended with `output_tokens`: its fair-share count (its prompt was
@@ -351,14 +352,14 @@ class Scheduler(Fleet):
         changed = self.observe_probe(name, ok, now, error)
         if changed is None:
             return []
-        # Also drain when nothing changed: an ejection may have run out since.
-        return self._drain(now, rng) if changed or self._queues else []
+        # Also place what waits when nothing changed: an ejection may have run out since.
+        return self._place_waiting(now, rng) if changed or self._queues else []
 
     def set_models(
         self, name: str, models: frozenset[str], now: float, rng: random.Random
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
-        return self._drain(now, rng) if self.observe_models(name, models) else []
+        return self._place_waiting(now, rng) if self.observe_models(name, models) else []
 
     def set_drained(
         self, drained: Mapping[str, float], now: float, rng: random.Random
@@ -374,16 +375,16 @@ class Scheduler(Fleet):
             if (since is None) != (state.drained_since is None):
                 changed = True
             state.drained_since = since
-        return self._drain(now, rng) if changed else []
+        return self._place_waiting(now, rng) if changed else []
 
     def apply_shared(
-        self, view: SharedView, now: float, rng: random.Random, *, drain: bool = True
+        self, view: SharedView, now: float, rng: random.Random, *, place: bool = True
     ) -> list[Decision]:
         """What the other gateway processes hold now (load, queues, learned speeds).
 
         Their load counts toward every limit and score; their speeds blend with ours, so
         every process judges a slow card alike. An empty view is the local view alone.
-        With `drain` False, queued requests wait for the shell's `drain` call.
+        With `place` False, queued requests wait for the shell's `place_waiting` call.
         """
         # Each peer's queue is bounded as ours is: more than that is not believed.
         bound = self.limits.gateway_queue_size * max(1, view.peers)
@@ -392,11 +393,11 @@ class Scheduler(Fleet):
             batch = {lane: min(n, bound) for lane, n in view.queued_batch.items()}
             view = dataclasses.replace(view, queued=queued, queued_batch=batch)
         self._shared = view
-        self._drained.peers = view.rates
+        self._departures.peers = view.rates
         self._service.peers = view.key_service
         self.hear_peers(view, now)
         # Peers may have let go of places: waiting requests may fit now.
-        return self._drain(now, rng) if drain and self._queues else []
+        return self._place_waiting(now, rng) if place and self._queues else []
 
     def overbooked(self, name: str) -> list[int]:
         """Our requests on `name` still without a first token, newest first, beyond what it
@@ -431,9 +432,9 @@ class Scheduler(Fleet):
             UNCONFIRMED, 2 * state.running_seen
         )
 
-    def drain(self, now: float, rng: random.Random) -> list[Decision]:
+    def place_waiting(self, now: float, rng: random.Random) -> list[Decision]:
         """Place (or turn away) the queued requests that can be now."""
-        return self._drain(now, rng) if self._queues else []
+        return self._place_waiting(now, rng) if self._queues else []
 
     @property
     def queued(self) -> bool:
@@ -445,7 +446,7 @@ class Scheduler(Fleet):
         queued = {lane: self._queues.length(lane) for lane in Lane}
         batch = {lane: n for lane in Lane if (n := self._queues.batch_length(lane))}
         keys = self._queues.key_counts()
-        return self.local_share(queued, self._drained.own(now), batch, keys, self._service.own())
+        return self.local_share(queued, self._departures.own(now), batch, keys, self._service.own())
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -479,7 +480,7 @@ class Scheduler(Fleet):
         self._place_prefix(state, ticket, cached)
         return Assigned(ticket, state.name)
 
-    def _drain(self, now: float, rng: random.Random) -> list[Decision]:
+    def _place_waiting(self, now: float, rng: random.Random) -> list[Decision]:
         """Place queued requests while any FIFO's head fits somewhere, the head whose wait
         runs out first first."""
         out: list[Decision] = []

@@ -135,7 +135,7 @@ class Dispatcher:
         # away and the local view decides); and give it back.
         self.claim: Callable[[str, int, int], Awaitable[bool | None]] | None = None
         self.unclaim: Callable[[int], None] | None = None
-        self._drain_timer: asyncio.TimerHandle | None = None  # a staggered drain (apply_shared)
+        self._place_timer: asyncio.TimerHandle | None = None  # staggered placing (apply_shared)
         # The operator's drains (fleet/drains.py): name -> since, wall clock.
         self._drained: dict[str, float] = {}
 
@@ -351,19 +351,19 @@ class Dispatcher:
         if stagger <= 0 or not self.scheduler.queued:
             self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng))
             return
-        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng, drain=False))
-        if self._drain_timer is None:
+        self._settle(self.scheduler.apply_shared(view, self.clock(), self.rng, place=False))
+        if self._place_timer is None:
             delay = self.rng.uniform(0.0, stagger)
-            self._drain_timer = asyncio.get_running_loop().call_later(delay, self._drain_later)
+            self._place_timer = asyncio.get_running_loop().call_later(delay, self._place_later)
 
-    def _drain_later(self) -> None:
-        self._drain_timer = None
-        self.drain()
+    def _place_later(self) -> None:
+        self._place_timer = None
+        self.place_waiting()
 
-    def drain(self) -> None:
+    def place_waiting(self) -> None:
         """Place (or turn away) what waits and can be now: a health round calls it, since an
         ejection that ran out frees room without a call that says so."""
-        self._settle(self.scheduler.drain(self.clock(), self.rng))
+        self._settle(self.scheduler.place_waiting(self.clock(), self.rng))
 
     def set_models(self, name: str, models: frozenset[str]) -> None:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""

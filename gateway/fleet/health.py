@@ -148,7 +148,7 @@ class HealthChecker:
         self.rounds += 1
         self.dispatcher.metrics.sweep()  # series of instances gone long enough
         flags = self.dispatcher.update_slow_flags()
-        self.dispatcher.drain()
+        self.dispatcher.place_waiting()
         if not flags:
             return
         snap = {i.name: i for i in self.dispatcher.snapshot().instances}

@@ -55,11 +55,11 @@ class Report:
 
 
 @dataclass(frozen=True)
-class Drain:
+class PlaceWaiting:
     """A health round: queued requests may fit where an ejection ran out unannounced."""
 
 
-Op = Submit | Release | PrefillDone | Probe | Cancel | Advance | Report | Drain
+Op = Submit | Release | PrefillDone | Probe | Cancel | Advance | Report | PlaceWaiting
 
 picks = st.integers(0, 63)
 instances = st.integers(0, 3)
@@ -83,7 +83,7 @@ ops = st.one_of(
     st.builds(Cancel, picks),
     st.builds(Advance, st.sampled_from([0.5, 2.0, 7.0])),
     st.builds(Report, instances, st.integers(0, 20), st.integers(0, 20)),
-    st.just(Drain()),
+    st.just(PlaceWaiting()),
 )
 operation_lists = st.lists(ops, min_size=40, max_size=150)
 

@@ -206,7 +206,7 @@ def test_admitted_queue_never_exceeds_rate_times_budget(
     rng = random.Random(0)
     sched = make(InstanceSpec("a", slots=1), max_queue_wait_short=budget)
     now = saturate(sched, rng, departures=departures, every=every)
-    rate = sched._drained.rate(Lane.SHORT, None, now)
+    rate = sched._departures.rate(Lane.SHORT, None, now)
     for i in range(arrivals):
         sched.submit(Ticket(i, Lane.SHORT, FAR), now, rng)
     if rate is not None:

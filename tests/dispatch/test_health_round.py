@@ -36,5 +36,5 @@ def test_a_queued_request_goes_to_an_instance_whose_ejection_ran_out() -> None:
     assert isinstance(sched.submit(Ticket(2, Lane.SHORT, 1e9), 0.0, rng), Assigned)  # i1
     waiting = sched.submit(Ticket(3, Lane.SHORT, 1e9), 0.0, rng)
     assert isinstance(waiting, Queued)
-    assert sched.drain(0.5, rng) == []  # still ejected: it waits
-    assert sched.drain(1.5, rng) == [Assigned(waiting.ticket, "i0")]
+    assert sched.place_waiting(0.5, rng) == []  # still ejected: it waits
+    assert sched.place_waiting(1.5, rng) == [Assigned(waiting.ticket, "i0")]

@@ -13,8 +13,8 @@ from _sched_model import Model
 from _sched_ops import (
     Advance,
     Cancel,
-    Drain,
     Op,
+    PlaceWaiting,
     PrefillDone,
     Probe,
     Release,
@@ -159,8 +159,8 @@ class Harness(Model):
             load = LoadReport(op.running, op.waiting, kv_usage=op.running / 40, at=self.now)
             self.sched.report_load(name, load)
 
-    def drain(self) -> None:
-        self.settle(self.sched.drain(self.now, self.rng), drained=True)
+    def place_waiting(self) -> None:
+        self.settle(self.sched.place_waiting(self.now, self.rng), drained=True)
 
     def step(self, op: Op) -> None:
         if isinstance(op, Submit):
@@ -175,8 +175,8 @@ class Harness(Model):
             self.cancel(op)
         elif isinstance(op, Advance):
             self.now += op.seconds
-        elif isinstance(op, Drain):
-            self.drain()
+        elif isinstance(op, PlaceWaiting):
+            self.place_waiting()
         else:
             self.report(op)
         self.check()

@@ -365,7 +365,7 @@ def test_rejections_at_submit_carry_the_ticket_and_retry_delay() -> None:
     assert sched.submit(tk(3), 0.0, rng) == Rejected(tk(3), "shutting_down", 2.5)
 
 
-def test_rejections_on_drain_and_close_carry_the_retry_delay() -> None:
+def test_rejections_on_placing_and_close_carry_the_retry_delay() -> None:
     """Waiters turned away when their lane dies, or at close, get the configured delay."""
     rng = random.Random(0)
     sched = make(

@@ -142,16 +142,16 @@ def test_the_drain_rate_for_admission_adds_the_peers_rates() -> None:
     assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)
 
 
-def test_a_view_applied_without_drain_leaves_the_queue_to_drain() -> None:
-    """apply_shared(drain=False) takes the view but places nobody; drain() then does."""
+def test_a_view_applied_without_placing_leaves_the_queue_to_place_waiting() -> None:
+    """apply_shared(place=False) takes the view but places nobody; place_waiting() then does."""
     rng = random.Random(0)
     sched = make(InstanceSpec("a", slots=1), max_queue_per_instance=0)
     sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=1)}, peers=1), 0.0, rng)
     assert isinstance(sched.submit(Ticket(1, Lane.SHORT, FAR), 0.0, rng), Queued)
     assert sched.queued
-    assert sched.apply_shared(SharedView(), 0.0, rng, drain=False) == []
+    assert sched.apply_shared(SharedView(), 0.0, rng, place=False) == []
     assert sched.state("a").peers.inflight == 0
-    (placed,) = sched.drain(0.0, rng)
+    (placed,) = sched.place_waiting(0.0, rng)
     assert isinstance(placed, Assigned)
     assert not sched.queued
 
