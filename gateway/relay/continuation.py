@@ -41,7 +41,7 @@ from gateway.routes import CHAT, COMPLETIONS, Route
 
 _GUIDED = ("response_format", "structured_outputs", "guided_json", "guided_regex")
 _GUIDED_MORE = ("guided_choice", "guided_grammar", "guided_decoding_backend")
-COMPACT_EVERY = 64  # events held whole before they are boiled down to their text
+COMPACT_EVERY = 8  # events held whole before they are boiled down to their text
 _EVENT_END = re.compile(rb"(\r?\n\r?\n)")
 _ID = re.compile(rb'"id":\s*"([^"\\]*)"')
 _CREATED = re.compile(rb'"created":\s*(\d+)')
@@ -109,9 +109,9 @@ class Transcript:
         "finished",
         "head",
         "lost",
-        "pieces",
         "raw",
         "reasoning",
+        "text",
         "tokens",
         "tool_call",
     )
@@ -120,7 +120,7 @@ class Transcript:
         self.chat = route.name == CHAT.name
         self.head = b""
         self.raw: list[bytes] = []  # events not boiled down yet
-        self.pieces: list[bytes] = []
+        self.text = bytearray()  # the token chunks' text, JSON-escaped, end to end
         self.tokens = 0
         self.tool_call = self.reasoning = self.finished = self.lost = False
 
@@ -144,7 +144,7 @@ class Transcript:
         block = b"\n\n".join(raw)
         self.raw = []
         found = [p for p in (_CONTENT if self.chat else _TEXT).findall(block) if p]
-        self.pieces.extend(found)
+        self.text += b"".join(found)
         self.tokens += len(found)
         if self.chat:
             self.tool_call = self.tool_call or _TOOL_CALLS.search(block) is not None
@@ -161,7 +161,7 @@ class Transcript:
             return None
         id_, created, model = (m.group(1) for m in found if m is not None)
         try:
-            text = orjson.loads(b'"' + b"".join(self.pieces) + b'"')
+            text = orjson.loads(b'"' + self.text + b'"')
         except orjson.JSONDecodeError:
             return None
         flags = (self.tool_call, self.reasoning, self.finished)
