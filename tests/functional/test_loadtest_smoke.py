@@ -317,8 +317,10 @@ async def test_overload_smoke(tmp_path: Path) -> None:
             assert_consistent(entry["summary"])
             waits = entry["refusal_wait_s"]
             assert (waits["p50"] is not None) == (refused > 0)
-            if refused:
-                assert 0 < waits["p50"] <= waits["p90"] <= waits["max"]
+            if refused:  # a p90 takes 10 refusals (report.MIN_SAMPLES); a busy machine has fewer
+                p90 = waits["p90"] if refused >= 10 else waits["max"]
+                assert (waits["p90"] is None) == (refused < 10)
+                assert 0 < waits["p50"] <= p90 <= waits["max"]
             lanes = entry["admitted_ttft_s"]
             assert sum(lane["admitted"] for lane in lanes.values()) <= entry["answered_200"]
             for lane in lanes.values():
