@@ -72,7 +72,13 @@ class Broken:
     framer: sse.Framer
     transcript: Transcript  # what it sent the client
     why: str  # what the instance did, for the in-band error and the instance's record
-    reason: str  # the same as a label: reset, eof or timeout
+
+    @property
+    def reason(self) -> str:
+        """`why` as a label: the instance went quiet, ended the stream, or reset it."""
+        if self.why.startswith("sent no data event"):
+            return "timeout"
+        return "eof" if self.why.startswith("ended the stream") else "reset"
 
 
 def stream_decoder(response: UpstreamResponse) -> Decode | None:

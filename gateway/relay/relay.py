@@ -117,13 +117,6 @@ class _Out(web.StreamResponse):
         return self.written + self.spliced
 
 
-def _reason(why: str) -> str:
-    """A broken stream's `why` as a label: the instance reset it, ended it, or went quiet."""
-    if why.startswith("sent no data event"):
-        return "timeout"
-    return "eof" if why.startswith("ended the stream") else "reset"
-
-
 def _ended_well(framer: sse.Framer, route: Route) -> bool:
     """The stream's events so far make a whole answer: `data: [DONE]`, or the route's final
     event where it sends no [DONE]."""
@@ -294,7 +287,7 @@ class Relay:
         framer = started.framer
         kept = framer.keep
         if broken is not None and isinstance(kept, Transcript) and not _ended_well(framer, route):
-            return Broken(out, framer, kept, broken, _reason(broken))
+            return Broken(out, framer, kept, broken)
         return await self._conclude(call, out, lease, framer, broken, first_at)
 
     async def resume(
@@ -339,7 +332,7 @@ class Relay:
             why = "ended the stream without " + done
         if why is not None:
             kept = framer.keep if isinstance(framer.keep, Transcript) else Transcript(route)
-            return Broken(out, framer, kept, why, _reason(why))
+            return Broken(out, framer, kept, why)
         return await self._finish(out, Outcome.SUCCESS, None, framer, route)
 
     async def end(self, call: Request, broken: Broken, instance: str) -> Streamed:
