@@ -398,6 +398,35 @@ class Channel(Frozen):
         return value
 
 
+class KvEventsConfig(Frozen):
+    """Where an instance publishes its KV cache events: the `endpoint`, `replay_endpoint`
+    and `topic` of the `--kv-events-config` it was started with, copied as they are. A `*`
+    host (vLLM binds there) stands for the instance's own host, so one entry serves every
+    instance a `"discover": "dns"` entry finds."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""  # vLLM's default: the empty topic, which matches any
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if scheme == "ipc" and sep and rest:
+            return value
+        host, colon, port = rest.rpartition(":")
+        if scheme != "tcp" or not sep or not colon or not host or not port.isdigit():
+            raise ValueError(
+                f"{value!r} is not a ZMQ endpoint: write tcp://host:port (a * host is the "
+                "instance's own, as vLLM's --kv-events-config binds it) or ipc://path"
+            )
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"bad port in {value!r}")
+        return value
+
+
 class InstanceConfig(Frozen):
     url: str
     name: str | None = None
@@ -419,6 +448,9 @@ class InstanceConfig(Frozen):
     # instance with this entry's other fields (fleet/discovery.py): a Kubernetes headless
     # Service's pods, found again every `[dispatch] discovery_interval`.
     discover: Literal["dns"] | None = None
+    # It publishes its KV cache events (vLLM's --kv-events-config): its prefix cache is
+    # read from them (fleet/kv_events.py) instead of inferred from what was sent there.
+    kv_events: KvEventsConfig | None = None
 
     @field_validator("url")
     @classmethod

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .affinity import BLOCK_TOKENS, PrefixIndex
 from .health import apply_probe, note_error
+from .kv_index import KvIndex
 from .model import (
     HealthPolicy,
     Hop,
@@ -87,8 +88,13 @@ class Fleet:
                 state = InstanceState(spec)
                 state.cache = PrefixIndex(limits.prefix_index_blocks)
             state.spec = spec
+            if not spec.kv_events:
+                state.kv = None
+            elif state.kv is None:
+                state.kv = KvIndex()
             states.append(state)
         self.states = states
+        self._kv_heard = any(s.kv is not None for s in states)  # else kv_blocks is None
         self.limits = limits
         self.health_policy = health_policy
         self._by_name = {s.name: s for s in states}
@@ -180,6 +186,23 @@ class Fleet:
     def names(self) -> frozenset[str]:
         """The instances of the fleet now."""
         return frozenset(self._by_name)
+
+    def kv_index(self, name: str) -> KvIndex | None:
+        """The KV events index of instance `name` (None: it has none, or is gone)."""
+        state = self._by_name.get(name)
+        return None if state is None else state.kv
+
+    def kv_blocks(self, model: str | None) -> tuple[int, str | None] | None:
+        """How to chain a prompt for `model` so the KV events indexes can look it up: their
+        block size, and the LoRA adapter's name if `model` is one they have seen. None if no
+        instance that may serve it has a usable index (the prompt need not be tokenized)."""
+        if not self._kv_heard:
+            return None
+        for state in self.states:
+            kv = state.kv
+            if kv is not None and kv.usable and kv.block_size and state.serves_model(model):
+                return kv.block_size, model if model in kv.adapters else None
+        return None
 
     def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Another process placed these prompts: they are (about to be) cached there too,
@@ -339,6 +362,8 @@ class Fleet:
 
     def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
+        if state.kv is not None:
+            state.kv.hold(ticket.id, ticket.kv_chain)
         if not ticket.prefix:
             return
         if state.cache.match(ticket.prefix) < len(ticket.prefix):
@@ -347,8 +372,12 @@ class Fleet:
         state.prefix_query_tokens += ticket.tokens
         state.prefix_hit_tokens += cached
 
-    def _settle_prefix(self, state: InstanceState, ticket: Ticket) -> None:
-        """`ticket`'s prompt is computed on `state` now; if that is news, peers hear it."""
+    def _settle_prefix(self, state: InstanceState, ticket: Ticket, now: float) -> None:
+        """`ticket`'s prompt is computed on `state` now; if that is news, peers hear it. Its
+        KV events should say so soon (kv_index.KvIndex.computed)."""
+        if state.kv is not None:
+            state.kv.release(ticket.id)
+            state.kv.computed(ticket.kv_chain, now)
         prefix, cache = ticket.prefix, state.cache
         if prefix and cache.capacity > 0 and cache.match(prefix, settled=True) < len(prefix):
             self._settled.append((state.name, prefix))

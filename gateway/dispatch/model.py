@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .affinity import BLOCK_TOKENS, DEFAULT_INDEX_BLOCKS, PrefixIndex
+from .kv_index import KvIndex, KvState
 from .speed import PeerSpeed, Speed
 
 InstanceLane = Literal["short", "long", "any"]
@@ -72,6 +73,9 @@ class InstanceSpec:
     # Models pinned in the settings; None: learned from the instance's /v1/models.
     models: frozenset[str] | None = None
     role: Role = "both"
+    # It publishes its KV cache events (vLLM's --kv-events-config) and the gateway listens:
+    # its prefix cache is read from them (kv_index.py) rather than inferred.
+    kv_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,10 @@ class Ticket:
     max_tokens: int = 0  # output tokens asked for (0: unknown)
     model: str | None = None  # None: any instance may serve it
     prefix: tuple[int, ...] = ()  # the prompt's block hashes (affinity.prompt_blocks)
+    # The prompt's token ids chained in the engines' blocks of `kv_block_size` tokens
+    # (kv_index.chain), where an instance's KV events index can look it up; else ().
+    kv_chain: tuple[int, ...] = ()
+    kv_block_size: int = 0
     hop: Hop = Hop.WHOLE
     priority: Priority = Priority.INTERACTIVE
     key: str = "default"  # the client's key by name, whose fair share it uses (fairness.py)
@@ -249,6 +257,7 @@ class InstanceState:
     # The models it serves, from its /v1/models (None until known; pinned ones win).
     observed_models: frozenset[str] | None = None
     cache: PrefixIndex = field(default_factory=PrefixIndex)
+    kv: KvIndex | None = None  # its cache as its KV events say (spec.kv_events), else None
     prefix_query_tokens: int = 0  # prompt tokens sent, and of those the estimated cached
     prefix_hit_tokens: int = 0
     speed: Speed = field(default_factory=Speed.new)
@@ -321,11 +330,27 @@ class InstanceState:
         return model is None or models is None or model in models
 
     def cached_tokens(self, ticket: Ticket, *, settled: bool = False) -> int:
-        """The estimated prompt tokens of `ticket` in its prefix cache (or, with `settled`,
-        only those surely computed there already)."""
-        if not ticket.prefix:
-            return 0
-        return min(ticket.tokens, self.cache.match(ticket.prefix, settled=settled) * BLOCK_TOKENS)
+        """The prompt tokens of `ticket` in its prefix cache (or, with `settled`, only those
+        surely computed there already): exact where its KV events index is whole, the
+        larger of both estimates where it is partial, inferred (affinity.py) elsewhere."""
+        inferred = (
+            min(ticket.tokens, self.cache.match(ticket.prefix, settled=settled) * BLOCK_TOKENS)
+            if ticket.prefix
+            else 0
+        )
+        kv = self.kv
+        if (
+            kv is None
+            or not ticket.kv_chain
+            or not kv.usable
+            or kv.block_size not in (None, ticket.kv_block_size)  # None: nothing stored yet
+        ):
+            return inferred
+        blocks = kv.match(ticket.kv_chain)
+        if not settled:  # a request of the same prompt ahead of it there computes it first
+            blocks = max(blocks, kv.match_pending(ticket.kv_chain))
+        exact = min(ticket.tokens, blocks * ticket.kv_block_size)
+        return exact if kv.state is KvState.WHOLE else max(exact, inferred)
 
     def fresh_report(self, now: float, stale_after: float) -> LoadReport | None:
         """The last scrape, if it is recent enough to trust; else None (unknown)."""

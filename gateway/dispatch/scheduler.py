@@ -278,7 +278,7 @@ class Scheduler(Fleet):
         if held is None or not held.prefilling:
             return []
         self._end_prefill(held, now)
-        self._settle_prefix(held.state, held.ticket)
+        self._settle_prefix(held.state, held.ticket, now)
         if ttft is not None and held.ticket.hop is Hop.DECODE:
             if held.ticket.tokens:
                 # Never below zero: a hop quicker than a step moved its blocks for free.
@@ -306,7 +306,9 @@ class Scheduler(Fleet):
             self._end_prefill(held, now)
         held.leave()
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
-            self._settle_prefix(held.state, held.ticket)
+            self._settle_prefix(held.state, held.ticket, now)
+        if held.state.kv is not None:  # what it did not compute, nobody will
+            held.state.kv.release(ticket_id)
         if not held.departs_at_prefill:
             self._depart(held, now)
         apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .kv_index import KvView
 from .model import InstanceLane, InstanceState, Lane, LoadReport, Role
 from .select import score_all
 
@@ -53,6 +54,7 @@ class InstanceSnapshot:
     consecutive_probe_failures: int
     ejections_total: int
     recent_errors: tuple[tuple[float, str], ...]  # (seconds ago, error), oldest first
+    kv: KvView | None = None  # its KV events index (None: it publishes none we hear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,7 @@ def instances_at(
                 consecutive_probe_failures=max(0, -state.probe_streak),
                 ejections_total=state.ejections_total,
                 recent_errors=tuple((now - at, error) for at, error in state.recent_errors),
+                kv=None if state.kv is None else state.kv.view(now),
             )
         )
     return tuple(instances)

@@ -36,6 +36,7 @@ from gateway.dispatch import (
     Snapshot,
     Ticket,
 )
+from gateway.dispatch.kv_index import KvIndex
 from gateway.observe import log
 from gateway.observe.metrics import Metrics
 
@@ -153,6 +154,8 @@ class Dispatcher:
         *,
         model: str | None = None,
         prefix: tuple[int, ...] = (),
+        kv_chain: tuple[int, ...] = (),
+        kv_block_size: int = 0,
         priority: Priority = Priority.INTERACTIVE,
         key: str = "default",
     ) -> Ticket:
@@ -165,6 +168,8 @@ class Dispatcher:
             max_tokens,
             model,
             prefix,
+            kv_chain,
+            kv_block_size,
             priority=priority,
             key=key,
         )
@@ -417,11 +422,21 @@ class Dispatcher:
         """Whether an instance not in `tried` could take `hop` of a `lane` request now."""
         return self.scheduler.untried_available(lane, tried, self.clock(), model, hop)
 
-    def least_busy_available(self) -> str | None:
-        """The available instance with the fewest of our requests (None: none is up)."""
+    def least_busy_available(self, model: str | None = None) -> str | None:
+        """The available instance (of `model`'s, if named) with the fewest of our requests
+        (None: none is up)."""
         now = self.clock()
-        up = [s for s in self.scheduler.states if s.available(now)]
+        up = [s for s in self.scheduler.states if s.available(now) and s.serves_model(model)]
         return min(up, key=lambda s: s.inflight).name if up else None
+
+    def kv_index(self, name: str) -> KvIndex | None:
+        """Instance `name`'s KV events index, which its listener feeds (None: it has none)."""
+        return self.scheduler.kv_index(name)
+
+    def kv_blocks(self, model: str | None) -> tuple[int, str | None] | None:
+        """The block size (and LoRA adapter) to chain a prompt for `model` in, if a KV
+        events index could look it up; None: none could (kv_index.py)."""
+        return self.scheduler.kv_blocks(model)
 
     def update_slow_flags(self) -> dict[str, bool]:
         """A health round's look at speeds: the instances whose slow flag changed."""

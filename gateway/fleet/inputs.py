@@ -1,16 +1,18 @@
-"""What the configuration makes of the fleet: the core's inputs, the proxy's endpoints
-and the prober's targets; built at start and again on each reload."""
+"""What the configuration makes of the fleet: the core's inputs, the proxy's endpoints,
+the prober's targets and where KV events are heard; built at start and on each reload."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from gateway.config.load import Config
 from gateway.config.schema import InstanceConfig
 from gateway.dispatch import HealthPolicy, InstanceSpec, Limits
 from gateway.dispatch.affinity import DEFAULT_INDEX_BLOCKS
 from gateway.fleet.health import ProbeTarget
+from gateway.fleet.kv_events import KvSource
 from gateway.upstream.endpoint import Endpoint
 
 
@@ -58,6 +60,7 @@ def scheduler_inputs(
             slots=i.max_num_seqs or dispatch.max_num_seqs,
             models=frozenset(i.models) if i.models is not None else None,
             role=i.role,
+            kv_events=i.kv_events is not None,
         )
         for i in (config.instances if instances is None else instances)
     ]
@@ -100,6 +103,35 @@ def endpoints_of(
         )
         for i in (config.instances if instances is None else instances)
     }
+
+
+def kv_sources(
+    config: Config, instances: Sequence[InstanceConfig] | None = None
+) -> dict[str, KvSource]:
+    """Where each instance that publishes KV events does, by name; a `*` host (where vLLM
+    binds) is the instance's own host."""
+    out = {}
+    for i in config.instances if instances is None else instances:
+        if i.kv_events is None:
+            continue
+        host = urlsplit(i.url).hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        out[i.label] = KvSource(
+            _own_host(i.kv_events.endpoint, host),
+            None
+            if i.kv_events.replay_endpoint is None
+            else _own_host(i.kv_events.replay_endpoint, host),
+            i.kv_events.topic,
+        )
+    return out
+
+
+def _own_host(endpoint: str, host: str) -> str:
+    prefix = "tcp://*:"
+    return (
+        "tcp://" + host + ":" + endpoint[len(prefix) :] if endpoint.startswith(prefix) else endpoint
+    )
 
 
 def probe_targets(endpoints: dict[str, Endpoint]) -> list[ProbeTarget]:

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from gateway import __version__
 from gateway.dispatch import GiveUp, Lane, Priority, Rejected, Snapshot
+from gateway.dispatch.kv_index import KvState
 from gateway.dispatch.retry import RetryReason
 from gateway.observe.saturation import fleet_saturation
 
@@ -644,6 +645,7 @@ class StateCollector(Collector):
         yield from prefix.values()
         yield ejections
         yield lanes_served
+        yield from _kv_families(snap)
         lanes = GaugeMetricFamily(
             "gateway_queue_depth",
             "Requests waiting in the gateway queue, by lane.",
@@ -679,3 +681,48 @@ class StateCollector(Collector):
         for model, value in fleet_saturation(snap).items():
             saturation.add_metric([model], value)
         yield saturation
+
+
+def _kv_families(snap: Snapshot) -> Iterator[Metric]:
+    """The KV events indexes (dispatch/kv_index.py), for instances that publish events."""
+    state = GaugeMetricFamily(
+        "gateway_kv_index_state",
+        "1 for the state of each instance's KV events index: whole (exact), partial (exact "
+        "where it holds a block, estimated elsewhere), stale or waiting (estimated only).",
+        labels=["server", "state"],
+    )
+    blocks = GaugeMetricFamily(
+        "gateway_kv_index_blocks",
+        "Blocks each instance's KV events say its prefix cache holds now.",
+        labels=["server"],
+    )
+    counters = {
+        "batches_total": ("gateway_kv_event_batches", "KV event batches applied."),
+        "events_total": ("gateway_kv_events", "KV events applied."),
+        "gaps_total": ("gateway_kv_event_gaps", "Gaps in an instance's KV event sequence."),
+        "replays_total": ("gateway_kv_event_replays", "Replays asked of an instance."),
+        "replays_failed_total": (
+            "gateway_kv_event_replay_failures",
+            "Replays that did not bring every missing batch (the index went partial).",
+        ),
+        "stale_total": (
+            "gateway_kv_index_stale",
+            "Times an instance's events stopped for a health interval (the index was emptied).",
+        ),
+    }
+    families = {
+        attr: CounterMetricFamily(name, text, labels=["server"])
+        for attr, (name, text) in counters.items()
+    }
+    for instance in snap.instances:
+        kv = instance.kv
+        if kv is None:
+            continue
+        for value in KvState:
+            state.add_metric([instance.name, value.value], 1.0 if kv.state == value.value else 0.0)
+        blocks.add_metric([instance.name], kv.blocks)
+        for attr, family in families.items():
+            family.add_metric([instance.name], getattr(kv, attr))
+    yield state
+    yield blocks
+    yield from families.values()

@@ -60,6 +60,7 @@ from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
 from gateway.proxy.limiter import Grant, Limiter
 from gateway.proxy.migration import Migration
+from gateway.proxy.prompt_ids import PromptIds
 from gateway.proxy.tenants import DEFAULT, TENANT, Tenant
 from gateway.proxy.tokenizer import TokenCounter
 from gateway.relay import continuation
@@ -96,12 +97,14 @@ class Proxy:
         endpoints: dict[str, Endpoint],
         counter: TokenCounter,
         lifecycle: Lifecycle | None = None,
+        prompt_ids: PromptIds | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.upstream = upstream
         self.metrics = metrics
         self.endpoints = endpoints
         self.counter = counter
+        self.prompt_ids = prompt_ids  # token ids for the KV events index (prompt_ids.py)
         self.intake = Intake(config, keys, dispatcher, metrics)
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
@@ -219,7 +222,16 @@ class Proxy:
             self._label_model(ex, model)
             # What the instance renders into the prompt: a Messages body as vLLM converts it.
             prompt = anthropic_body.as_chat(payload) if route.api == "anthropic" else payload
-            ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
+            # Its token ids, where an instance's KV events index can look them up: then its
+            # count is exact too.
+            ids = await self.prompt_ids.chain(prompt, model) if self.prompt_ids else None
+            kv_chain: tuple[int, ...] = ()
+            kv_block_size = 0
+            if ids is None:
+                ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
+            else:
+                ex.prompt_tokens = len(ids[0])
+                _, kv_chain, kv_block_size = ids
             ex.max_tokens = max_tokens_of(payload)
             lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
             ex.lane = self.lane_names[lane]
@@ -233,6 +245,8 @@ class Proxy:
                 max_tokens=ex.max_tokens,
                 model=model,
                 prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
+                kv_chain=kv_chain,
+                kv_block_size=kv_block_size,
                 priority=tenant.priority,
                 key=tenant.name,
             )

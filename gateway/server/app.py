@@ -26,18 +26,21 @@ from gateway.config.load import Config
 from gateway.config.schema import InstanceConfig
 from gateway.config.urls import without_credentials
 from gateway.dispatch import STRATEGIES, Lane, Scheduler
+from gateway.dispatch.kv_index import KvView
 from gateway.dispatch.least_time import LeastTime
 from gateway.fleet.discovery import Discovery, Resolver, host_port, system_resolver
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.drains import Drains, UnknownInstance
 from gateway.fleet.health import HealthChecker
-from gateway.fleet.inputs import endpoints_of, probe_targets, scheduler_inputs
+from gateway.fleet.inputs import endpoints_of, kv_sources, probe_targets, scheduler_inputs
+from gateway.fleet.kv_events import KvListeners
 from gateway.lifecycle import Lifecycle
 from gateway.observe import recorder, request_id
 from gateway.observe.metrics import Metrics, Registry
 from gateway.observe.peer_metrics import PORTS_ENV, WORKER_HEADER, PeerMetrics
 from gateway.proxy import auth, tenants
 from gateway.proxy.handler import Proxy, Route
+from gateway.proxy.prompt_ids import PromptIds
 from gateway.proxy.tokenizer import LocalTokenizer, TokenCounter
 from gateway.routes import mount
 from gateway.server import middleware, redact, usage
@@ -55,6 +58,7 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 DRAINS = web.AppKey("drains", Drains)
 DISCOVERY = web.AppKey("discovery", Discovery)
+KV_LISTENERS = web.AppKey("kv_listeners", KvListeners)
 METRICS = web.AppKey("metrics", Metrics)
 # redis-py is imported only with `[shared]`: it pulls in OpenTelemetry's SDK where that is
 # installed, which a gateway without tracing or sharing should not load.
@@ -157,6 +161,11 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     )
     keys = tenants.key_checker(config)
     counter = _token_counter(config, upstream, dispatcher, endpoints)
+    # Each instance's KV events, where it publishes them: its prefix cache as it is.
+    listeners = app[KV_LISTENERS] = KvListeners(
+        dispatcher.kv_index, dispatcher.clock, grace=dispatch.health_check_interval
+    )
+    listeners.follow(kv_sources(config, instances))
     app[METRICS] = metrics
     metrics.serving(config.digest())
     app[DISPATCHER] = dispatcher
@@ -164,9 +173,16 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     discovery.on_change = functools.partial(apply_instances, app)
     discovery.on_failure = lambda entry: metrics.discovery_failures.labels(entry.label).inc()
     app[HEALTH] = checker
-    app[PROXY] = Proxy(
+    proxy = app[PROXY] = Proxy(
         config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
     )
+
+    def instance_of(model: str | None) -> tuple[str, dict[str, str]] | None:
+        name = dispatcher.least_busy_available(model)
+        endpoint = None if name is None else proxy.endpoints.get(name)
+        return None if endpoint is None else (endpoint.url, endpoint.headers)
+
+    proxy.prompt_ids = PromptIds(upstream, dispatcher.kv_blocks, instance_of)
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(
@@ -185,6 +201,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     finally:
         await _stop(finding)
         await _stop(task)
+        await listeners.close()
         await upstream.close()
 
 
@@ -199,6 +216,7 @@ def apply_instances(app: web.Application, instances: list[InstanceConfig]) -> No
     app[DISPATCHER].reconfigure(specs, limits, policy)
     app[PROXY].know(endpoints)
     app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
+    app[KV_LISTENERS].follow(kv_sources(config, instances))
     # A removed instance's streams may still end (and count) for up to a request's time.
     app[METRICS].depart(before - set(endpoints), set(endpoints), config.gateway.request_timeout)
 
@@ -445,6 +463,26 @@ def _iso(wall: float) -> str:
     return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="seconds")
 
 
+def _kv_view(kv: KvView, wall: float) -> dict[str, Any]:
+    """An instance's KV events index: whether dispatch reads its cache from it, and why."""
+    age = kv.last_event_age
+    return {
+        "index": kv.state,  # whole | partial | stale | waiting (kv_index.py)
+        "blocks": kv.blocks,
+        "block_size": kv.block_size,
+        "next_seq": kv.next_seq,
+        "last_event_at": None if age is None else _iso(wall - age),
+        "batches_total": kv.batches_total,
+        "events_total": kv.events_total,
+        "gaps_total": kv.gaps_total,
+        "replays_total": kv.replays_total,
+        "replays_failed_total": kv.replays_failed_total,
+        "malformed_total": kv.malformed_total,
+        "unchained_blocks_total": kv.unchained_total,
+        "stale_total": kv.stale_total,
+    }
+
+
 async def _admin_instances(request: web.Request) -> web.StreamResponse:
     snap = request.app[DISPATCHER].snapshot()
     wall = time.time()  # the snapshot's ages, as times an operator can read
@@ -497,6 +535,7 @@ async def _admin_instances(request: web.Request) -> web.StreamResponse:
                 "recent_errors": [
                     {"at": _iso(wall - ago), "error": error} for ago, error in i.recent_errors
                 ],
+                "kv_events": None if i.kv is None else _kv_view(i.kv, wall),
             }
         )
     queues = {lane_names[lane.value]: n for lane, n in snap.queues.items()}
