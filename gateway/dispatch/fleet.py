@@ -360,10 +360,10 @@ class Fleet:
         ]
         return [s for s in room if not s.busy(now)] or room
 
-    def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int) -> None:
+    def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int, now: float) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
         if state.kv is not None:
-            state.kv.hold(ticket.id, ticket.kv_chain)
+            state.kv.hold(ticket.id, ticket.kv_chain, now)
         if not ticket.prefix:
             return
         if state.cache.match(ticket.prefix) < len(ticket.prefix):
@@ -376,8 +376,7 @@ class Fleet:
         """`ticket`'s prompt is computed on `state` now; if that is news, peers hear it. Its
         KV events should say so soon (kv_index.KvIndex.computed)."""
         if state.kv is not None:
-            state.kv.release(ticket.id)
-            state.kv.computed(ticket.kv_chain, now)
+            state.kv.computed(ticket.id, now)
         prefix, cache = ticket.prefix, state.cache
         if prefix and cache.capacity > 0 and cache.match(prefix, settled=True) < len(prefix):
             self._settled.append((state.name, prefix))

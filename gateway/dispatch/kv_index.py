@@ -154,7 +154,7 @@ class KvIndex:
         self._held: Counter[int] = Counter()  # our hash -> engine blocks that are it
         self._ours: dict[Hashable, int] = {}  # the engine's hash -> ours
         self._media: dict[Hashable, set[str | None]] = {}  # the engine's hash -> where held
-        self._pending: dict[int, tuple[int, ...]] = {}  # ticket id -> its chain, not yet computed
+        self._pending: dict[int, _Pending] = {}  # placed tickets not prefilled yet
         self._pending_blocks: Counter[int] = Counter()
         self.adapters: set[str] = set()  # LoRA names seen: a request for one hashes it in
         # Since when a prompt of ours was computed there and its blocks did not show (None:
@@ -316,15 +316,16 @@ class KvIndex:
 
     # --- staleness -----------------------------------------------------------------------
 
-    def computed(self, chain_: Sequence[int], now: float) -> None:
-        """A prompt of ours had its first token there: its full blocks should be stored by
-        now. If they are not, an event is owed; `check` says stale when none comes."""
-        if (
-            self.usable
-            and self.expecting_since is None
-            and chain_
-            and self.match(chain_) < len(chain_)
-        ):
+    def computed(self, ticket_id: int, now: float) -> None:
+        """A prompt of ours placed there had its first token: it leaves the pending blocks.
+        If it held blocks the cache did not and no event at all came since it was placed,
+        the engine owes one (computing a block stores it before the first token is sent);
+        `check` says stale when none comes."""
+        pending = self._release(ticket_id)
+        if pending is None or not pending.owed or self.expecting_since is not None:
+            return
+        last = self.last_event_at
+        if self.usable and (last is None or last < pending.placed_at):
             self.expecting_since = now
 
     def check(self, now: float, grace: float) -> bool:
@@ -367,17 +368,30 @@ class KvIndex:
                 hi = mid - 1
         return lo
 
-    def hold(self, ticket_id: int, chain_: tuple[int, ...]) -> None:
+    def hold(self, ticket_id: int, chain_: tuple[int, ...], now: float) -> None:
         """A ticket with this chain was placed there: its blocks are pending."""
         if chain_ and ticket_id not in self._pending:
-            self._pending[ticket_id] = chain_
+            owed = self.match(chain_) < len(chain_)  # it will store blocks
+            self._pending[ticket_id] = _Pending(chain_, now, owed)
             self._pending_blocks.update(chain_)
 
     def release(self, ticket_id: int) -> None:
-        """Its prefill is done (or it ended): its blocks are the events' to say."""
-        chain_ = self._pending.pop(ticket_id, None)
-        if chain_:
-            self._pending_blocks.subtract(chain_)
-            for block in chain_:
-                if self._pending_blocks[block] <= 0:
-                    del self._pending_blocks[block]
+        """It ended: what it did not compute, nobody will."""
+        self._release(ticket_id)
+
+    def _release(self, ticket_id: int) -> _Pending | None:
+        pending = self._pending.pop(ticket_id, None)
+        if pending is not None:
+            blocks = self._pending_blocks
+            blocks.subtract(pending.chain)
+            for block in pending.chain:
+                if blocks[block] <= 0:
+                    del blocks[block]
+        return pending
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    chain: tuple[int, ...]
+    placed_at: float
+    owed: bool  # it held blocks the cache did not: computing them publishes an event

@@ -479,7 +479,7 @@ class Scheduler(Fleet):
         )
         self._holding[ticket.id] = held
         held.take()
-        self._place_prefix(state, ticket, cached)
+        self._place_prefix(state, ticket, cached, now)
         return Assigned(ticket, state.name)
 
     def _place_waiting(self, now: float, rng: random.Random) -> list[Decision]:

@@ -104,6 +104,6 @@ class PromptIds:
             tokens = orjson.loads(data).get("tokens") if status == 200 else None
         except (AttemptFailed, orjson.JSONDecodeError, AttributeError):
             return None
-        if isinstance(tokens, list) and all(type(t) is int for t in tokens):
-            return tokens
-        return None
+        # Not checked id by id (2k ids cost more than the lookup): ids of another type
+        # only fail to match.
+        return tokens if isinstance(tokens, list) else None

@@ -210,7 +210,9 @@ def test_a_malformed_batch_is_lost_like_a_gap() -> None:
 def test_events_owed_for_a_health_interval_make_it_stale_and_one_event_revives_it() -> None:
     index = whole()
     other = list(range(500, 524))
-    index.computed(chain(other, BS), now=10.0)  # computed there, not stored (yet)
+    index.hold(1, chain(other, BS), now=9.0)  # placed: its blocks are not there
+    index.computed(1, now=10.0)  # its first token, and no event since it was placed
+    assert index.expecting_since == 10.0
     assert not index.check(now=10.9, grace=1.0)
     assert index.check(now=11.0, grace=1.0)
     assert index.state is KvState.STALE
@@ -224,11 +226,24 @@ def test_events_owed_for_a_health_interval_make_it_stale_and_one_event_revives_i
 
 def test_an_event_after_the_first_token_pays_what_was_owed() -> None:
     index = whole()
-    index.computed(chain(PROMPT, BS), now=10.0)
-    index.apply(1, [stored(PROMPT)], 10.1)
+    index.hold(1, chain(PROMPT, BS), now=9.0)
+    index.computed(1, now=10.0)
+    index.apply(1, [stored(PROMPT)], 10.1)  # it came just after the first token
     assert not index.check(now=30.0, grace=1.0)
-    index.computed(chain(PROMPT, BS), now=31.0)  # all held: nothing is owed
+
+
+def test_nothing_is_owed_for_a_cached_prompt_or_after_an_event_since_placing() -> None:
+    index = whole(stored(PROMPT))
+    index.hold(1, chain(PROMPT, BS), now=9.0)  # all held: it stores nothing
+    index.computed(1, now=10.0)
     assert index.expecting_since is None
+    other = list(range(500, 524))
+    index.hold(2, chain(other, BS), now=11.0)
+    index.apply(2, [stored(other)], 11.5)  # its blocks, before its first token
+    index.apply(3, [removed(other, range(6))], 11.6)  # and evicted at once
+    index.computed(2, now=12.0)
+    assert index.expecting_since is None  # the engine spoke since it was placed
+    assert not index.check(now=30.0, grace=1.0)
 
 
 # ------------------------------------------------------------------ in the scheduler
@@ -283,13 +298,13 @@ def test_a_placed_prompt_attracts_its_twin_until_it_is_computed() -> None:
     for state in sched.states:
         state.kv.apply(0, [], 0.0)
     ids = list(range(400))
-    first = sched.submit(kv_ticket(1, ids), 0.0, rng)
+    first = sched.submit(kv_ticket(1, ids), 0.1, rng)
     assert isinstance(first, Assigned)
     home = sched.state(first.instance)
     twin = kv_ticket(2, ids)
     assert home.cached_tokens(twin) == 400  # pending there
     assert home.cached_tokens(twin, settled=True) == 0  # not computed yet
-    second = sched.submit(twin, 0.0, rng)
+    second = sched.submit(twin, 0.1, rng)
     assert isinstance(second, Assigned)
     assert second.instance == first.instance
     # Its first token came and no event said the blocks are stored: an event is owed.
