@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from .sim_engine import SCHEDULING_POLICIES
+from .sim_engine import KV_EVENTS_ENCODINGS, SCHEDULING_POLICIES
 from .sim_vllm import SimConfig, SimInstance
 
 __all__ = ["main", "start_fleet", "stop_fleet"]
@@ -174,10 +174,38 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default=SimConfig.kv_hold_timeout_s,
         help="seconds a prefill instance holds unread KV blocks (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
     )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="publish vLLM's KV cache events (--kv-events-config, ZMQ): instance i on port "
+        "P+2i, its replay on P+2i+1, topic kv-events; needs --prefix-cache-blocks (0: off)",
+    )
+    parser.add_argument(
+        "--kv-events-encoding",
+        choices=KV_EVENTS_ENCODINGS,
+        default=SimConfig.kv_events_encoding,
+        help="the events' msgpack form: current vLLM's maps, or older vLLM's arrays",
+    )
+    parser.add_argument(
+        "--kv-events-drop-every",
+        type=int,
+        default=SimConfig.kv_events_drop_every,
+        help="lose every Nth event batch on the wire (still replayable), for tests (0: none)",
+    )
     return parser
 
 
+def _kv_events(port: int, index: int) -> tuple[str | None, str | None]:
+    """The KV event and replay endpoints of instance `index` of a fleet publishing from
+    `port` (0: none); `*` binds the fleet's host."""
+    if port == 0:
+        return None, None
+    return f"tcp://*:{port + 2 * index}", f"tcp://*:{port + 2 * index + 1}"
+
+
 async def _run(args: argparse.Namespace) -> None:
+    kv_events = [_kv_events(args.kv_events_port, i) for i in range(len(args.speeds))]
     configs = [
         SimConfig(
             model=args.model,
@@ -201,8 +229,12 @@ async def _run(args: argparse.Namespace) -> None:
             answer_tokens_median=args.answer_tokens_median,
             # vLLM's limit for a request that names none: the rest of the context.
             default_max_tokens=None,
+            kv_events_encoding=args.kv_events_encoding,
+            kv_events_drop_every=args.kv_events_drop_every,
+            kv_events_endpoint=events,
+            kv_events_replay_endpoint=replay,
         )
-        for index, speed in enumerate(args.speeds)
+        for index, (speed, (events, replay)) in enumerate(zip(args.speeds, kv_events, strict=True))
     ]
     ports = None if args.base_port == 0 else [args.base_port + i for i in range(len(configs))]
     instances = await start_fleet(configs, host=args.host, ports=ports)

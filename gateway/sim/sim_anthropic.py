@@ -45,6 +45,7 @@ from .sim_engine import (
     tokenize_tools,
     tokens_to_generate,
 )
+from .sim_prefix_cache import NO_KEYS, BlockKeys
 
 
 class AnthropicHost(Protocol):
@@ -58,8 +59,15 @@ class AnthropicHost(Protocol):
     async def _apply_faults(self) -> None: ...
 
     def _submit(
-        self, prompt_tokens: int, max_tokens: int, token_ids: list[int] | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        token_ids: list[int] | None = None,
+        *,
+        keys: BlockKeys = NO_KEYS,
     ) -> EngineRequest: ...
+
+    def block_keys(self, model: object, cache_salt: str | None = None) -> BlockKeys: ...
 
     def _request_id(self, request: web.Request) -> str: ...
 
@@ -274,7 +282,8 @@ class AnthropicRoutes:
             # unknown fields): every message is priority 0 and may end before max_tokens.
             prompt = [chat_tools(parsed), chat_messages(parsed)]
             length = tokens_to_generate(sim.config, prompt, max_tokens, ignore_eos=False)
-            req = None if sim.config.instant else sim._submit(prompt_tokens, length, ids)
+            keys = sim.block_keys(parsed.model)
+            req = None if sim.config.instant else sim._submit(prompt_tokens, length, ids, keys=keys)
         except ApiError as exc:
             raise AnthropicError(exc.status, exc.message) from None
         model = parsed.model if parsed.model in sim.config.lora_adapters else sim.config.model

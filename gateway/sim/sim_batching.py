@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from .sim_engine import KV_TOKENS_PER_SEQ, SimConfig, SimStats
-from .sim_prefix_cache import PrefixCache, block_hashes
+from .sim_prefix_cache import NO_KEYS, BlockKeys, CacheEvent, PrefixCache, block_hashes
 from .sim_queue import FcfsQueue, PriorityQueue, waiting_queue
 
 
@@ -25,10 +25,12 @@ class EngineRequest:
         "cached",
         "generated",
         "hashes",
+        "keys",
         "max_tokens",
         "prefilled",
         "priority",
         "prompt_tokens",
+        "token_ids",
     )
 
     def __init__(
@@ -38,12 +40,16 @@ class EngineRequest:
         hashes: list[int] | None = None,
         priority: int = 0,
         arrival: int = 0,
+        token_ids: Sequence[int] = (),
+        keys: BlockKeys = NO_KEYS,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.priority = priority  # vLLM's request field: lower is served first
         self.arrival = arrival  # the engine's count of requests before it
         self.hashes = hashes  # the prompt's block hashes, when the prefix cache is on
+        self.token_ids = token_ids  # the prompt's, for the cache's events
+        self.keys = keys  # what else its block hashes cover (adapter, cache_salt)
         self.cached = 0  # prompt tokens found in the prefix cache at admission
         self.prefilled = 0
         self.generated = 0
@@ -65,6 +71,8 @@ class Engine:
     policy (sim_queue.py), chunked prefill, decode steps.
 
     The step loop runs as a task only while there is work, so an idle instance costs nothing.
+    Each step that changed the prefix cache hands its events, as one batch, to
+    `publish_cache_events` (vLLM's KV cache events, sim_kv_events.py), when there is one.
     There is no KV pressure, so nothing is preempted: the priority policy orders the waiting
     queue and never evicts a running request (vLLM preempts only when KV blocks run out).
     """
@@ -74,6 +82,7 @@ class Engine:
         config: SimConfig,
         stats: SimStats,
         held_kv_tokens: Callable[[], int] | None = None,
+        publish_cache_events: Callable[[Sequence[CacheEvent]], Awaitable[None]] | None = None,
     ) -> None:
         """held_kv_tokens: KV tokens held outside the running requests (a prefill instance's
         blocks waiting for a decode instance), counted in kv_cache_usage as vLLM counts them."""
@@ -88,8 +97,13 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._held_kv_tokens = held_kv_tokens
+        self._publish_cache_events = publish_cache_events
         self.prefix_cache = (
-            PrefixCache(config.prefix_cache_blocks, config.block_size)
+            PrefixCache(
+                config.prefix_cache_blocks,
+                config.block_size,
+                events=publish_cache_events is not None,
+            )
             if config.prefix_caching
             else None
         )
@@ -112,12 +126,14 @@ class Engine:
         token_ids: Sequence[int] | None = None,
         computed: int = 0,
         priority: int = 0,
+        keys: BlockKeys = NO_KEYS,
     ) -> EngineRequest:
         """Queue a request; raises EngineBusy when the waiting queue is full.
 
         priority: the request's own; orders the waiting queue under the priority policy.
 
-        token_ids (the prompt's, when known) let the prefix cache skip a cached prefix.
+        token_ids (the prompt's, when known) let the prefix cache skip a cached prefix; keys
+        (its adapter, its cache_salt) go into its block hashes, as vLLM's extra keys do.
         computed: prompt tokens whose KV is already here (read from a prefill instance); only
         the rest is prefilled, and at least the last token, which vLLM computes for its logits.
         """
@@ -125,10 +141,16 @@ class Engine:
             raise EngineBusy("engine is shut down")
         hashes = None
         if self.prefix_cache is not None and token_ids is not None:
-            hashes = block_hashes(token_ids, self.config.block_size)
+            hashes = block_hashes(token_ids, self.config.block_size, keys)
         # Every prompt costs at least one prefill token, so each request reaches decode.
         req = EngineRequest(
-            max(1, prompt_tokens), max_tokens, hashes, priority, next(self._arrivals)
+            max(1, prompt_tokens),
+            max_tokens,
+            hashes,
+            priority,
+            next(self._arrivals),
+            token_ids or (),
+            keys,
         )
         req.prefilled = max(0, min(computed, req.prompt_tokens - 1))
         # A request that finds a free slot is admitted at once rather than at the next step
@@ -154,6 +176,19 @@ class Engine:
         else:
             self._waiting.remove(req)
         self._sync_stats()
+        return True
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's /reset_prefix_cache) and publish AllBlocksCleared at
+        once, as a batch of its own; False when there is no prefix cache.
+
+        vLLM refuses while running requests hold blocks; here the cache is a pool apart, so
+        it always succeeds."""
+        if self.prefix_cache is None:
+            return False
+        events = self.prefix_cache.clear()
+        if self._publish_cache_events is not None:
+            await self._publish_cache_events(events)
         return True
 
     async def close(self) -> None:
@@ -222,14 +257,18 @@ class Engine:
                     step += cfg.decode_s_per_token * slowdown
                 deadline = max(deadline + step / self.speed, loop.time())
                 await asyncio.sleep(deadline - loop.time())
-                self._apply_step(decoding, chunks)
+                events = self._apply_step(decoding, chunks)
+                if events and self._publish_cache_events is not None:
+                    await self._publish_cache_events(events)
         finally:
             if self._task is asyncio.current_task():
                 self._task = None
 
     def _apply_step(
         self, decoding: list[EngineRequest], chunks: list[tuple[EngineRequest, int]]
-    ) -> None:
+    ) -> list[CacheEvent]:
+        """Apply a step's tokens; returns the prefix cache's events of the step, in order."""
+        events: list[CacheEvent] = []
         # Requests aborted during the sleep are skipped: their slot is already free.
         for req in decoding:
             if req.active:
@@ -242,7 +281,8 @@ class Engine:
             if self.prefix_cache is not None and req.hashes:
                 # vLLM caches each full block once computed; the whole chain is re-touched so
                 # that its head stays the most recently used.
-                self.prefix_cache.insert(req.hashes[: req.prefilled // self.config.block_size])
+                computed = req.hashes[: req.prefilled // self.config.block_size]
+                events += self.prefix_cache.insert(computed, req.token_ids, req.keys)
             if req.in_decode:
                 self._stats.prompt_tokens += req.prompt_tokens
                 if req.max_tokens > 0:
@@ -253,3 +293,4 @@ class Engine:
             self._stats.completed += 1
             req._queue.put_nowait(None)
         self._sync_stats()
+        return events

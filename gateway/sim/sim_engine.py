@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import ipaddress
 import json
 import math
 import random
@@ -26,6 +27,9 @@ _VOCAB_SIZE = 32000
 # vLLM's --scheduling-policy values the simulator models (vLLM also has "sjf").
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
+# The KV event wire forms (sim_kv_events.py): current vLLM's msgpack maps, older vLLM's arrays.
+KvEventsEncoding = Literal["map", "array"]
+KV_EVENTS_ENCODINGS: tuple[KvEventsEncoding, ...] = ("map", "array")
 # Ids reserved for the chat template's per-message framing tokens.
 _TEMPLATE_IDS = (1, 2, 3, 4)
 # Every word is exactly 4 bytes, so count_tokens() of generated text equals the tokens generated.
@@ -82,6 +86,16 @@ class SimConfig:
     # Seconds a prefill instance holds blocks no decode instance has read before it frees them
     # (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 by default).
     kv_hold_timeout_s: float = 480.0
+    # vLLM's --kv-events-config (publisher "zmq"): the prefix cache's block changes, one
+    # batch per engine step (sim_kv_events.py). Endpoints are bound, `tcp://HOST:PORT`, HOST
+    # `*` for the instance's own loopback address, PORT 0 for any free one (see parse_endpoint).
+    kv_events_endpoint: str | None = None  # the PUB socket; None: no events
+    kv_events_replay_endpoint: str | None = None  # the ROUTER that replays; None: no replay
+    kv_events_topic: str = "kv-events"  # the gateway's name for it (vLLM's default is "")
+    kv_events_encoding: KvEventsEncoding = "map"  # "array": older vLLM's array_like structs
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
+    # For tests: every Nth batch is lost on the wire (never sent) but kept for replay; 0: none.
+    kv_events_drop_every: int = 0
 
     def __post_init__(self) -> None:
         if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -107,6 +121,31 @@ class SimConfig:
             raise ValueError("answer_tokens_median must be >= 1")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1 (or None: the rest of the context)")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_endpoint is None:
+            if self.kv_events_replay_endpoint is not None:
+                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+            return
+        parse_endpoint(self.kv_events_endpoint)
+        if self.kv_events_replay_endpoint is not None:
+            parse_endpoint(self.kv_events_replay_endpoint)
+        if not self.prefix_caching:
+            raise ValueError(
+                "kv_events_endpoint needs prefix_cache_blocks > 0: vLLM publishes its prefix "
+                "cache's blocks, and there is none"
+            )
+        if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
+            raise ValueError(
+                f"kv_events_encoding must be one of {KV_EVENTS_ENCODINGS}, "
+                f"got {self.kv_events_encoding!r}"
+            )
+        if self.kv_events_buffer_steps < 1 or self.kv_events_drop_every < 0:
+            raise ValueError(
+                "kv_events_buffer_steps must be >= 1 and kv_events_drop_every >= 0, got "
+                f"{self.kv_events_buffer_steps} and {self.kv_events_drop_every}"
+            )
 
     @property
     def prefix_caching(self) -> bool:
@@ -116,6 +155,30 @@ class SimConfig:
     def served_models(self) -> tuple[str, ...]:
         """The names a request's `model` may take: the base model and its adapters."""
         return (self.model, *self.lora_adapters)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of a ZMQ endpoint the simulator binds: `tcp://HOST:PORT`, HOST `*` (kept:
+    the instance's own address) or a loopback address (IPv6 in brackets), PORT 0 or `*` for
+    any free port (returned as 0). The simulator never listens beyond this machine."""
+    scheme, _, rest = endpoint.partition("://")
+    host, sep, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not host:
+        raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, got {endpoint!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host not in ("*", "localhost"):
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"refusing to bind KV events beyond loopback: {endpoint!r}")
+    if port == "*":
+        return host, 0
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"a KV events endpoint's port is 0-65535 or *, got {endpoint!r}")
+    return host, int(port)
 
 
 @dataclass
@@ -416,6 +479,18 @@ def parse_priority(body: Mapping[str, Any]) -> int:
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
         )
         raise ApiError(400, problems) from None
+
+
+def parse_cache_salt(body: Mapping[str, Any]) -> str | None:
+    """A completions or chat request's `cache_salt` (vLLM's field; it goes into the hash of
+    the prompt's first KV block, so requests of different salts share no cached block):
+    None when absent or null, else a non-empty string, as vLLM's model validator demands."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(
+            400, "Value error, Parameter 'cache_salt' must be a non-empty string if provided."
+        )
+    return salt
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -51,6 +51,7 @@ from .sim_engine import (
     tokenize_tools,
     tokens_to_generate,
 )
+from .sim_prefix_cache import NO_KEYS, BlockKeys
 
 
 class ResponsesHost(Protocol):
@@ -72,7 +73,10 @@ class ResponsesHost(Protocol):
         token_ids: list[int] | None = None,
         computed: int = 0,
         priority: int = 0,
+        keys: BlockKeys = NO_KEYS,
     ) -> EngineRequest: ...
+
+    def block_keys(self, model: object, cache_salt: str | None = None) -> BlockKeys: ...
 
     def _request_id(self, request: web.Request) -> str: ...
 
@@ -352,7 +356,13 @@ class ResponsesRoutes:
         req = (
             None
             if sim.config.instant
-            else sim._submit(prompt_tokens, length, ids, priority=parsed.priority)
+            else sim._submit(
+                prompt_tokens,
+                length,
+                ids,
+                priority=parsed.priority,
+                keys=sim.block_keys(parsed.model),
+            )
         )
         model = parsed.model if parsed.model in sim.config.lora_adapters else sim.config.model
         answer = ResponsesAnswer(

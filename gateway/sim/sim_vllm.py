@@ -38,6 +38,7 @@ from .sim_engine import (
     embedding_inputs,
     embedding_vector,
     open_message_ids,
+    parse_cache_salt,
     parse_ignore_eos,
     parse_max_tokens,
     parse_priority,
@@ -51,6 +52,7 @@ from .sim_engine import (
     tokens_to_generate,
     usage_body,
 )
+from .sim_kv_events import KvEventPublisher
 from .sim_kv_transfer import (
     PROCESS_REGISTRY,
     KvConnector,
@@ -60,6 +62,7 @@ from .sim_kv_transfer import (
     wants_remote_prefill,
 )
 from .sim_metrics import VllmMetrics
+from .sim_prefix_cache import NO_KEYS, BlockKeys
 from .sim_responses import ResponsesRoutes
 from .sim_routes_extra import ExtraRoutes
 
@@ -94,6 +97,8 @@ class SimInstance:
         self.faults = Faults()
         self.stats = SimStats()
         self.kv = KvConnector(config, self.stats, kv_registry) if config.kv_transfer else None
+        # vLLM's --kv-events-config: its sockets are bound at start, closed at stop.
+        self.kv_events = KvEventPublisher(config) if config.kv_events_endpoint is not None else None
         self.engine = self._new_engine()
         self.url = ""
         self._rng = random.Random(config.seed)
@@ -110,6 +115,7 @@ class SimInstance:
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_post("/tokenize", self._tokenize)
+        self.app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         self.app.router.add_get("/metrics", self._metrics)
         ExtraRoutes(self).install(self.app.router)
         ResponsesRoutes(self).install(self.app.router)
@@ -143,6 +149,12 @@ class SimInstance:
         self.url = f"http://{url_host}:{sockname[1]}"
         if self.kv is not None:
             self.kv.bind(sockname[0], sockname[1])
+        if self.kv_events is not None:
+            try:
+                await self.kv_events.open(sockname[0])
+            except BaseException:
+                await self.stop()
+                raise
         return self.url
 
     async def stop(self) -> None:
@@ -157,10 +169,13 @@ class SimInstance:
                     connection.transport.close()
             await runner.cleanup()
         await self.engine.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     def _new_engine(self) -> Engine:
         held = self.kv.held_tokens if self.kv is not None else None
-        return Engine(self.config, self.stats, held)
+        publish = self.kv_events.publish if self.kv_events is not None else None
+        return Engine(self.config, self.stats, held, publish)
 
     def set_speed(self, speed: float) -> None:
         """Change throughput mid-run; takes effect from the next engine step."""
@@ -240,9 +255,12 @@ class SimInstance:
         token_ids: list[int] | None = None,
         computed: int = 0,
         priority: int = 0,
+        keys: BlockKeys = NO_KEYS,
     ) -> EngineRequest:
         try:
-            return self.engine.submit(prompt_tokens, max_tokens, token_ids, computed, priority)
+            return self.engine.submit(
+                prompt_tokens, max_tokens, token_ids, computed, priority, keys
+            )
         except EngineBusy as exc:
             self.stats.rejected += 1
             raise ApiError(503, BUSY_MESSAGE) from exc
@@ -319,6 +337,7 @@ class SimInstance:
         max_tokens = parse_max_tokens(body, self.config.default_max_tokens, prompt_tokens)
         stream, include_usage = parse_stream(body)
         priority = parse_priority(body)
+        keys = self.block_keys(body.get("model"), parse_cache_salt(body))
         length = tokens_to_generate(
             self.config, prompt, max_tokens, ignore_eos=parse_ignore_eos(body)
         )
@@ -344,7 +363,7 @@ class SimInstance:
         req = (
             None
             if self.config.instant
-            else self._submit(prompt_tokens, length, token_ids, computed, priority)
+            else self._submit(prompt_tokens, length, token_ids, computed, priority, keys)
         )
         resp: web.StreamResponse | None = None
         dropped = done = False
@@ -394,6 +413,12 @@ class SimInstance:
                 self.stats.rejected += 1
             elif unfinished:
                 self.stats.cancelled += 1
+
+    def block_keys(self, model: object, cache_salt: str | None = None) -> BlockKeys:
+        """What a request's prompt blocks are keyed by besides their tokens, as vLLM keys
+        them: the adapter it asked for (none for the base model), its cache_salt."""
+        lora = model if isinstance(model, str) and model in self.config.lora_adapters else None
+        return BlockKeys(lora_name=lora, cache_salt=cache_salt)
 
     async def _receive_kv(self, params: dict[str, Any]) -> int:
         """A decode leg's prompt KV, read from the prefill instance its params name: the prompt
@@ -489,6 +514,12 @@ class SimInstance:
             raise ApiError(400, "Either prompt or messages is required")
         answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens}
         return _json({**answer, "token_strs": None})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+        # vLLM's route (among its dev-mode ones) answers 200 with no body; with KV events on
+        # the engine publishes AllBlocksCleared.
+        await self.engine.reset_prefix_cache()
+        return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         resp = web.Response(body=generate_latest(self._registry))
