@@ -114,9 +114,6 @@ class Fleet:
         """Whether `name` is in the fleet (a reload may have removed it since)."""
         return name in self._by_name
 
-    def any_available(self, now: float) -> bool:
-        return any(s.available(now) for s in self.states)
-
     def model_served(self, model: str) -> bool:
         """Whether any instance, up or down, may serve `model` (unknown lists count as yes)."""
         return any(s.serves_model(model) for s in self.states)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from .admission import DrainRates, predicted_wait, refusal
@@ -340,10 +340,6 @@ class Scheduler(Fleet):
         view's), over its share, plus any lift."""
         return self._service.count(key)
 
-    def holder(self, ticket_id: int) -> str | None:
-        held = self._holding.get(ticket_id)
-        return held.state.name if held else None
-
     # ------------------------------------------------------------ instances
 
     def probe(
@@ -535,9 +531,6 @@ class Scheduler(Fleet):
             key_queued=MappingProxyType(self._queues.key_counts()),
             model_queued=MappingProxyType(Counter(t.model for t in self._queues if t.model)),
         )
-
-    def queued_tickets(self) -> Iterable[Ticket]:
-        return iter(self._queues)
 
     def __repr__(self) -> str:
         return f"<Scheduler {self.strategy.name} inflight={self.inflight} {self._queues!r}>"

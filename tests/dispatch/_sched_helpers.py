@@ -1,5 +1,6 @@
 """Builders the scheduler's example tests share: a scheduler over named instances, brought
-up at once, and short tickets."""
+up at once, and short tickets; and two looks inside it (which instance holds a ticket,
+what waits in its queue) that only tests need, so the scheduler does not offer them."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def tk(
 def assigned_to(decision: object) -> str:
     assert isinstance(decision, Assigned), decision
     return decision.instance
+
+
+def holder(sched: Scheduler, ticket_id: int) -> str | None:
+    """The instance the scheduler holds `ticket_id` on (None: it holds no such ticket)."""
+    held = sched._holding.get(ticket_id)
+    return held.state.name if held else None
+
+
+def queued_tickets(sched: Scheduler) -> list[Ticket]:
+    """The tickets waiting in the scheduler's queue: the retries, then each FIFO in order."""
+    return list(sched._queues)

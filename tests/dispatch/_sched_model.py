@@ -8,6 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from _sched_helpers import holder, queued_tickets
 from _sched_ops import Setup
 
 from gateway.dispatch import (
@@ -213,14 +214,14 @@ class Model:
         if limits.global_limit is not None:
             assert self.sched.inflight <= limits.global_limit
         for tid, (name, _, _) in self.held.items():
-            assert self.sched.holder(tid) == name
+            assert holder(self.sched, tid) == name
         assert len(self.retries) <= limits.gateway_queue_size
-        assert {t.id for t in self.sched.queued_tickets() if t.exclude} == set(self.retries)
+        assert {t.id for t in queued_tickets(self.sched) if t.exclude} == set(self.retries)
         for lane, queue in self.queued.items():
             retries = sum(1 for t in self.retries.values() if t.lane is lane)
             assert self.sched.queue_length(lane) == len(queue) + retries
             assert len(queue) <= limits.gateway_queue_size
-            actual = [t.id for t in self.sched.queued_tickets() if t.lane is lane and not t.exclude]
+            actual = [t.id for t in queued_tickets(self.sched) if t.lane is lane and not t.exclude]
             assert actual == list(queue), f"{lane} queue {actual} != model {list(queue)}"
             # Requests never wait for a lane with no instance that could serve them.
             assert not queue or self.lane_alive(lane), f"{lane} waiters with no instance"

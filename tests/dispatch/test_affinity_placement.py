@@ -351,10 +351,10 @@ def test_a_cached_prefix_is_not_outweighed_by_one_other_request_on_its_instance(
         sched.probe(name, True, 0.0, rng)
     prefix = b"s" * BLOCK_BYTES * 64  # 64 blocks of 64 tokens: 4,096 tokens
     first = prompt_blocks(prefix + b"one" * 300)
-    sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4300, prefix=first), 0.0, rng)
-    placed = sched.holder(1)
+    decision = sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4300, prefix=first), 0.0, rng)
+    assert isinstance(decision, Assigned)
+    placed = decision.instance
     sched.release(1, Outcome.SUCCESS, 0.5, rng)
-    assert placed is not None
     other = "b" if placed == "a" else "a"
     sched.report_load(placed, LoadReport(1, 0, 0.1, 1.0))  # one request we did not send
     sched.report_load(other, LoadReport(0, 0, 0.0, 1.0))  # idle

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from _sched_helpers import FAR, assigned_to, bring_up, make, tk
+from _sched_helpers import FAR, assigned_to, bring_up, holder, make, tk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +70,7 @@ def test_removed_instance_takes_nothing_new_and_its_requests_release() -> None:
     sched.reconfigure([InstanceSpec("a")], Limits(), HealthPolicy(), 0.0, rng)
     assert not sched.has("b")
     assert {assigned_to(sched.submit(tk(100 + i), 0.0, rng)) for i in range(20)} == {"a"}
-    assert sched.holder(on_b) == "b"
+    assert holder(sched, on_b) == "b"
     inflight = sched.inflight
     assert sched.release(on_b, Outcome.FAILURE, 1.0, rng) == []
     assert sched.inflight == inflight - 1
