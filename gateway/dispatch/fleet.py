@@ -126,6 +126,12 @@ class Fleet:
         """Every model some instance is known to serve, sorted."""
         return sorted({m for s in self.states for m in s.models or ()})
 
+    def least_busy_available(self, now: float, model: str | None = None) -> str | None:
+        """The available instance (of `model`'s, if named) with the fewest of our requests,
+        the first listed on a tie (None: none is up)."""
+        up = [s for s in self.states if s.available(now) and s.serves_model(model)]
+        return min(up, key=lambda s: s.inflight).name if up else None
+
     def _alive(self, lane: Lane, model: str | None, now: float, hop: Hop = Hop.WHOLE) -> bool:
         return any(s.available(now) and s.serves_model(model) for s in self._pool[lane, hop])
 

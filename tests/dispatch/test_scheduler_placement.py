@@ -384,3 +384,19 @@ def test_release_records_the_error_on_the_instance() -> None:
     sched.submit(tk(1), 0.0, rng)
     sched.release(1, Outcome.FAILURE, 0.0, rng, error="status 502")
     assert [e for _, e in sched.state("a").recent_errors] == ["status 502"]
+
+
+def test_least_busy_available_is_the_up_instance_with_fewest_of_ours_for_the_model() -> None:
+    """The instance a token count goes to: up, serving the model, fewest of our requests."""
+    rng = random.Random(0)
+    x, m = frozenset({"x"}), frozenset({"m"})
+    specs = InstanceSpec("a", models=x), InstanceSpec("b", models=x), InstanceSpec("c", models=m)
+    sched = make(*specs, policy=HealthPolicy(fall=1))
+    assert sched.least_busy_available(0.0) is None  # none probed yet
+    bring_up(sched, rng)
+    assert sched.least_busy_available(0.0) == "a"  # a tie: the first listed
+    sched.submit(tk(1, exclude={"b", "c"}), 0.0, rng)
+    assert sched.least_busy_available(0.0) == "b"
+    assert sched.least_busy_available(0.0, "m") == "c"
+    sched.probe("c", False, 1.0, rng)
+    assert sched.least_busy_available(1.0, "m") is None
