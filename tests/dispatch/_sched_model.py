@@ -65,13 +65,13 @@ class Model:
         return self.setup.limits
 
     def pool(self, lane: Lane) -> list[InstanceState]:
-        serving = [s for s in self.sched.states if s.serves(lane)]
-        return serving or list(self.sched.states)
+        serving = [s for s in self.sched.fleet.states if s.serves(lane)]
+        return serving or list(self.sched.fleet.states)
 
     def has_room(self, state: InstanceState, lane: Lane) -> bool:
         """Recomputed from the spec and the slots the instance showed it runs (its learned
         capacity, which test_learned_capacity.py checks), independently of the scheduler's
-        own `_has_room`. From the spec alone, a report of fewer running than placed made
+        fleet's own `_has_room`. From the spec alone, a report of fewer running than placed made
         the model see room the scheduler rightly did not."""
         if not state.available(self.now) or state not in self.pool(lane):
             return False
@@ -90,7 +90,9 @@ class Model:
         limit = self.limits.global_limit
         if limit is not None and len(self.held) >= limit:
             return False
-        return any(self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.states))
+        return any(
+            self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.fleet.states)
+        )
 
     def lane_alive(self, lane: Lane) -> bool:
         return any(s.available(self.now) for s in self.pool(lane))
@@ -117,7 +119,7 @@ class Model:
         now had room when the choice was made.
         """
         exclude = d.ticket.exclude
-        others = [s for s in self.sched.states if s.name != d.instance]
+        others = [s for s in self.sched.fleet.states if s.name != d.instance]
         chosen = self.sched.state(d.instance)
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
@@ -203,13 +205,13 @@ class Model:
 
     def check(self) -> None:
         limits = self.limits
-        for state in self.sched.states:
+        for state in self.sched.fleet.states:
             mine = [h for h in self.held.values() if h[0] == state.name]
             assert 0 <= state.inflight <= state.spec.slots + limits.max_queue_per_instance
             assert state.inflight == len(mine), state
             assert state.long_prefilling >= 0, state
             assert state.long_prefilling == sum(1 for h in mine if h[2]), state
-        total = sum(s.inflight for s in self.sched.states)
+        total = sum(s.inflight for s in self.sched.fleet.states)
         assert total == self.sched.inflight == len(self.held)
         if limits.global_limit is not None:
             assert self.sched.inflight <= limits.global_limit
@@ -251,4 +253,4 @@ class Model:
             assert self.sched.release(tid, Outcome.SUCCESS, self.now, self.rng) == []
             self.check()
         assert self.sched.inflight == 0
-        assert all(s.long_prefilling == 0 for s in self.sched.states)
+        assert all(s.long_prefilling == 0 for s in self.sched.fleet.states)
