@@ -53,6 +53,7 @@ from .model import (
     Priority,
     Queued,
     Rejected,
+    RejectReason,
     SharedView,
     Ticket,
 )
@@ -60,6 +61,7 @@ from .queues import WaitQueues
 from .snapshot import Snapshot, instances_at
 from .speed import Ewma
 from .strategies import Strategy
+from .ticket_state import IllegalMove, TicketState, move
 
 # Requests an instance may hold before its metrics must have shown it runs that many.
 UNCONFIRMED = 8
@@ -188,12 +190,15 @@ class Scheduler:
 
     def submit(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A new request (or a retry): assign it, queue it, or reject it."""
+        if (was := self._ticket_state(ticket.id)) is not TicketState.NEW:
+            # The moves below are out of new: a queued one would pass as refused from the queue.
+            raise IllegalMove(f"ticket {ticket.id} is {was.value}: only a new one is submitted")
         if self.closed:
-            return Rejected(ticket, "shutting_down", self.limits.queue_retry_after)
+            return self._refuse(ticket, "shutting_down", self.limits.queue_retry_after)
         if ticket.deadline <= now:
-            return Rejected(ticket, "deadline", self.limits.queue_retry_after)
+            return self._refuse(ticket, "deadline", self.limits.queue_retry_after)
         if not self.fleet.alive(ticket.lane, ticket.model, now, ticket.hop):
-            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
+            return self._refuse(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
         lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
@@ -206,14 +211,15 @@ class Scheduler:
                 return self._assign(ticket, candidates, now, rng)
         if self.bounded(lane, priority) >= self.limits.gateway_queue_size:
             wait = self.predicted_wait(lane, now, model, hop, priority)
-            return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
+            return self._refuse(ticket, "queue_full", wait or self.limits.queue_retry_after)
         rate = self._departures.rate(lane, model, now, priority)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
         refused = refusal(self._ahead_of_key(ticket), rate, budget)
         if refused is not None:
-            return Rejected(ticket, "predicted_wait", refused)
+            return self._refuse(ticket, "predicted_wait", refused)
+        self._move(ticket.id, TicketState.QUEUED)
         # It starts waiting: in no process's queue now (a key waiting at a replica is
         # backlogged, however often its queue here empties: no lift to erase its due).
         peers = {key for key, n in self._shared.key_queued.items() if n}
@@ -241,20 +247,24 @@ class Scheduler:
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
         if not self._untried_alive(ticket, now):
-            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
+            return self._refuse(ticket, "no_instance", self.limits.queue_retry_after)
         candidates = self.fleet.candidates(ticket, now, len(self._holding))
         if candidates:
             return self._assign(ticket, candidates, now, rng)
         if self._queues.retry_count() >= self.limits.gateway_queue_size:
-            return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
+            return self._refuse(ticket, "queue_full", self.limits.queue_retry_after)
         # A retry was admitted once already; it waits apart, bounded like any other.
         wait = self.limits.max_queue_wait(ticket.lane, ticket.priority)
         wait_until = min(ticket.deadline, now + wait)
+        self._move(ticket.id, TicketState.QUEUED)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def cancel(self, ticket_id: int) -> bool:
         """Drop a queued request whose client left; False if it is not queued (any more)."""
-        return self._queues.remove(ticket_id) is not None
+        if ticket_id not in self._queues:
+            return False
+        self._move(ticket_id, TicketState.CANCELLED)
+        return True
 
     def expire(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
         """A queued request's wait ran out: refused (503, it never reached an instance).
@@ -263,14 +273,14 @@ class Scheduler:
         wait_until = self._queues.wait_until(ticket_id)
         if wait_until is None or wait_until > now:
             return []
-        ticket = self._queues.remove(ticket_id)
+        ticket = self._queues.get(ticket_id)
         assert ticket is not None
         # Room may have come back unannounced (an ejection that ran out): it starts there.
         if ticket.deadline > now and (
             candidates := self.fleet.candidates(ticket, now, len(self._holding))
         ):
             return [self._assign(ticket, candidates, now, rng)]
-        return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
+        return [self._refuse(ticket, "deadline", self.limits.queue_retry_after)]
 
     def wait_until(self, ticket_id: int) -> float | None:
         return self._queues.wait_until(ticket_id)
@@ -288,7 +298,9 @@ class Scheduler:
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
             return []
-        self._end_prefill(held, now)
+        held.end_prefill()
+        if held.departs_at_prefill:
+            self._depart(held, now)
         self.fleet.settle_prefix(held.state, held.ticket, now)
         if ttft is not None and held.ticket.hop is Hop.DECODE:
             if held.ticket.tokens:
@@ -313,23 +325,17 @@ class Scheduler:
             held = self._holding.pop(ticket_id)
         except KeyError:
             raise UnknownTicket(ticket_id) from None
-        if held.prefilling:
-            self._end_prefill(held, now)
+        prefilling = held.prefilling
         held.leave()
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
             self.fleet.settle_prefix(held.state, held.ticket, now)
         if held.state.kv is not None:  # what it did not compute, nobody will
             held.state.kv.release(ticket_id)
-        if not held.departs_at_prefill:
+        if prefilling or not held.departs_at_prefill:  # else it departed at its first token
             self._depart(held, now)
         fleet = self.fleet
         apply_outcome(held.state, outcome, now, fleet.health_policy, fleet.states, error)
         return self._place_waiting(now, rng)
-
-    def _end_prefill(self, held: _Held, now: float) -> None:
-        held.end_prefill()
-        if held.departs_at_prefill:
-            self._depart(held, now)
 
     def _depart(self, held: _Held, now: float) -> None:
         """`held` frees the place that held the next request of its lane back: a departure,
@@ -457,9 +463,30 @@ class Scheduler:
         """Shutting down: refuse new requests and turn away every queued one."""
         self.closed = True
         after = self.limits.queue_retry_after
-        return [Rejected(t, "shutting_down", after) for t in self._queues.clear()]
+        return [self._refuse(t, "shutting_down", after) for t in list(self._queues)]
 
     # ------------------------------------------------------------ internals
+
+    def _ticket_state(self, ticket_id: int) -> TicketState:
+        """Where the scheduler keeps `ticket_id`: in the queue, held (prefilling or decoding),
+        or nowhere (new, or gone: a ticket that ended is forgotten)."""
+        held = self._holding.get(ticket_id)
+        if held is not None:
+            return held.ticket_state
+        return TicketState.QUEUED if ticket_id in self._queues else TicketState.NEW
+
+    def _move(self, ticket_id: int, to: TicketState) -> None:
+        """`ticket_id` goes on to `to`, if the state table allows (ticket_state.py); one that
+        leaves the queue is taken out of it here. A held one moves in `Held`."""
+        was = self._ticket_state(ticket_id)
+        move(ticket_id, was, to)
+        if was is TicketState.QUEUED:
+            self._queues.remove(ticket_id)
+
+    def _refuse(self, ticket: Ticket, reason: RejectReason, retry_after: float) -> Rejected:
+        """`ticket` is turned away (from the queue, if it waited there)."""
+        self._move(ticket.id, TicketState.REJECTED)
+        return Rejected(ticket, reason, retry_after)
 
     def _untried_alive(self, ticket: Ticket, now: float) -> bool:
         fleet = self.fleet
@@ -468,6 +495,7 @@ class Scheduler:
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
     ) -> Assigned:
+        self._move(ticket.id, TicketState.PREFILLING)
         if ticket.hop is Hop.PREFILL:
             state = fastest_prefill(candidates, ticket, rng)
         else:
@@ -497,12 +525,10 @@ class Scheduler:
         for (lane, model, hop, _), tickets in self._queues.fifos():
             if not self.fleet.alive(lane, model, now, hop):
                 for ticket in tickets:
-                    self._queues.remove(ticket.id)
-                    out.append(Rejected(ticket, "no_instance", after))
+                    out.append(self._refuse(ticket, "no_instance", after))
         for ticket in self._queues.retries():
             if not self._untried_alive(ticket, now):
-                self._queues.remove(ticket.id)
-                out.append(Rejected(ticket, "no_instance", after))
+                out.append(self._refuse(ticket, "no_instance", after))
         while True:
             # Retries first (they waited longest, counting their failed attempt), each on
             # its own: one that cannot be placed does not hold up the others.
@@ -517,12 +543,10 @@ class Scheduler:
                     else self.fleet.candidates(ticket, now, len(self._holding))
                 )
                 if expired and not candidates:
-                    self._queues.remove(ticket.id)
-                    out.append(Rejected(ticket, "deadline", after))
+                    out.append(self._refuse(ticket, "deadline", after))
                     placed = True
                     break
                 if candidates:
-                    self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
                     self._service.picked(ticket.key)
                     placed = True

@@ -1,6 +1,7 @@
 """Builders the scheduler's example tests share: a scheduler over named instances, brought
-up at once, and short tickets; and two looks inside it (which instance holds a ticket,
-what waits in its queue) that only tests need, so the scheduler does not offer them."""
+up at once, and short tickets; and looks inside it (which instance holds a ticket, what
+waits in its queue, where a ticket is in its life) that only tests need, so the scheduler
+does not offer them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
+from gateway.dispatch.ticket_state import TicketState
 
 FAR = 1e9  # a deadline no test reaches
 
@@ -63,3 +65,9 @@ def holder(sched: Scheduler, ticket_id: int) -> str | None:
 def queued_tickets(sched: Scheduler) -> list[Ticket]:
     """The tickets waiting in the scheduler's queue: the retries, then each FIFO in order."""
     return list(sched._queues)
+
+
+def ticket_state(sched: Scheduler, ticket_id: int) -> TicketState:
+    """Where the scheduler keeps `ticket_id` in its life (ticket_state.py); new once it is
+    gone, as before it came."""
+    return sched._ticket_state(ticket_id)

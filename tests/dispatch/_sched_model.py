@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from _sched_helpers import holder, queued_tickets
+from _sched_helpers import holder, queued_tickets, ticket_state
 from _sched_ops import Setup
 
 from gateway.dispatch import (
@@ -24,6 +24,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
+from gateway.dispatch.ticket_state import TicketState
 
 # ------------------------------------------------------------------ model and checks
 
@@ -38,6 +39,7 @@ class Model:
     now: float = 0.0
     next_id: int = 1
     held: dict[int, tuple[str, Lane, bool]] = field(default_factory=dict)  # inst, lane, prefill
+    first_token: set[int] = field(default_factory=set)  # held ones told prefill_done
     queued: dict[Lane, dict[int, Ticket]] = field(
         default_factory=lambda: {lane: {} for lane in Lane}
     )
@@ -217,6 +219,14 @@ class Model:
             assert self.sched.inflight <= limits.global_limit
         for tid, (name, _, _) in self.held.items():
             assert holder(self.sched, tid) == name
+            # Its life by the state table: decoding once its first token came.
+            want = TicketState.DECODING if tid in self.first_token else TicketState.PREFILLING
+            assert ticket_state(self.sched, tid) is want, (tid, want)
+        waiting = [tid for q in self.queued.values() for tid in q] + list(self.retries)
+        assert all(ticket_state(self.sched, tid) is TicketState.QUEUED for tid in waiting)
+        # Refused, cancelled or released: forgotten, new again to the scheduler.
+        gone = self.cancelled | {tid for tid in self.final if tid not in self.held}
+        assert all(ticket_state(self.sched, tid) is TicketState.NEW for tid in gone)
         assert len(self.retries) <= limits.gateway_queue_size
         assert {t.id for t in queued_tickets(self.sched) if t.exclude} == set(self.retries)
         for lane, queue in self.queued.items():

@@ -128,6 +128,7 @@ class Harness(Model):
         tid = sorted(self.held)[op.pick % len(self.held)]
         name, lane, prefilling = self.held[tid]
         out = self.sched.prefill_done(tid, self.now, self.rng)
+        self.first_token.add(tid)
         if not prefilling:
             assert out == []
             return
