@@ -57,7 +57,7 @@ class Gateway:
         return self.app[LIFECYCLE]
 
     def names(self) -> list[str]:
-        return [s.name for s in self.dispatcher.scheduler.states]
+        return [s.name for s in self.dispatcher.scheduler.fleet.states]
 
 
 def _toml_value(value: Any) -> str:

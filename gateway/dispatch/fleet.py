@@ -1,10 +1,12 @@
 """The fleet a scheduler dispatches to: its instances, by name and by lane.
 
-`Fleet` is the scheduler's base: it holds the instance states, answers questions about
-them (is one up, does it serve a model, has it room for a request), and takes in what the
+The scheduler has a `Fleet` (`Scheduler.fleet`): it holds the instance states, answers
+questions about them (is one up, does it serve a model, has it room for a request, where
+may a ticket go), counts a placed prompt into their prefix indexes, and takes in what the
 shell observes of them that places no request (speeds, scrapes, other processes'
-placements). `set_fleet` swaps in a new instance list (a reload) and keeps the state of
-the instances that stay.
+placements). It never sees a queue or a ticket's life: those are the scheduler's.
+`set_fleet` swaps in a new instance list (a reload) and keeps the state of the instances
+that stay.
 
 Limits an instance holds:
 - at most `slots + max_queue_per_instance` of the fleet's requests (`slots` is its
@@ -114,9 +116,6 @@ class Fleet:
         """Whether `name` is in the fleet (a reload may have removed it since)."""
         return name in self._by_name
 
-    def any_available(self, now: float) -> bool:
-        return any(s.available(now) for s in self.states)
-
     def model_served(self, model: str) -> bool:
         """Whether any instance, up or down, may serve `model` (unknown lists count as yes)."""
         return any(s.serves_model(model) for s in self.states)
@@ -129,7 +128,14 @@ class Fleet:
         """Every model some instance is known to serve, sorted."""
         return sorted({m for s in self.states for m in s.models or ()})
 
-    def _alive(self, lane: Lane, model: str | None, now: float, hop: Hop = Hop.WHOLE) -> bool:
+    def least_busy_available(self, now: float, model: str | None = None) -> str | None:
+        """The available instance (of `model`'s, if named) with the fewest of our requests,
+        the first listed on a tie (None: none is up)."""
+        up = [s for s in self.states if s.available(now) and s.serves_model(model)]
+        return min(up, key=lambda s: s.inflight).name if up else None
+
+    def alive(self, lane: Lane, model: str | None, now: float, hop: Hop = Hop.WHOLE) -> bool:
+        """Whether an instance that may take `hop` of a `lane` request for `model` is up."""
         return any(s.available(now) and s.serves_model(model) for s in self._pool[lane, hop])
 
     def pool(self, lane: Lane, hop: Hop) -> Sequence[InstanceState]:
@@ -152,8 +158,16 @@ class Fleet:
             for s in self._pool[lane, hop]
         )
 
-    def _untried_alive(self, ticket: Ticket, now: float) -> bool:
-        return self.untried_available(ticket.lane, ticket.exclude, now, ticket.model, ticket.hop)
+    def set_drained(self, drained: Mapping[str, float]) -> bool:
+        """The instances taken out of rotation (name: since when), every other back in;
+        whether any went out or came back."""
+        changed = False
+        for state in self.states:
+            since = drained.get(state.name)
+            if (since is None) != (state.drained_since is None):
+                changed = True
+            state.drained_since = since
+        return changed
 
     def observe_tpot(self, name: str, seconds: float) -> None:
         """A streamed answer's time per output token on `name` (if still in the fleet)."""
@@ -341,7 +355,7 @@ class Fleet:
         state.inflight_at_report = state.fleet_inflight
         state.own_at_report = state.inflight
 
-    def _candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
+    def candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
         """Where `ticket` may go now: the instances of its pool up for it and with room, and
         of those one that did not just say "busy" unless none other may take it; none while
         `holding` (requests placed in all) is at the global limit."""
@@ -360,7 +374,7 @@ class Fleet:
         ]
         return [s for s in room if not s.busy(now)] or room
 
-    def _place_prefix(self, state: InstanceState, ticket: Ticket, cached: int, now: float) -> None:
+    def place_prefix(self, state: InstanceState, ticket: Ticket, cached: int, now: float) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
         if state.kv is not None:
             state.kv.hold(ticket.id, ticket.kv_chain, now)
@@ -372,7 +386,7 @@ class Fleet:
         state.prefix_query_tokens += ticket.tokens
         state.prefix_hit_tokens += cached
 
-    def _settle_prefix(self, state: InstanceState, ticket: Ticket, now: float) -> None:
+    def settle_prefix(self, state: InstanceState, ticket: Ticket, now: float) -> None:
         """`ticket`'s prompt is computed on `state` now; if that is news, peers hear it. Its
         KV events should say so soon (kv_index.KvIndex.computed)."""
         if state.kv is not None:
@@ -382,7 +396,7 @@ class Fleet:
             self._settled.append((state.name, prefix))
         cache.settle(prefix)
 
-    def _beyond_slots(self, lane: Lane, model: str | None, hop: Hop = Hop.WHOLE) -> int:
+    def beyond_slots(self, lane: Lane, model: str | None, hop: Hop = Hop.WHOLE) -> int:
         """The fleet's requests waiting at `lane`'s instances for `model` beyond their
         running slots: they start before anything the gateway still queues."""
         return sum(
@@ -397,7 +411,7 @@ class Fleet:
         )
         if state.fleet_inflight >= state.slots + beyond_slots:
             return False
-        if self._capped_long(state) and self._takes_long_place(state, ticket):
+        if self._capped_long(state) and self.takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.
             long_prefilling = state.long_prefilling + state.peers.long_prefilling
             return long_prefilling < self.limits.max_long_per_instance
@@ -409,7 +423,7 @@ class Fleet:
         decoding on an instance both lanes share; a prefill instance decodes nothing."""
         return state.spec.lane == "any" and state.spec.role != "prefill"
 
-    def _takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
+    def takes_long_place(self, state: InstanceState, ticket: Ticket) -> bool:
         """A long request counts as a long prefill there, unless it is cached there enough
         that what is left to compute is short (`max_long_per_instance` binds on shared
         instances only). A decode hop prefills nothing: its blocks come from elsewhere."""
@@ -419,6 +433,10 @@ class Fleet:
         # document would otherwise all skip the cap while the first is still prefilling.
         cached = state.cached_tokens(ticket, settled=True)
         return cached == 0 or ticket.tokens - cached > self.limits.long_input_threshold
+
+    def __repr__(self) -> str:
+        instances = " ".join(f"{s.name}={s.verdict}/{s.inflight}" for s in self.states)
+        return f"<Fleet {instances or 'empty'}>"
 
 
 def learned_slots(state: InstanceState, last: LoadReport | None, report: LoadReport) -> int | None:

@@ -219,12 +219,15 @@ class Queued:
     wait_until: float  # when it leaves the queue unplaced: its deadline or max_queue_wait
 
 
+# predicted_wait: refused at arrival, its predicted queue wait is over its budget;
+# deadline: it waited in the queue until its time (or max_queue_wait) ran out.
+RejectReason = Literal["queue_full", "predicted_wait", "no_instance", "deadline", "shutting_down"]
+
+
 @dataclass(frozen=True)
 class Rejected:
     ticket: Ticket
-    # predicted_wait: refused at arrival, its predicted queue wait is over its budget;
-    # deadline: it waited in the queue until its time (or max_queue_wait) ran out.
-    reason: Literal["queue_full", "predicted_wait", "no_instance", "deadline", "shutting_down"]
+    reason: RejectReason
     retry_after: float
 
 

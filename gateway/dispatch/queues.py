@@ -40,6 +40,9 @@ class WaitQueues:
     def __bool__(self) -> bool:
         return bool(self._where)
 
+    def __contains__(self, ticket_id: object) -> bool:
+        return ticket_id in self._where
+
     def __iter__(self) -> Iterator[Ticket]:
         yield from self._retries.values()
         for fifo in self._fifos.values():
@@ -156,6 +159,13 @@ class WaitQueues:
             self._key_count[ticket.key] -= 1
         return ticket
 
+    def get(self, ticket_id: int) -> Ticket | None:
+        """The waiting ticket `ticket_id` (None: it is not here)."""
+        if ticket_id not in self._where:
+            return None
+        where = self._where[ticket_id]
+        return self._retries[ticket_id] if where is _RETRIES else self._fifos[where][ticket_id]
+
     def wait_until(self, ticket_id: int) -> float | None:
         return self._wait_until.get(ticket_id)
 
@@ -177,23 +187,6 @@ class WaitQueues:
 
     def _due(self, ticket: Ticket) -> tuple[float, int]:
         return self._wait_until[ticket.id], ticket.id
-
-    def clear(self) -> list[Ticket]:
-        """Empty every queue; return what waited."""
-        out = list(self)
-        mappings = (
-            self._fifos,
-            self._by_key,
-            self._key_count,
-            self._retries,
-            self._where,
-            self._wait_until,
-        )
-        for mapping in mappings:
-            mapping.clear()
-        for counts in (self._fifo_count, self._retry_count):
-            counts.update(dict.fromkeys(counts, 0))
-        return out
 
     def __repr__(self) -> str:
         fifos = " ".join(f"{lane.value}={n}" for lane, n in self._fifo_count.items())

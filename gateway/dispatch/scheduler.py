@@ -6,8 +6,12 @@ decisions. Decisions about requests that were waiting in the gateway queue come 
 a list from whichever call freed room (`release`, `prefill_done`, `probe`), and the
 shell wakes those requests.
 
-Where a request may go (its limits, lane, models) is `Fleet`'s to say (`fleet.py`). With
-no room, it waits in a bounded queue of its lane (and model) for at most the lane's
+The scheduler has the fleet's state (`self.fleet`, `fleet.py`): where a request may go
+(its limits, lane, models) is the fleet's to say, and what the shell observes of an
+instance that places no request goes there through the few methods the dispatcher needs
+(the last section below). The scheduler keeps what the fleet does not: the gateway queue,
+the requests it holds on instances, and the rates and counts learned from them. With no
+room, a request waits in a bounded queue of its lane (and model) for at most the lane's
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
 at once (`admission.py`). The queue serves keys by fair share (`fairness.py`), and a
 request's predicted wait is its key's: the requests of its key ahead of it, at its key's
@@ -33,6 +37,7 @@ from .fleet import Fleet
 from .health import apply_outcome
 from .holding import Held as _Held
 from .holding import UnknownTicket
+from .kv_index import KvIndex
 from .model import (
     Assigned,
     Decision,
@@ -42,11 +47,13 @@ from .model import (
     InstanceState,
     Lane,
     Limits,
+    LoadReport,
     LocalShare,
     Outcome,
     Priority,
     Queued,
     Rejected,
+    RejectReason,
     SharedView,
     Ticket,
 )
@@ -54,12 +61,13 @@ from .queues import WaitQueues
 from .snapshot import Snapshot, instances_at
 from .speed import Ewma
 from .strategies import Strategy
+from .ticket_state import IllegalMove, TicketState, move
 
 # Requests an instance may hold before its metrics must have shown it runs that many.
 UNCONFIRMED = 8
 
 
-class Scheduler(Fleet):
+class Scheduler:
     def __init__(
         self,
         specs: Sequence[InstanceSpec],
@@ -67,7 +75,7 @@ class Scheduler(Fleet):
         limits: Limits = Limits(),
         health_policy: HealthPolicy = HealthPolicy(),
     ) -> None:
-        super().__init__(specs, limits, health_policy)
+        self.fleet = Fleet(specs, limits, health_policy)
         self.strategy = strategy
         self.closed = False
         self._queues = WaitQueues()
@@ -104,11 +112,16 @@ class Scheduler(Fleet):
         requests may now fit (more room) or have nowhere left to go (rejected).
         """
         departed = {h.state.name: h.state for h in self._holding.values()}
-        self.set_fleet(specs, limits, health_policy, departed)
+        self.fleet.set_fleet(specs, limits, health_policy, departed)
         self._service.shares = limits.shares
         return self._place_waiting(now, rng)
 
     # ------------------------------------------------------------ queries
+
+    @property
+    def limits(self) -> Limits:
+        """The limits it runs with now (the fleet's: a reload changes both at once)."""
+        return self.fleet.limits
 
     @property
     def inflight(self) -> int:
@@ -131,7 +144,7 @@ class Scheduler(Fleet):
         peers_queued = self._shared.queued.get(lane, 0)
         if priority is Priority.INTERACTIVE:
             peers_queued -= self._shared.queued_batch.get(lane, 0)
-        at_instances = self._beyond_slots(lane, model, hop)
+        at_instances = self.fleet.beyond_slots(lane, model, hop)
         own = self._queues.length_for(lane, model, hop, priority)
         return own + max(0, peers_queued) + at_instances
 
@@ -165,8 +178,8 @@ class Scheduler(Fleet):
         """Whether `ticket` goes in two hops: prefill on a prefill instance, then decode
         (disaggregation.py). Never in a fleet without prefill instances."""
         return split(
-            self.pool(ticket.lane, Hop.PREFILL),
-            self.pool(ticket.lane, Hop.DECODE),
+            self.fleet.pool(ticket.lane, Hop.PREFILL),
+            self.fleet.pool(ticket.lane, Hop.DECODE),
             ticket,
             now,
             transfer_s_per_token=self._transfer.value,
@@ -177,12 +190,15 @@ class Scheduler(Fleet):
 
     def submit(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A new request (or a retry): assign it, queue it, or reject it."""
+        if (was := self._ticket_state(ticket.id)) is not TicketState.NEW:
+            # The moves below are out of new: a queued one would pass as refused from the queue.
+            raise IllegalMove(f"ticket {ticket.id} is {was.value}: only a new one is submitted")
         if self.closed:
-            return Rejected(ticket, "shutting_down", self.limits.queue_retry_after)
+            return self._refuse(ticket, "shutting_down", self.limits.queue_retry_after)
         if ticket.deadline <= now:
-            return Rejected(ticket, "deadline", self.limits.queue_retry_after)
-        if not self._alive(ticket.lane, ticket.model, now, ticket.hop):
-            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
+            return self._refuse(ticket, "deadline", self.limits.queue_retry_after)
+        if not self.fleet.alive(ticket.lane, ticket.model, now, ticket.hop):
+            return self._refuse(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
         lane, model, hop, priority = ticket.lane, ticket.model, ticket.hop, ticket.priority
@@ -190,19 +206,20 @@ class Scheduler(Fleet):
         # In the queue's order: nobody may overtake requests already waiting for the same
         # lane, model and hop whose wait runs out first (of its class, all of them).
         if not self._queues.waiting_before(ticket, wait_until):
-            candidates = self._candidates(ticket, now, len(self._holding))
+            candidates = self.fleet.candidates(ticket, now, len(self._holding))
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         if self.bounded(lane, priority) >= self.limits.gateway_queue_size:
             wait = self.predicted_wait(lane, now, model, hop, priority)
-            return Rejected(ticket, "queue_full", wait or self.limits.queue_retry_after)
+            return self._refuse(ticket, "queue_full", wait or self.limits.queue_retry_after)
         rate = self._departures.rate(lane, model, now, priority)
         # It must also have its first token in time once it starts: the lane's usual time
         # from being sent to its first token comes off the budget.
         budget = wait_until - now - (self._service_ttft[ticket.lane].value or 0.0)
         refused = refusal(self._ahead_of_key(ticket), rate, budget)
         if refused is not None:
-            return Rejected(ticket, "predicted_wait", refused)
+            return self._refuse(ticket, "predicted_wait", refused)
+        self._move(ticket.id, TicketState.QUEUED)
         # It starts waiting: in no process's queue now (a key waiting at a replica is
         # backlogged, however often its queue here empties: no lift to erase its due).
         peers = {key for key, n in self._shared.key_queued.items() if n}
@@ -225,25 +242,29 @@ class Scheduler(Fleet):
             waiting[key] = waiting.get(key, 0) + n
         places = self._service.places_before(ticket.key, waiting)
         # Its own place is the last of `places`; refusal counts that one itself.
-        return self._beyond_slots(lane, model, hop) + retries + places - 1
+        return self.fleet.beyond_slots(lane, model, hop) + retries + places - 1
 
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
         if not self._untried_alive(ticket, now):
-            return Rejected(ticket, "no_instance", self.limits.queue_retry_after)
-        candidates = self._candidates(ticket, now, len(self._holding))
+            return self._refuse(ticket, "no_instance", self.limits.queue_retry_after)
+        candidates = self.fleet.candidates(ticket, now, len(self._holding))
         if candidates:
             return self._assign(ticket, candidates, now, rng)
         if self._queues.retry_count() >= self.limits.gateway_queue_size:
-            return Rejected(ticket, "queue_full", self.limits.queue_retry_after)
+            return self._refuse(ticket, "queue_full", self.limits.queue_retry_after)
         # A retry was admitted once already; it waits apart, bounded like any other.
         wait = self.limits.max_queue_wait(ticket.lane, ticket.priority)
         wait_until = min(ticket.deadline, now + wait)
+        self._move(ticket.id, TicketState.QUEUED)
         return Queued(ticket, self._queues.add(ticket, wait_until), wait_until)
 
     def cancel(self, ticket_id: int) -> bool:
         """Drop a queued request whose client left; False if it is not queued (any more)."""
-        return self._queues.remove(ticket_id) is not None
+        if ticket_id not in self._queues:
+            return False
+        self._move(ticket_id, TicketState.CANCELLED)
+        return True
 
     def expire(self, ticket_id: int, now: float, rng: random.Random) -> list[Decision]:
         """A queued request's wait ran out: refused (503, it never reached an instance).
@@ -252,14 +273,14 @@ class Scheduler(Fleet):
         wait_until = self._queues.wait_until(ticket_id)
         if wait_until is None or wait_until > now:
             return []
-        ticket = self._queues.remove(ticket_id)
+        ticket = self._queues.get(ticket_id)
         assert ticket is not None
         # Room may have come back unannounced (an ejection that ran out): it starts there.
         if ticket.deadline > now and (
-            candidates := self._candidates(ticket, now, len(self._holding))
+            candidates := self.fleet.candidates(ticket, now, len(self._holding))
         ):
             return [self._assign(ticket, candidates, now, rng)]
-        return [Rejected(ticket, "deadline", self.limits.queue_retry_after)]
+        return [self._refuse(ticket, "deadline", self.limits.queue_retry_after)]
 
     def wait_until(self, ticket_id: int) -> float | None:
         return self._queues.wait_until(ticket_id)
@@ -277,8 +298,10 @@ class Scheduler(Fleet):
         held = self._holding.get(ticket_id)
         if held is None or not held.prefilling:
             return []
-        self._end_prefill(held, now)
-        self._settle_prefix(held.state, held.ticket, now)
+        held.end_prefill()
+        if held.departs_at_prefill:
+            self._depart(held, now)
+        self.fleet.settle_prefix(held.state, held.ticket, now)
         if ttft is not None and held.ticket.hop is Hop.DECODE:
             if held.ticket.tokens:
                 # Never below zero: a hop quicker than a step moved its blocks for free.
@@ -302,22 +325,17 @@ class Scheduler(Fleet):
             held = self._holding.pop(ticket_id)
         except KeyError:
             raise UnknownTicket(ticket_id) from None
-        if held.prefilling:
-            self._end_prefill(held, now)
+        prefilling = held.prefilling
         held.leave()
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
-            self._settle_prefix(held.state, held.ticket, now)
+            self.fleet.settle_prefix(held.state, held.ticket, now)
         if held.state.kv is not None:  # what it did not compute, nobody will
             held.state.kv.release(ticket_id)
-        if not held.departs_at_prefill:
+        if prefilling or not held.departs_at_prefill:  # else it departed at its first token
             self._depart(held, now)
-        apply_outcome(held.state, outcome, now, self.health_policy, self.states, error)
+        fleet = self.fleet
+        apply_outcome(held.state, outcome, now, fleet.health_policy, fleet.states, error)
         return self._place_waiting(now, rng)
-
-    def _end_prefill(self, held: _Held, now: float) -> None:
-        held.end_prefill()
-        if held.departs_at_prefill:
-            self._depart(held, now)
 
     def _depart(self, held: _Held, now: float) -> None:
         """`held` frees the place that held the next request of its lane back: a departure,
@@ -340,10 +358,6 @@ class Scheduler(Fleet):
         view's), over its share, plus any lift."""
         return self._service.count(key)
 
-    def holder(self, ticket_id: int) -> str | None:
-        held = self._holding.get(ticket_id)
-        return held.state.name if held else None
-
     # ------------------------------------------------------------ instances
 
     def probe(
@@ -351,7 +365,7 @@ class Scheduler(Fleet):
     ) -> list[Decision]:
         """An active health probe answered (or failed, and why); ignored for a removed
         instance."""
-        changed = self.observe_probe(name, ok, now, error)
+        changed = self.fleet.observe_probe(name, ok, now, error)
         if changed is None:
             return []
         # Also place what waits when nothing changed: an ejection may have run out since.
@@ -361,7 +375,7 @@ class Scheduler(Fleet):
         self, name: str, models: frozenset[str], now: float, rng: random.Random
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
-        return self._place_waiting(now, rng) if self.observe_models(name, models) else []
+        return self._place_waiting(now, rng) if self.fleet.observe_models(name, models) else []
 
     def set_drained(
         self, drained: Mapping[str, float], now: float, rng: random.Random
@@ -371,13 +385,7 @@ class Scheduler(Fleet):
         A drained instance takes no new request; those it holds finish. Queued requests
         go elsewhere, or are refused if nowhere is left; one resumed may take them.
         """
-        changed = False
-        for state in self.states:
-            since = drained.get(state.name)
-            if (since is None) != (state.drained_since is None):
-                changed = True
-            state.drained_since = since
-        return self._place_waiting(now, rng) if changed else []
+        return self._place_waiting(now, rng) if self.fleet.set_drained(drained) else []
 
     def apply_shared(
         self, view: SharedView, now: float, rng: random.Random, *, place: bool = True
@@ -397,7 +405,7 @@ class Scheduler(Fleet):
         self._shared = view
         self._departures.peers = view.rates
         self._service.peers = view.key_service
-        self.hear_peers(view, now)
+        self.fleet.hear_peers(view, now)
         # Peers may have let go of places: waiting requests may fit now.
         return self._place_waiting(now, rng) if place and self._queues else []
 
@@ -410,7 +418,7 @@ class Scheduler(Fleet):
         a request may still go elsewhere or be refused at once with Retry-After. The
         newest go first: the instance serves its queue in order, so they wait longest.
         """
-        state = self.state(name)
+        state = self.fleet.state(name)
         if state.learned_slots is None:
             return []
         excess = state.fleet_inflight - (state.slots + self.limits.max_queue_per_instance)
@@ -429,7 +437,7 @@ class Scheduler(Fleet):
         """Whether we hold more on `name` than it ever showed running (and at least
         UNCONFIRMED): time to look at its metrics again, rather than at the next round,
         in case it runs fewer than its configured slots."""
-        state = self.state(name)
+        state = self.fleet.state(name)
         return state.learned_slots is None and state.fleet_inflight > max(
             UNCONFIRMED, 2 * state.running_seen
         )
@@ -448,23 +456,50 @@ class Scheduler(Fleet):
         queued = {lane: self._queues.length(lane) for lane in Lane}
         batch = {lane: n for lane in Lane if (n := self._queues.batch_length(lane))}
         keys = self._queues.key_counts()
-        return self.local_share(queued, self._departures.own(now), batch, keys, self._service.own())
+        rates, service = self._departures.own(now), self._service.own()
+        return self.fleet.local_share(queued, rates, batch, keys, service)
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
         self.closed = True
         after = self.limits.queue_retry_after
-        return [Rejected(t, "shutting_down", after) for t in self._queues.clear()]
+        return [self._refuse(t, "shutting_down", after) for t in list(self._queues)]
 
     # ------------------------------------------------------------ internals
+
+    def _ticket_state(self, ticket_id: int) -> TicketState:
+        """Where the scheduler keeps `ticket_id`: in the queue, held (prefilling or decoding),
+        or nowhere (new, or gone: a ticket that ended is forgotten)."""
+        held = self._holding.get(ticket_id)
+        if held is not None:
+            return held.ticket_state
+        return TicketState.QUEUED if ticket_id in self._queues else TicketState.NEW
+
+    def _move(self, ticket_id: int, to: TicketState) -> None:
+        """`ticket_id` goes on to `to`, if the state table allows (ticket_state.py); one that
+        leaves the queue is taken out of it here. A held one moves in `Held`."""
+        was = self._ticket_state(ticket_id)
+        move(ticket_id, was, to)
+        if was is TicketState.QUEUED:
+            self._queues.remove(ticket_id)
+
+    def _refuse(self, ticket: Ticket, reason: RejectReason, retry_after: float) -> Rejected:
+        """`ticket` is turned away (from the queue, if it waited there)."""
+        self._move(ticket.id, TicketState.REJECTED)
+        return Rejected(ticket, reason, retry_after)
+
+    def _untried_alive(self, ticket: Ticket, now: float) -> bool:
+        fleet = self.fleet
+        return fleet.untried_available(ticket.lane, ticket.exclude, now, ticket.model, ticket.hop)
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
     ) -> Assigned:
+        self._move(ticket.id, TicketState.PREFILLING)
         if ticket.hop is Hop.PREFILL:
             state = fastest_prefill(candidates, ticket, rng)
         else:
-            state = self.strategy.choose(candidates, self.states, ticket, now, rng)
+            state = self.strategy.choose(candidates, self.fleet.states, ticket, now, rng)
         cached = state.cached_tokens(ticket)
         if ticket.hop is not Hop.DECODE:  # a decode hop's prompt was its prefill hop's
             self._service.charge(ticket.key, prompt_tokens=ticket.tokens)
@@ -475,11 +510,11 @@ class Scheduler(Fleet):
             ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             # A decode hop reads its prompt's KV blocks: nothing of it to compute there.
             uncached=0 if ticket.hop is Hop.DECODE else ticket.tokens - cached,
-            long_place=self._takes_long_place(state, ticket),
+            long_place=self.fleet.takes_long_place(state, ticket),
         )
         self._holding[ticket.id] = held
         held.take()
-        self._place_prefix(state, ticket, cached, now)
+        self.fleet.place_prefix(state, ticket, cached, now)
         return Assigned(ticket, state.name)
 
     def _place_waiting(self, now: float, rng: random.Random) -> list[Decision]:
@@ -488,14 +523,12 @@ class Scheduler(Fleet):
         out: list[Decision] = []
         after = self.limits.queue_retry_after
         for (lane, model, hop, _), tickets in self._queues.fifos():
-            if not self._alive(lane, model, now, hop):
+            if not self.fleet.alive(lane, model, now, hop):
                 for ticket in tickets:
-                    self._queues.remove(ticket.id)
-                    out.append(Rejected(ticket, "no_instance", after))
+                    out.append(self._refuse(ticket, "no_instance", after))
         for ticket in self._queues.retries():
             if not self._untried_alive(ticket, now):
-                self._queues.remove(ticket.id)
-                out.append(Rejected(ticket, "no_instance", after))
+                out.append(self._refuse(ticket, "no_instance", after))
         while True:
             # Retries first (they waited longest, counting their failed attempt), each on
             # its own: one that cannot be placed does not hold up the others.
@@ -507,15 +540,13 @@ class Scheduler(Fleet):
                 candidates = (
                     []
                     if ticket.deadline <= now
-                    else self._candidates(ticket, now, len(self._holding))
+                    else self.fleet.candidates(ticket, now, len(self._holding))
                 )
                 if expired and not candidates:
-                    self._queues.remove(ticket.id)
-                    out.append(Rejected(ticket, "deadline", after))
+                    out.append(self._refuse(ticket, "deadline", after))
                     placed = True
                     break
                 if candidates:
-                    self._queues.remove(ticket.id)
                     out.append(self._assign(ticket, candidates, now, rng))
                     self._service.picked(ticket.key)
                     placed = True
@@ -530,14 +561,86 @@ class Scheduler(Fleet):
             strategy=self.strategy.name,
             inflight=self.inflight,
             queues=MappingProxyType({lane: self.queue_length(lane) for lane in Lane}),
-            instances=instances_at(self.states, now, self.limits.metrics_stale_after),
+            instances=instances_at(self.fleet.states, now, self.limits.metrics_stale_after),
             key_service=MappingProxyType(self._service.own()),
             key_queued=MappingProxyType(self._queues.key_counts()),
             model_queued=MappingProxyType(Counter(t.model for t in self._queues if t.model)),
         )
 
-    def queued_tickets(self) -> Iterable[Ticket]:
-        return iter(self._queues)
+    # ------------------------------------------------------------ the fleet, for the dispatcher
+    # What the dispatcher asks of the instances, or tells of them, that places no request:
+    # passed to the fleet (fleet.py says what each does). Nothing else of it shows here.
+
+    @property
+    def has_prefill_role(self) -> bool:
+        return self.fleet.has_prefill_role
+
+    def state(self, name: str) -> InstanceState:
+        return self.fleet.state(name)
+
+    def has(self, name: str) -> bool:
+        return self.fleet.has(name)
+
+    def names(self) -> frozenset[str]:
+        return self.fleet.names()
+
+    def room(self, name: str) -> int:
+        return self.fleet.room(name)
+
+    def note_full(self, name: str) -> None:
+        self.fleet.note_full(name)
+
+    def knows_model(self, model: str) -> bool:
+        return self.fleet.knows_model(model)
+
+    def model_served(self, model: str) -> bool:
+        return self.fleet.model_served(model)
+
+    def served_models(self) -> list[str]:
+        return self.fleet.served_models()
+
+    def untried_available(
+        self,
+        lane: Lane,
+        tried: frozenset[str],
+        now: float,
+        model: str | None = None,
+        hop: Hop = Hop.WHOLE,
+    ) -> bool:
+        return self.fleet.untried_available(lane, tried, now, model, hop)
+
+    def least_busy_available(self, now: float, model: str | None = None) -> str | None:
+        return self.fleet.least_busy_available(now, model)
+
+    def report_load(self, name: str, report: LoadReport) -> None:
+        self.fleet.report_load(name, report)
+
+    def observe_error(self, name: str, error: str, now: float) -> None:
+        self.fleet.observe_error(name, error, now)
+
+    def observe_tpot(self, name: str, seconds: float) -> None:
+        self.fleet.observe_tpot(name, seconds)
+
+    def update_slow_flags(self) -> dict[str, bool]:
+        return self.fleet.update_slow_flags()
+
+    def kv_index(self, name: str) -> KvIndex | None:
+        return self.fleet.kv_index(name)
+
+    def kv_blocks(self, model: str | None) -> tuple[int, str | None] | None:
+        return self.fleet.kv_blocks(model)
+
+    def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
+        return self.fleet.take_placements()
+
+    def take_settled(self) -> list[tuple[str, tuple[int, ...]]]:
+        return self.fleet.take_settled()
+
+    def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
+        self.fleet.learn_placements(placements)
+
+    def learn_settled(self, settled: Iterable[tuple[str, Sequence[int]]]) -> None:
+        self.fleet.learn_settled(settled)
 
     def __repr__(self) -> str:
         return f"<Scheduler {self.strategy.name} inflight={self.inflight} {self._queues!r}>"

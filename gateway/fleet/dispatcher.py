@@ -425,9 +425,7 @@ class Dispatcher:
     def least_busy_available(self, model: str | None = None) -> str | None:
         """The available instance (of `model`'s, if named) with the fewest of our requests
         (None: none is up)."""
-        now = self.clock()
-        up = [s for s in self.scheduler.states if s.available(now) and s.serves_model(model)]
-        return min(up, key=lambda s: s.inflight).name if up else None
+        return self.scheduler.least_busy_available(self.clock(), model)
 
     def kv_index(self, name: str) -> KvIndex | None:
         """Instance `name`'s KV events index, which its listener feeds (None: it has none)."""

@@ -1,5 +1,7 @@
 """Builders the scheduler's example tests share: a scheduler over named instances, brought
-up at once, and short tickets."""
+up at once, and short tickets; and looks inside it (which instance holds a ticket, what
+waits in its queue, where a ticket is in its life) that only tests need, so the scheduler
+does not offer them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
+from gateway.dispatch.ticket_state import TicketState
 
 FAR = 1e9  # a deadline no test reaches
 
@@ -38,7 +41,7 @@ def make(
 
 def bring_up(sched: Scheduler, rng: random.Random, now: float = 0.0) -> None:
     """Probe every instance good once: the first probe decides at once."""
-    for state in sched.states:
+    for state in sched.fleet.states:
         sched.probe(state.name, True, now, rng)
 
 
@@ -51,3 +54,20 @@ def tk(
 def assigned_to(decision: object) -> str:
     assert isinstance(decision, Assigned), decision
     return decision.instance
+
+
+def holder(sched: Scheduler, ticket_id: int) -> str | None:
+    """The instance the scheduler holds `ticket_id` on (None: it holds no such ticket)."""
+    held = sched._holding.get(ticket_id)
+    return held.state.name if held else None
+
+
+def queued_tickets(sched: Scheduler) -> list[Ticket]:
+    """The tickets waiting in the scheduler's queue: the retries, then each FIFO in order."""
+    return list(sched._queues)
+
+
+def ticket_state(sched: Scheduler, ticket_id: int) -> TicketState:
+    """Where the scheduler keeps `ticket_id` in its life (ticket_state.py); new once it is
+    gone, as before it came."""
+    return sched._ticket_state(ticket_id)

@@ -8,6 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from _sched_helpers import holder, queued_tickets, ticket_state
 from _sched_ops import Setup
 
 from gateway.dispatch import (
@@ -23,6 +24,7 @@ from gateway.dispatch import (
     Scheduler,
     Ticket,
 )
+from gateway.dispatch.ticket_state import TicketState
 
 # ------------------------------------------------------------------ model and checks
 
@@ -37,6 +39,7 @@ class Model:
     now: float = 0.0
     next_id: int = 1
     held: dict[int, tuple[str, Lane, bool]] = field(default_factory=dict)  # inst, lane, prefill
+    first_token: set[int] = field(default_factory=set)  # held ones told prefill_done
     queued: dict[Lane, dict[int, Ticket]] = field(
         default_factory=lambda: {lane: {} for lane in Lane}
     )
@@ -64,13 +67,13 @@ class Model:
         return self.setup.limits
 
     def pool(self, lane: Lane) -> list[InstanceState]:
-        serving = [s for s in self.sched.states if s.serves(lane)]
-        return serving or list(self.sched.states)
+        serving = [s for s in self.sched.fleet.states if s.serves(lane)]
+        return serving or list(self.sched.fleet.states)
 
     def has_room(self, state: InstanceState, lane: Lane) -> bool:
         """Recomputed from the spec and the slots the instance showed it runs (its learned
         capacity, which test_learned_capacity.py checks), independently of the scheduler's
-        own `_has_room`. From the spec alone, a report of fewer running than placed made
+        fleet's own `_has_room`. From the spec alone, a report of fewer running than placed made
         the model see room the scheduler rightly did not."""
         if not state.available(self.now) or state not in self.pool(lane):
             return False
@@ -89,7 +92,9 @@ class Model:
         limit = self.limits.global_limit
         if limit is not None and len(self.held) >= limit:
             return False
-        return any(self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.states))
+        return any(
+            self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.fleet.states)
+        )
 
     def lane_alive(self, lane: Lane) -> bool:
         return any(s.available(self.now) for s in self.pool(lane))
@@ -116,7 +121,7 @@ class Model:
         now had room when the choice was made.
         """
         exclude = d.ticket.exclude
-        others = [s for s in self.sched.states if s.name != d.instance]
+        others = [s for s in self.sched.fleet.states if s.name != d.instance]
         chosen = self.sched.state(d.instance)
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
@@ -202,25 +207,33 @@ class Model:
 
     def check(self) -> None:
         limits = self.limits
-        for state in self.sched.states:
+        for state in self.sched.fleet.states:
             mine = [h for h in self.held.values() if h[0] == state.name]
             assert 0 <= state.inflight <= state.spec.slots + limits.max_queue_per_instance
             assert state.inflight == len(mine), state
             assert state.long_prefilling >= 0, state
             assert state.long_prefilling == sum(1 for h in mine if h[2]), state
-        total = sum(s.inflight for s in self.sched.states)
+        total = sum(s.inflight for s in self.sched.fleet.states)
         assert total == self.sched.inflight == len(self.held)
         if limits.global_limit is not None:
             assert self.sched.inflight <= limits.global_limit
         for tid, (name, _, _) in self.held.items():
-            assert self.sched.holder(tid) == name
+            assert holder(self.sched, tid) == name
+            # Its life by the state table: decoding once its first token came.
+            want = TicketState.DECODING if tid in self.first_token else TicketState.PREFILLING
+            assert ticket_state(self.sched, tid) is want, (tid, want)
+        waiting = [tid for q in self.queued.values() for tid in q] + list(self.retries)
+        assert all(ticket_state(self.sched, tid) is TicketState.QUEUED for tid in waiting)
+        # Refused, cancelled or released: forgotten, new again to the scheduler.
+        gone = self.cancelled | {tid for tid in self.final if tid not in self.held}
+        assert all(ticket_state(self.sched, tid) is TicketState.NEW for tid in gone)
         assert len(self.retries) <= limits.gateway_queue_size
-        assert {t.id for t in self.sched.queued_tickets() if t.exclude} == set(self.retries)
+        assert {t.id for t in queued_tickets(self.sched) if t.exclude} == set(self.retries)
         for lane, queue in self.queued.items():
             retries = sum(1 for t in self.retries.values() if t.lane is lane)
             assert self.sched.queue_length(lane) == len(queue) + retries
             assert len(queue) <= limits.gateway_queue_size
-            actual = [t.id for t in self.sched.queued_tickets() if t.lane is lane and not t.exclude]
+            actual = [t.id for t in queued_tickets(self.sched) if t.lane is lane and not t.exclude]
             assert actual == list(queue), f"{lane} queue {actual} != model {list(queue)}"
             # Requests never wait for a lane with no instance that could serve them.
             assert not queue or self.lane_alive(lane), f"{lane} waiters with no instance"
@@ -250,4 +263,4 @@ class Model:
             assert self.sched.release(tid, Outcome.SUCCESS, self.now, self.rng) == []
             self.check()
         assert self.sched.inflight == 0
-        assert all(s.long_prefilling == 0 for s in self.sched.states)
+        assert all(s.long_prefilling == 0 for s in self.sched.fleet.states)

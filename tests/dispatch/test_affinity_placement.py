@@ -56,11 +56,13 @@ def test_a_cached_prefix_attracts_and_an_evicted_one_stops() -> None:
         sched.prefill_done(i, 0.0, rng)
         sched.release(i, Outcome.SUCCESS, 0.0, rng)
     assert sched.state(home).cache.match(prompt_blocks(prompt)) == 0
-    costs = strategy.costs(sched.states, sched.states, tk(999, prompt), 0.0)
+    costs = strategy.costs(sched.fleet.states, sched.fleet.states, tk(999, prompt), 0.0)
     assert costs["a"] == costs["b"]
     homes = set()
     for seed in range(20):
-        homes.add(strategy.choose(sched.states, sched.states, tk(999, prompt), 0.0, rng).name)
+        homes.add(
+            strategy.choose(sched.fleet.states, sched.fleet.states, tk(999, prompt), 0.0, rng).name
+        )
         rng = random.Random(seed)
     assert homes == {"a", "b"}
 
@@ -351,10 +353,10 @@ def test_a_cached_prefix_is_not_outweighed_by_one_other_request_on_its_instance(
         sched.probe(name, True, 0.0, rng)
     prefix = b"s" * BLOCK_BYTES * 64  # 64 blocks of 64 tokens: 4,096 tokens
     first = prompt_blocks(prefix + b"one" * 300)
-    sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4300, prefix=first), 0.0, rng)
-    placed = sched.holder(1)
+    decision = sched.submit(Ticket(1, Lane.SHORT, 1e9, tokens=4300, prefix=first), 0.0, rng)
+    assert isinstance(decision, Assigned)
+    placed = decision.instance
     sched.release(1, Outcome.SUCCESS, 0.5, rng)
-    assert placed is not None
     other = "b" if placed == "a" else "a"
     sched.report_load(placed, LoadReport(1, 0, 0.1, 1.0))  # one request we did not send
     sched.report_load(other, LoadReport(0, 0, 0.0, 1.0))  # idle

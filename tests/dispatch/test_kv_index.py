@@ -295,7 +295,7 @@ def test_the_cost_reads_an_exact_index_and_not_the_inferred_one() -> None:
 
 def test_a_placed_prompt_attracts_its_twin_until_it_is_computed() -> None:
     sched, rng = scheduler_with_events()
-    for state in sched.states:
+    for state in sched.fleet.states:
         state.kv.apply(0, [], 0.0)
     ids = list(range(400))
     first = sched.submit(kv_ticket(1, ids), 0.1, rng)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from _sched_helpers import FAR, assigned_to, bring_up, make, tk
+from _sched_helpers import FAR, assigned_to, bring_up, holder, make, queued_tickets, tk
 
 from gateway.dispatch import (
     Assigned,
@@ -114,7 +114,7 @@ def test_one_event_can_place_several_queued_requests_in_order() -> None:
         assert isinstance(sched.submit(tk(i), 0.0, rng), Queued)
     out = sched.probe("b", True, 0.0, rng)
     assert out == [Assigned(tk(2), "b"), Assigned(tk(3), "b"), Assigned(tk(4), "b")]
-    assert [t.id for t in sched.queued_tickets()] == [5]
+    assert [t.id for t in queued_tickets(sched)] == [5]
 
 
 def test_cancel_removes_a_queued_ticket() -> None:
@@ -248,7 +248,7 @@ def test_last_instance_going_down_rejects_the_queue() -> None:
         (3, "Rejected", "no_instance"),
     ]
     assert sched.queue_length(Lane.SHORT) == sched.queue_length(Lane.LONG) == 0
-    assert sched.holder(1) == "a"  # the request already there is the shell's to finish
+    assert holder(sched, 1) == "a"  # the request already there is the shell's to finish
 
 
 def test_expired_deadline_is_rejected_at_submit() -> None:

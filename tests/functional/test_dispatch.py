@@ -206,7 +206,7 @@ async def test_all_instances_down_gives_503_with_retry_after_fast() -> None:
         gateway_with(sims, sections={"dispatch": {"health_check_interval": 0.05}}) as gw,
     ):
         await sims[0].stop()
-        await eventually(lambda: not gw.dispatcher.scheduler.any_available(gw.dispatcher.clock()))
+        await eventually(lambda: not gw.dispatcher.snapshot().up())
         async with aiohttp.ClientSession() as s:
             started = asyncio.get_running_loop().time()
             resp = await s.post(

@@ -140,7 +140,7 @@ async def test_all_instances_down_gives_503_fast_and_service_resumes() -> None:
     async with proxied(FAST, FAST, sections=sections) as (gw, proxies), sdk(gw) as client:
         for proxy in proxies:
             await proxy.refuse()
-        await eventually(lambda: not gw.dispatcher.scheduler.any_available(gw.dispatcher.clock()))
+        await eventually(lambda: not gw.dispatcher.snapshot().up())
         started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as info:
             await client.chat.completions.create(model="sim-model", messages=MESSAGES)
@@ -151,7 +151,7 @@ async def test_all_instances_down_gives_503_fast_and_service_resumes() -> None:
         async with aiohttp.ClientSession() as s:
             assert (await s.get(gw.url + "/readyz")).status == 503
             await proxies[1].restore()
-            await eventually(lambda: gw.dispatcher.scheduler.any_available(gw.dispatcher.clock()))
+            await eventually(lambda: gw.dispatcher.snapshot().up())
             assert (await s.get(gw.url + "/readyz")).status == 200
         assert await served_by(client, stream=True) == "b"
 

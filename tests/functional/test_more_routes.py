@@ -325,7 +325,8 @@ async def test_untimed_streams_teach_no_speed_and_count_no_ttft(gw: Gateway) -> 
         await r.read()
     assert ttft_sum(gw, "short") == 0
     speeds = [
-        (s.speed.prefill.samples, s.speed.tpot.samples) for s in gw.dispatcher.scheduler.states
+        (s.speed.prefill.samples, s.speed.tpot.samples)
+        for s in gw.dispatcher.scheduler.fleet.states
     ]
     assert speeds == [(0, 0), (0, 0)]
     async with client(gw) as c:
@@ -337,8 +338,8 @@ async def test_untimed_streams_teach_no_speed_and_count_no_ttft(gw: Gateway) -> 
         )
         _ = [chunk async for chunk in chat]
     assert ttft_sum(gw, "short") > 0
-    assert sum(s.speed.prefill.samples for s in gw.dispatcher.scheduler.states) == 1
-    assert sum(s.speed.tpot.samples for s in gw.dispatcher.scheduler.states) == 1
+    assert sum(s.speed.prefill.samples for s in gw.dispatcher.scheduler.fleet.states) == 1
+    assert sum(s.speed.tpot.samples for s in gw.dispatcher.scheduler.fleet.states) == 1
 
 
 @pytest.mark.parametrize(
