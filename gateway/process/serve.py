@@ -29,6 +29,7 @@ from gateway.server.app import DISPATCHER, DRAINS, PROXY, build_app
 from gateway.server.runner import GatewayRunner, make_runner
 
 _log = log.get("gateway.server")
+SIMULATED_CACHE_TOKENS = 450_000
 
 
 async def start_simulated(config: Config) -> list[object]:
@@ -48,8 +49,16 @@ async def start_simulated(config: Config) -> list[object]:
             raise SystemExit(f"--simulate binds only loopback addresses; {spec.url} is not one")
         ports.append(parts.port or 80)
         tp = config.settings.vllm.tensor_parallel_size
+        # An entry that listens to KV events gets an instance that publishes them, from a
+        # prefix cache (an 8B model's on one 80 GB card: about 450k tokens), so the gateway's
+        # listener and index run against vLLM's wire as they would in production.
+        events = spec.kv_events
         configs.append(
             SimConfig(
+                prefix_cache_blocks=0 if events is None else SIMULATED_CACHE_TOKENS // 16,
+                kv_events_endpoint=None if events is None else events.endpoint,
+                kv_events_replay_endpoint=None if events is None else events.replay_endpoint,
+                kv_events_topic="" if events is None else events.topic,
                 model=config.channel.default_model or "sim-model",
                 max_num_seqs=spec.max_num_seqs or config.dispatch.max_num_seqs,
                 scheduling_policy=spec.scheduling_policy,

@@ -8,13 +8,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from fakes import KEY, Gateway, fleet, gateway_with, until_available
+from fakes import KEY, Gateway, fleet, gateway_with, until_available, write_config
 
+from gateway.config import load as gateway_config
+from gateway.process.serve import start_simulated
+from gateway.sim.fleet import stop_fleet
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 pytestmark = pytest.mark.slow
@@ -47,12 +53,24 @@ def entry(sim: SimInstance, **extra: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def listening(*sims: SimInstance, **sections: Any) -> AsyncIterator[Gateway]:
-    merged = {"dispatch": {"strategy": "least_time", "health_check_interval": 0.2}}
-    merged.update(sections)
-    async with gateway_with(sims, instances=[entry(s) for s in sims], sections=merged) as gw:
+async def listening_to(
+    sims: Sequence[SimInstance], instances: Sequence[dict[str, Any]]
+) -> AsyncIterator[Gateway]:
+    sections = {"dispatch": {"strategy": "least_time", "health_check_interval": 0.2}}
+    async with gateway_with(sims, instances=instances, sections=sections) as gw:
         await until_available(gw)
         yield gw
+
+
+def listening(*sims: SimInstance) -> contextlib.AbstractAsyncContextManager[Gateway]:
+    return listening_to(sims, [entry(s) for s in sims])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 async def kv_views(session: aiohttp.ClientSession, gw: Gateway) -> dict[str, dict[str, Any]]:
@@ -275,3 +293,39 @@ async def test_token_id_prompts_and_cache_salts_are_looked_up_as_the_engine_keys
                 placed = resp.headers[INSTANCE]
             gained = state.prefix_hit_tokens - before if placed == home else 0
             assert (gained >= 384) is hit, (salt, placed, gained)
+
+
+async def test_simulate_starts_instances_that_publish_where_the_entries_listen() -> None:
+    """`gateway --simulate` before entries with kv_events: each simulated instance publishes
+    (with a prefix cache) on the entry's endpoint, `*` its own loopback address, and the
+    gateway's index is whole from what it hears."""
+    ports = [free_port() for _ in range(3)]
+    instances = [
+        {
+            "url": f"http://127.0.0.1:{ports[0]}",
+            "kv_events": {
+                "endpoint": f"tcp://*:{ports[1]}",
+                "replay_endpoint": f"tcp://*:{ports[2]}",
+                "topic": "kv-events",
+            },
+        }
+    ]
+    with tempfile.TemporaryDirectory() as folder:
+        config = gateway_config.load(write_config(Path(folder), instances))
+    sims = [s for s in await start_simulated(config) if isinstance(s, SimInstance)]
+    try:
+        assert sims[0].config.prefix_caching
+        async with (
+            listening_to(sims, instances) as gw,
+            aiohttp.ClientSession() as session,
+        ):
+            (name,) = gw.names()
+            await chat(session, gw.base_url, LONG)
+
+            async def whole() -> bool:
+                view = (await kv_views(session, gw))[name]
+                return view["index"] == "whole" and view["blocks"] == held_blocks(sims[0]) > 0
+
+            await until(whole, "the simulated instance's events indexed")
+    finally:
+        await stop_fleet(sims)
