@@ -1,5 +1,5 @@
-"""`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, overload, overhead,
-tenants, priority, fairness (see loadtest/README.md)."""
+"""`python -m loadtest <scenario> ...`: run, sweep, compare, lanes, prefix, kv, overload,
+overhead, tenants, priority, fairness (see loadtest/README.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from loadtest import (
     compare,
     fairness,
     harness,
+    kv_bench,
     overhead,
     overload_bench,
     prefix_bench,
@@ -149,6 +150,25 @@ def _job(args: argparse.Namespace, common: scenarios.Common) -> Coroutine[Any, A
                 conversation_duration=args.conversation_duration,
                 cache_blocks=args.cache_blocks,
                 conversation_cache_blocks=args.conversation_cache_blocks,
+            ),
+            common,
+        ),
+        "kv": lambda: kv_bench.kv(
+            kv_bench.KvOptions(
+                cases=args.cases,
+                arms=args.arms,
+                duration=args.duration,
+                load=args.load,
+                cache_blocks=args.cache_blocks,
+                evict_cache_blocks=args.evict_cache_blocks,
+                bypass_share=args.bypass_share,
+                replicas=args.replicas,
+                restart_retries=args.restart_retries,
+                aa=not args.no_aa,
+                noise=args.noise,
+                cost_load=args.cost_load,
+                cost_duration=args.cost_duration,
+                cost_rounds=args.cost_rounds,
             ),
             common,
         ),

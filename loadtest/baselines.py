@@ -181,13 +181,15 @@ async def vllm_router_process(
     core: int | None,
     pids: list[int] | None = None,
     policy: str = "cache_aware",
+    port: int | None = None,
 ) -> AsyncIterator[str]:
-    """vLLM's Rust router, `--policy <policy>` with its defaults; yields its URL."""
+    """vLLM's Rust router, `--policy <policy>` with its defaults, on `port` (a free one by
+    default); yields its URL."""
     binary = _vllm_router()
     if binary is None:
         raise Unavailable(missing("vllm-router") or "vllm-router")
     with tempfile.TemporaryDirectory(prefix="loadtest-router-") as tmp:
-        port = free_port()
+        port = port or free_port()
         log = Path(tmp) / "router.log"
         args = [
             *pin_prefix(core),
@@ -222,9 +224,11 @@ def front(
     core: int | None,
     seed: int,
     pids: list[int] | None = None,
+    port: int | None = None,
 ) -> contextlib.AbstractAsyncContextManager[str]:
     """The context manager that starts baseline `name` before `instances`; the process id
-    of nginx, vllm-router and the floors is appended to `pids` (for their CPU time)."""
+    of nginx, vllm-router and the floors is appended to `pids` (for their CPU time).
+    `port`: where vllm-router listens (the others take a free one)."""
     if name == "sticky":
         return python_front("loadtest.sticky", ["--seed", str(seed)], instances, core=core)
     if name.startswith("floor-"):
@@ -233,7 +237,7 @@ def front(
     if name == "nginx":
         return nginx_process(instances, core=core, pids=pids)
     if name == "vllm-router":
-        return vllm_router_process(instances, core=core, pids=pids)
+        return vllm_router_process(instances, core=core, pids=pids, port=port)
     if name == "vllm-router-rr":
-        return vllm_router_process(instances, core=core, pids=pids, policy="round_robin")
+        return vllm_router_process(instances, core=core, pids=pids, policy="round_robin", port=port)
     raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loadtest import prefix_bench
+from loadtest import kv_bench, prefix_bench
 from loadtest.helpfmt import HelpFormatter
 from loadtest.lanes import bench as lanes_bench
 from loadtest.loadgen import SEED_MIX
@@ -132,6 +132,62 @@ def _shared(p: argparse.ArgumentParser) -> None:
         metavar="LO-HI",
         help="tokens of each new user message",
     )
+
+
+def _kv(p: argparse.ArgumentParser) -> None:
+    defaults = kv_bench.KvOptions()
+    p.add_argument(
+        "--cases",
+        type=_names,
+        default=kv_bench.CASES,
+        help=f"any of {','.join(kv_bench.CASES)} (default: all, in that order)",
+    )
+    p.add_argument("--arms", type=_names, default=",".join(kv_bench.ARMS), help="comma-separated")
+    p.add_argument(
+        "--duration", type=float, default=defaults.duration, help="seconds of arrivals per arm"
+    )
+    p.add_argument("--load", type=float, default=defaults.load, help="share of warm capacity")
+    p.add_argument(
+        "--cache-blocks", type=int, default=defaults.cache_blocks, help="per instance, 16 tokens"
+    )
+    p.add_argument(
+        "--evict-cache-blocks",
+        type=int,
+        default=defaults.evict_cache_blocks,
+        help="evict: per instance (a 4,000-token prefix is 250 blocks)",
+    )
+    p.add_argument(
+        "--bypass-share",
+        type=float,
+        default=defaults.bypass_share,
+        help="bypass: share of the requests sent straight to a random instance",
+    )
+    p.add_argument("--replicas", type=int, default=defaults.replicas, help="replicas: fronts")
+    p.add_argument(
+        "--restart-retries",
+        type=int,
+        default=defaults.restart_retries,
+        help="restart: the client's retries, as the OpenAI SDK's max_retries",
+    )
+    p.add_argument(
+        "--no-aa", action="store_true", help="uniform: run approx once (noise floor: --noise)"
+    )
+    p.add_argument(
+        "--noise", type=float, default=defaults.noise, help="uniform: the least noise floor"
+    )
+    p.add_argument(
+        "--cost-load", type=float, default=defaults.cost_load, help="cost: share of warm capacity"
+    )
+    p.add_argument(
+        "--cost-duration",
+        type=float,
+        default=defaults.cost_duration,
+        help="cost: seconds of arrivals per arm and round",
+    )
+    p.add_argument(
+        "--cost-rounds", type=int, default=defaults.cost_rounds, help="cost: rounds per arm"
+    )
+    _common(p)
 
 
 def build_parser(description: str | None) -> argparse.ArgumentParser:
@@ -293,6 +349,8 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         help="conversations: per instance, 16 tokens each",
     )
     _common(p)
+
+    _kv(sub.add_parser("kv", help="the exact prefix index (KV events) vs the inferred one", **fmt))
 
     p = sub.add_parser("overload", help="admission control at 1x-10x capacity, on and off", **fmt)
     p.add_argument("--speeds", type=_floats, default=(1.0, 1.0, 1.0, 0.4))

@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,8 @@ import aiohttp
 
 KEY = "sk-loadtest-local"
 _STARTUP_LIMIT = 30.0
+# More fields of every instance entry of settings.json, or one dict per instance.
+InstanceFields = dict[str, Any] | Sequence[dict[str, Any]] | None
 
 
 def pin_prefix(core: int | Sequence[int] | None) -> list[str]:
@@ -98,6 +101,27 @@ def free_port() -> int:
         return port
 
 
+def free_port_run(count: int, tries: int = 50) -> int:
+    """The first of `count` consecutive loopback ports that are free now (a fleet's KV
+    event sockets). Drawn below the ephemeral range, where no outgoing connection takes
+    one of them between this check and the bind."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32_768  # Linux's default
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(10_000, max(10_001, ephemeral - count))
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"found no {count} consecutive free ports in {tries} tries")
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc/<pid>/stat."""
     stat = Path(f"/proc/{pid}/stat").read_text()
@@ -156,10 +180,31 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
             await proc.wait()
 
 
+KV_EVENTS_TOPIC = "kv-events"  # the simulator's (vLLM's default is the empty topic)
+
+
 @dataclass
 class FleetProc:
     proc: asyncio.subprocess.Process
     urls: list[str]
+    kv_events_port: int = 0  # instance i publishes on this + 2i, replays on + 2i + 1
+
+    def kv_event_fields(self) -> list[dict[str, Any]]:
+        """Each instance's `kv_events` field of settings.json, in fleet order (none
+        without KV events)."""
+        port = self.kv_events_port
+        if not port:
+            return [{} for _ in self.urls]
+        return [
+            {
+                "kv_events": {
+                    "endpoint": f"tcp://*:{port + 2 * i}",
+                    "replay_endpoint": f"tcp://*:{port + 2 * i + 1}",
+                    "topic": KV_EVENTS_TOPIC,
+                }
+            }
+            for i in range(len(self.urls))
+        ]
 
 
 @contextlib.asynccontextmanager
@@ -179,10 +224,13 @@ async def fleet_process(
     kv_bytes_per_token: int | None = None,
     kv_link_bytes_per_s: float | None = None,
     scheduling_policy: str | None = None,
+    kv_events: bool = False,
 ) -> AsyncIterator[FleetProc]:
     """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
 
-    prefix_cache_blocks > 0 turns on the simulated prefix cache, that many blocks each.
+    prefix_cache_blocks > 0 turns on the simulated prefix cache, that many blocks each;
+    kv_events (with it) has every instance publish vLLM's KV cache events on free ports
+    (FleetProc.kv_event_fields says where).
     kv_transfer runs every instance with vLLM's NixlConnector (kv_both): the instances of
     one fleet process can read each other's KV blocks. scheduling_policy: vLLM's
     --scheduling-policy (fcfs, priority). None: the simulator's default.
@@ -221,6 +269,9 @@ async def fleet_process(
         args += ["--kv-link-bytes-per-s", str(kv_link_bytes_per_s)]
     if scheduling_policy is not None:
         args += ["--scheduling-policy", scheduling_policy]
+    kv_port = free_port_run(2 * len(speeds)) if kv_events else 0
+    if kv_port:
+        args += ["--kv-events-port", str(kv_port)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -230,7 +281,7 @@ async def fleet_process(
             if not line:
                 raise RuntimeError(f"the fleet exited early with status {await proc.wait()}")
             urls.append(line.decode().strip())
-        yield FleetProc(proc, urls)
+        yield FleetProc(proc, urls, kv_port)
     finally:
         await _stop(proc)
 
@@ -248,14 +299,15 @@ def gateway_files(
     extra: dict[str, dict[str, Any]] | None = None,
     roles: Sequence[str] | None = None,
     channel: dict[str, Any] | None = None,
-    instance_fields: dict[str, Any] | None = None,
+    instance_fields: InstanceFields = None,
 ) -> tuple[Path, Path]:
     """Write the config.toml and settings.json a scenario's gateway runs with.
 
     `extra`: more sections (e.g. `shared`), written as they are; `roles`: each instance's
     prefill/decode role, in order (none: every instance "both"); `channel`: more fields of
     the channel block (e.g. named `keys`); `instance_fields`: more fields of every
-    instance object (e.g. `scheduling_policy`).
+    instance object (e.g. `scheduling_policy`), or a list of them, one per instance in
+    order (e.g. each instance's own `kv_events` ports).
     """
     sections: dict[str, dict[str, Any]] = {
         "gateway": {"host": "127.0.0.1", "port": port, **(gateway or {})},
@@ -276,6 +328,13 @@ def gateway_files(
     config = folder / "config.toml"
     config.write_text("\n".join(lines) + "\n")
     settings = folder / "settings.json"
+    fields = (
+        [instance_fields or {}] * len(instances)
+        if instance_fields is None or isinstance(instance_fields, dict)
+        else list(instance_fields)
+    )
+    if len(fields) != len(instances):
+        raise ValueError(f"{len(instances)} instances but {len(fields)} instance_fields")
     body = {
         "channel": {
             "api_key": "${GATEWAY_API_KEY}",
@@ -289,9 +348,9 @@ def gateway_files(
                     "url": u,
                     "max_num_seqs": max_num_seqs,
                     **({"role": r} if r else {}),
-                    **(instance_fields or {}),
+                    **f,
                 }
-                for u, r in zip(instances, roles or [""] * len(instances), strict=True)
+                for u, r, f in zip(instances, roles or [""] * len(instances), fields, strict=True)
             ]
         },
     }
@@ -346,16 +405,18 @@ async def gateway_process(
     extra: dict[str, dict[str, Any]] | None = None,
     roles: Sequence[str] | None = None,
     channel: dict[str, Any] | None = None,
-    instance_fields: dict[str, Any] | None = None,
+    instance_fields: InstanceFields = None,
+    port: int | None = None,
 ) -> AsyncIterator[GatewayProc]:
     """`python -m gateway` before `instances`, ready when every instance is up.
 
     `source`: a folder holding the `gateway` package to run (see exported_gateway);
-    by default the one this interpreter imports.
+    by default the one this interpreter imports. `port`: where it listens (a free one by
+    default; a restarted gateway is given its predecessor's).
     """
     with tempfile.TemporaryDirectory(prefix="loadtest-gw-") as tmp:
         folder = Path(tmp)
-        port = free_port()
+        port = port or free_port()
         config, settings = gateway_files(
             folder,
             port,

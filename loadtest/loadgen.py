@@ -146,6 +146,10 @@ class Result:
     tokens: int = 0
     reads: int = 0  # body reads that carried data (how chunked the stream arrived)
     attempts: int = 1  # with the client's retries on, how many times it was sent
+    # From the usage chunk: the prompt as the instance counted it and, where the instance
+    # reports it (vLLM's --enable-prompt-tokens-details), how much of it was cached there.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -261,8 +265,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: Result) -> None:
             if "error" in event:
                 result.error = "stream_error"
                 continue
-            if event.get("usage"):
-                usage_tokens = int(event["usage"].get("completion_tokens") or 0)
+            if usage := event.get("usage"):
+                usage_tokens = int(usage.get("completion_tokens") or 0)
+                _read_prompt_usage(usage, result)
             if any(_has_content(c) for c in event.get("choices") or ()):
                 content_chunks += 1
                 first = first or now
@@ -274,6 +279,13 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: Result) -> None:
         result.ttft = first - result.sent
     if content_chunks and result.tokens > 1:
         result.tpot = (last - first) / (result.tokens - 1)
+
+
+def _read_prompt_usage(usage: dict[str, Any], result: Result) -> None:
+    prompt = usage.get("prompt_tokens")
+    result.prompt_tokens = prompt if type(prompt) is int else None
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    result.cached_tokens = cached if type(cached) is int else None
 
 
 def _has_content(choice: dict[str, Any]) -> bool:
