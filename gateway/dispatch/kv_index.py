@@ -21,8 +21,10 @@ It is *partial* when events were lost and could not be replayed, or when the gat
 joined a running engine whose replay buffer no longer reaches its start: what it holds is
 surely there, what it lacks may be there too, so the approximate index (affinity.py)
 still counts. It is *stale* when events stopped: the engine computed a prompt of ours and
-said nothing within a health interval; it knows nothing then, and the approximate index
-decides alone until events come again.
+said nothing within a health interval. The approximate index then decides alone; if the
+next batch comes in order, nothing was missed and the index is what it was, and if not,
+the gap goes as any gap does. An engine whose numbering goes back started again: its
+cache is empty, and the index starts over from its batch 0 (replayed if it went by).
 
 Requests placed but not yet prefilled are not in the cache yet, but a request of the
 same prefix placed behind one of them finds it computed by its turn: their blocks are
@@ -47,7 +49,7 @@ class KvState(enum.Enum):
     WAITING = "waiting"  # configured; no event yet (the approximate index decides)
     WHOLE = "whole"  # every event since the engine's start or last clear: exact
     PARTIAL = "partial"  # some were lost: what it holds counts, beside the approximate index
-    STALE = "stale"  # events stopped: emptied, the approximate index decides
+    STALE = "stale"  # events stopped: not trusted, the approximate index decides
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def _stored_extra(event: StoredBlocks, k: int) -> tuple[Hashable, ...] | None:
     return (event.lora_name,) if event.lora_name else None
 
 
-Action = Literal["apply", "replay", "ignore"]
+Action = Literal["apply", "replay", "restart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,7 @@ class KvIndex:
 
     def __init__(self) -> None:
         self.state = KvState.WAITING
+        self._before_stale = KvState.WAITING  # what it was when it went stale
         self.block_size: int | None = None  # learned from the first BlockStored
         self.next_seq: int | None = None  # the sequence number expected next
         self._held: Counter[int] = Counter()  # our hash -> engine blocks that are it
@@ -198,15 +201,22 @@ class KvIndex:
     # --- the sequence ------------------------------------------------------------------
 
     def arrival(self, seq: int) -> Action:
-        """What to do with batch `seq` from the PUB socket: apply it, replay what is missing
-        first (from `next_seq`, or from 0 for an index that never saw the start), or ignore
-        it (a batch a replay already brought)."""
+        """What batch `seq` from the PUB socket asks for: apply it (the next one, or the
+        engine's first), replay what is missing before it (from `next_seq`, or from 0 for
+        an index that never saw the start), or start over (the numbering went back: the
+        engine started again, and its first batches may have gone before we reconnected)."""
         expected = self.next_seq
-        if seq == 0:
-            return "apply"  # the engine's first batch: a start, or a restart
-        if expected is None or seq > expected:
-            return "replay"
-        return "apply" if seq == expected else "ignore"
+        if expected is None:
+            return "apply" if seq == 0 else "replay"
+        if seq == expected:
+            return "apply"
+        return "replay" if seq > expected else "restart"
+
+    def restarted(self) -> None:
+        """The engine started again: what it held is gone, and its events count from 0."""
+        self._forget()
+        self.state = KvState.WAITING
+        self.next_seq = None
 
     def replay_from(self) -> int:
         return 0 if self.next_seq is None else self.next_seq
@@ -232,10 +242,14 @@ class KvIndex:
     def _lost(self, resume_at: int) -> None:
         # The index keeps what it holds (surely cached, if not evicted since) and is
         # partial; one that was whole cannot say what it missed, so it starts empty.
-        if self.state is KvState.WHOLE:
+        if self._trusted() is KvState.WHOLE:
             self._forget()
         self.state = KvState.PARTIAL
         self.next_seq = resume_at
+
+    def _trusted(self) -> KvState:
+        """The state it has, or had before its events stopped."""
+        return self._before_stale if self.state is KvState.STALE else self.state
 
     def apply(self, seq: int, events: Sequence[Event], now: float) -> None:
         """Batch `seq`, in order (after `arrival` said so, or a replay brought it)."""
@@ -245,7 +259,9 @@ class KvIndex:
         elif self.state is KvState.WAITING:
             self.state = KvState.PARTIAL  # joined late and the replay did not reach the start
         elif self.state is KvState.STALE:
-            self.state = KvState.PARTIAL
+            # The next batch in order (a gap went through `_lost`): nothing was missed, the
+            # engine was only silent; it is what it was.
+            self.state = self._before_stale
         self.next_seq = seq + 1
         self.batches_total += 1
         self.last_event_at = now
@@ -330,11 +346,12 @@ class KvIndex:
 
     def check(self, now: float, grace: float) -> bool:
         """True (once) when events owed for longer than `grace` did not come: the index is
-        emptied and stale until an event arrives."""
+        stale until a batch arrives."""
         since = self.expecting_since
         if since is None or now - since < grace or self.state is KvState.STALE:
             return False
-        self._forget()
+        # Not trusted until events come again; kept, since they may come in order.
+        self._before_stale = self.state
         self.state = KvState.STALE
         self.expecting_since = None
         self.stale_total += 1

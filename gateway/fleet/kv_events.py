@@ -132,20 +132,24 @@ class _Listener:
             sub.close(linger=0)
 
     async def _arrived(self, index: KvIndex, seq: int, payload: bytes) -> None:
-        if index.arrival(seq) == "replay":
+        action = index.arrival(seq)
+        if action == "restart":
+            log.info("kv_events_restarted", server=self.name, seq=seq)
+            index.restarted()
+            action = index.arrival(seq)
+        if action == "replay":
             start = index.replay_from()
             index.gap(replaying=self.source.replay_endpoint is not None)
             for replayed, batch in await self._replay(start, seq):
-                self._take(index, replayed, batch)
+                if start <= replayed <= seq and replayed >= (index.next_seq or 0):
+                    self._take(index, replayed, batch)
+            if (index.next_seq or 0) > seq:
+                return  # the replay brought this one too
         self._take(index, seq, payload)
 
     def _take(self, index: KvIndex, seq: int, payload: bytes) -> None:
-        """Apply batch `seq` if it is the next one; after a replay, a batch that still
-        leaves a gap is applied too, over what is lost."""
-        action = index.arrival(seq)
-        if action == "ignore":
-            return
-        if action == "replay":
+        """Apply batch `seq`, the next one or past a gap that cannot be filled any more."""
+        if index.arrival(seq) == "replay":
             index.unreplayed(seq)
             log.warning("kv_events_lost", server=self.name, resumed_at=seq, state=index.state.value)
         try:

@@ -164,7 +164,7 @@ def test_a_late_join_whose_replay_does_not_reach_zero_is_partial() -> None:
     assert index.next_seq == 41
 
 
-def test_a_gap_asks_a_replay_from_the_next_and_duplicates_are_ignored() -> None:
+def test_a_gap_asks_a_replay_from_the_next_one() -> None:
     index = whole(stored(PROMPT, 0, 1))
     assert index.arrival(5) == "replay"
     assert index.replay_from() == 2
@@ -173,7 +173,6 @@ def test_a_gap_asks_a_replay_from_the_next_and_duplicates_are_ignored() -> None:
     for seq in (2, 3, 4):
         index.apply(seq, [], 0.0)
     assert index.arrival(5) == "apply"
-    assert index.arrival(3) == "ignore"
     assert index.state is KvState.WHOLE
 
 
@@ -188,12 +187,19 @@ def test_a_lost_gap_empties_a_whole_index_and_keeps_a_partial_ones_blocks() -> N
     assert len(index) == 6  # partial already: what it holds is still surely there
 
 
-def test_an_engine_restart_starts_a_new_whole_index() -> None:
-    index = whole(stored(PROMPT))
-    assert index.arrival(0) == "apply"
-    index.apply(0, [], 10.0)
-    assert index.state is KvState.WHOLE
-    assert len(index) == 0
+def test_numbering_that_goes_back_is_an_engine_restart() -> None:
+    """Its batch 0, or a later one when batch 0 went by before the subscriber reconnected:
+    the index starts over (and replays the new engine's start)."""
+    for first in (0, 3):
+        index = whole(*(stored(PROMPT, k, 1) for k in range(6)))  # next_seq 7
+        assert index.arrival(first) == "restart"
+        index.restarted()
+        assert index.state is KvState.WAITING
+        assert len(index) == 0
+        assert index.arrival(first) == ("apply" if first == 0 else "replay")
+        assert index.replay_from() == 0
+        index.apply(0, [], 10.0)
+        assert index.state is KvState.WHOLE
 
 
 def test_a_malformed_batch_is_lost_like_a_gap() -> None:
@@ -219,9 +225,23 @@ def test_events_owed_for_a_health_interval_make_it_stale_and_one_event_revives_i
     assert not index.usable
     assert index.stale_total == 1
     assert not index.check(now=20.0, grace=1.0)  # once
-    index.apply(2, [stored(PROMPT)], 21.0)
-    assert index.state is KvState.PARTIAL
+    # The next batch in order: the engine was only silent, nothing was missed.
+    assert index.arrival(1) == "apply"
+    index.apply(1, [stored(PROMPT)], 21.0)
+    assert index.state is KvState.WHOLE
     assert index.match(chain(PROMPT, BS)) == 6
+
+
+def test_a_stale_index_that_then_misses_batches_is_partial_and_emptied() -> None:
+    index = whole(stored(PROMPT))
+    index.hold(1, chain(list(range(500, 524)), BS), now=9.0)
+    index.computed(1, now=10.0)
+    assert index.check(now=11.0, grace=1.0)
+    assert len(index) == 6  # kept, not trusted
+    assert index.arrival(7) == "replay"
+    index.unreplayed(7)
+    assert index.state is KvState.PARTIAL
+    assert len(index) == 0  # it was whole: it cannot say what it missed
 
 
 def test_an_event_after_the_first_token_pays_what_was_owed() -> None:
