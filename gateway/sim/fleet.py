@@ -193,6 +193,11 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default=SimConfig.kv_events_drop_every,
         help="lose every Nth event batch on the wire (still replayable), for tests (0: none)",
     )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage says the prompt tokens found in the prefix cache (vLLM's flag)",
+    )
     return parser
 
 
@@ -231,6 +236,7 @@ async def _run(args: argparse.Namespace) -> None:
             default_max_tokens=None,
             kv_events_encoding=args.kv_events_encoding,
             kv_events_drop_every=args.kv_events_drop_every,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             kv_events_endpoint=events,
             kv_events_replay_endpoint=replay,
         )

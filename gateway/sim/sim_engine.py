@@ -96,6 +96,9 @@ class SimConfig:
     kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
     # For tests: every Nth batch is lost on the wire (never sent) but kept for replay; 0: none.
     kv_events_drop_every: int = 0
+    # vLLM's --enable-prompt-tokens-details: usage says how many prompt tokens were found
+    # in the prefix cache (`prompt_tokens_details.cached_tokens`); off, as vLLM's default.
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.speed <= 0 or self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -531,13 +534,18 @@ def embedding_inputs(raw: Any) -> list[tuple[str, int]]:
     return parsed
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI usage object as vLLM fills it."""
+def usage_body(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI usage object as vLLM fills it (`cached_tokens` with its
+    --enable-prompt-tokens-details; else no details)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None
+        if cached_tokens is None
+        else {"cached_tokens": cached_tokens},
     }
 
 
@@ -560,6 +568,7 @@ class Generation:
     prompt_tokens: int
     max_tokens: int
     tokens: list[str] = field(default_factory=list)
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held, if told
 
     @property
     def finish_reason(self) -> str:
@@ -594,7 +603,7 @@ class Generation:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=self.finish_reason, stop_reason=None)
         body = self._envelope([choice], "chat.completion" if self.chat else "text_completion")
-        body["usage"] = usage_body(self.prompt_tokens, len(self.tokens))
+        body["usage"] = usage_body(self.prompt_tokens, len(self.tokens), self.cached_tokens)
         return body
 
     def token_events(self, last: bool) -> list[bytes]:
@@ -621,7 +630,7 @@ class Generation:
         if include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             body = self._envelope([], obj)
-            body["usage"] = usage_body(self.prompt_tokens, len(self.tokens))
+            body["usage"] = usage_body(self.prompt_tokens, len(self.tokens), self.cached_tokens)
             events.append(self._event(body))
         events.append(b"data: [DONE]\n\n")
         return events

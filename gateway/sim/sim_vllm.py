@@ -381,6 +381,8 @@ class SimInstance:
                 gen.tokens.append(self._rng.choice(VOCAB))
                 if stream:
                     await writer.send(gen.token_events(last=len(gen.tokens) == length))
+            if self.config.enable_prompt_tokens_details:
+                gen.cached_tokens = 0 if req is None else req.cached
             if req is None:
                 self.stats.prompt_tokens += prompt_tokens
                 self.stats.generation_tokens += len(gen.tokens)

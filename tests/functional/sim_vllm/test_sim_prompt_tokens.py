@@ -108,3 +108,25 @@ async def test_responses_count_tools_and_instructions(
     )
     assert answer["usage"]["input_tokens"] == expected
     assert bare["usage"]["input_tokens"] == count_message_tokens(HELLO)
+
+
+@pytest.mark.parametrize("details", [False, True])
+async def test_prompt_tokens_details_say_the_cached_tokens_only_when_enabled(
+    make_sim: MakeSim, http: aiohttp.ClientSession, details: bool
+) -> None:
+    """vLLM's --enable-prompt-tokens-details: the second identical prompt's usage says the
+    whole blocks found cached (its last token is always computed); off, no details."""
+    sim = await make_sim(
+        prefix_cache_blocks=4096, block_size=16, enable_prompt_tokens_details=details
+    )
+    body = chat_body(content="tell me more " * 40)
+    first = (await post(http, sim.url + CHAT_URL, body))["usage"]
+    second = (await post(http, sim.url + CHAT_URL, body))["usage"]
+    if not details:
+        assert first["prompt_tokens_details"] is None
+        assert second["prompt_tokens_details"] is None
+        return
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (second["prompt_tokens"] - 1) // 16 * 16
+    assert cached > 0
