@@ -225,12 +225,14 @@ async def fleet_process(
     kv_link_bytes_per_s: float | None = None,
     scheduling_policy: str | None = None,
     kv_events: bool = False,
+    prompt_tokens_details: bool = False,
 ) -> AsyncIterator[FleetProc]:
     """`python -m loadtest.fleet` on free loopback ports; yields the instance URLs.
 
     prefix_cache_blocks > 0 turns on the simulated prefix cache, that many blocks each;
     kv_events (with it) has every instance publish vLLM's KV cache events on free ports
-    (FleetProc.kv_event_fields says where).
+    (FleetProc.kv_event_fields says where). prompt_tokens_details: each answer's usage
+    says its prompt tokens found cached (vLLM's --enable-prompt-tokens-details).
     kv_transfer runs every instance with vLLM's NixlConnector (kv_both): the instances of
     one fleet process can read each other's KV blocks. scheduling_policy: vLLM's
     --scheduling-policy (fcfs, priority). None: the simulator's default.
@@ -269,6 +271,8 @@ async def fleet_process(
         args += ["--kv-link-bytes-per-s", str(kv_link_bytes_per_s)]
     if scheduling_policy is not None:
         args += ["--scheduling-policy", scheduling_policy]
+    if prompt_tokens_details:
+        args.append("--enable-prompt-tokens-details")
     kv_port = free_port_run(2 * len(speeds)) if kv_events else 0
     if kv_port:
         args += ["--kv-events-port", str(kv_port)]

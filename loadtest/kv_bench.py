@@ -24,13 +24,14 @@ Cases, after the places docs/serving.md says the inferred index goes wrong:
 - `cost`: gateway CPU per request (the process tree's) with and without KV events, both
   before one fleet, rounds alternating, prompts of about 2,000 tokens in one group.
 
-The oracle is each instance's own `vllm:prefix_cache_hits_total / queries_total`. The
+The oracle is what the instances found cached: each answer's
+`prompt_tokens_details.cached_tokens` (the simulator runs with vLLM's
+`--enable-prompt-tokens-details`) over the requests through the front, which equals their
+own `vllm:prefix_cache_hits_total / queries_total` where every request went through it. The
 gateway's estimate is its `gateway_prefix_estimated_hit_tokens_total / query_tokens_total`
 (what its index said was cached where it placed each request), summed over the replicas,
 and for `restart` over both lives of the gateway and after the restart alone. In `bypass`
-the instances' counters hold the bypassing requests too, so the estimate is judged only
-against per-request figures (`prompt_tokens_details.cached_tokens` in each answer's usage,
-vLLM's `--enable-prompt-tokens-details`), where the instances report them.
+the instances' counters hold the bypassing requests too: only the per-request figures judge.
 """
 
 from __future__ import annotations
@@ -351,6 +352,9 @@ async def run_arm(
                 core=fleet_core,
                 prefix_cache_blocks=cache_blocks,
                 kv_events=True,
+                # Each answer's cached tokens: the front's own requests' hit rate, apart from
+                # traffic that went around it (bypass).
+                prompt_tokens_details=True,
             )
         )
         names = fleet_names(fleet.urls, EQUAL)
