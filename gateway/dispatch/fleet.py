@@ -376,7 +376,9 @@ class Fleet:
 
     def place_prefix(self, state: InstanceState, ticket: Ticket, cached: int, now: float) -> None:
         """`ticket`'s prompt goes to `state`: its blocks are (about to be) cached there."""
-        if state.kv is not None:
+        # A decode hop reads its prompt's blocks from the prefill instance: it computes none,
+        # so it owes no event (whether the engine announces blocks it read is the connector's).
+        if state.kv is not None and ticket.hop is not Hop.DECODE:
             state.kv.hold(ticket.id, ticket.kv_chain, now)
         if not ticket.prefix:
             return

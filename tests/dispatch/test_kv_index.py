@@ -3,13 +3,14 @@ its gaps, staleness, and how the scheduler's cost reads it beside the inferred i
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from _sched_helpers import bring_up, make
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.dispatch import Assigned, InstanceSpec, Lane, Outcome, Scheduler, Ticket
+from gateway.dispatch import Assigned, Hop, InstanceSpec, Lane, Outcome, Scheduler, Ticket
 from gateway.dispatch.affinity import prompt_blocks
 from gateway.dispatch.kv_index import (
     ClearedCache,
@@ -373,3 +374,18 @@ def test_the_index_is_exactly_the_cache_its_events_describe(
         while (p, run) in truth:
             run += 1
         assert index.match(chain(ids, BS)) == run
+
+
+def test_a_decode_hop_holds_no_pending_blocks_and_owes_no_event() -> None:
+    """It reads its prompt's blocks from the prefill instance: nothing computed there."""
+    sched, rng = scheduler_with_events()
+    for state in sched.fleet.states:
+        state.kv.apply(0, [], 0.0)
+    ids = list(range(400))
+    decode = dataclasses.replace(kv_ticket(1, ids), hop=Hop.DECODE)
+    placed = sched.submit(decode, 0.1, rng)
+    assert isinstance(placed, Assigned)
+    home = sched.state(placed.instance)
+    assert home.kv.match_pending(chain(ids, BS)) == 0
+    sched.prefill_done(1, 0.5, rng)
+    assert home.kv.expecting_since is None
