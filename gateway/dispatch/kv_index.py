@@ -159,6 +159,8 @@ class KvIndex:
         self._media: dict[Hashable, set[str | None]] = {}  # the engine's hash -> where held
         self._pending: dict[int, _Pending] = {}  # placed tickets not prefilled yet
         self._pending_blocks: Counter[int] = Counter()
+        self._version = 0  # counts changes to the blocks held, for `match`'s memo
+        self._memo: tuple[Sequence[int], int, int] | None = None
         self.adapters: set[str] = set()  # LoRA names seen: a request for one hashes it in
         # Since when a prompt of ours was computed there and its blocks did not show (None:
         # nothing expected); an event clears it.
@@ -304,6 +306,7 @@ class KvIndex:
             if not media:
                 self._ours[engine_hash] = parent
                 self._held[parent] += 1
+                self._version += 1
             media.add(event.medium)  # a copy in another medium (CPU offload) is one block
 
     def _remove(self, event: RemovedBlocks) -> None:
@@ -319,6 +322,7 @@ class KvIndex:
                 self._drop(self._ours.pop(engine_hash))
 
     def _drop(self, ours: int) -> None:
+        self._version += 1
         left = self._held[ours] - 1
         if left > 0:
             self._held[ours] = left
@@ -326,6 +330,7 @@ class KvIndex:
             del self._held[ours]
 
     def _forget(self) -> None:
+        self._version += 1
         self._held.clear()
         self._ours.clear()
         self._media.clear()
@@ -366,11 +371,19 @@ class KvIndex:
     def match(self, chain_: Sequence[int]) -> int:
         """How many leading blocks of `chain_` are cached there: up to the first missing
         one, as vLLM's lookup walks (a block may outlive its parent there)."""
+        # Placing one request asks this several times (each candidate's cost, the affinity
+        # term, the long cap): the last answer stands while no block came or went.
+        memo = self._memo
+        if memo is not None and memo[0] is chain_ and memo[1] == self._version:
+            return memo[2]
         held = self._held
+        run = len(chain_)
         for k, block in enumerate(chain_):
             if block not in held:
-                return k
-        return len(chain_)
+                run = k
+                break
+        self._memo = (chain_, self._version, run)
+        return run
 
     def match_pending(self, chain_: Sequence[int]) -> int:
         """How many leading blocks of `chain_` a request placed there and not yet prefilled
