@@ -20,7 +20,7 @@ from gateway.dispatch import InstanceState, Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from gateway.fleet import shared as shared_module
 from gateway.fleet.shared_codec import parse_placements
-from gateway.server.app import SHARED
+from gateway.server.resources import SHARED
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
