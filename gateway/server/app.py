@@ -222,7 +222,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     # The drains live in Redis: every replica applies them (drains.py).
     app[DRAINS].store = shared.store_drain
     shared.on_drains = app[DRAINS].apply
-    limits = SharedLimits(shared, settings.namespace)
+    limits = SharedLimits(shared.link, settings.namespace)
     app[PROXY].limiter.shared = limits
     await shared.run_round()  # join the view before the first request, if Redis answers
     task = asyncio.create_task(shared.run_forever(), name="shared-state")
