@@ -22,7 +22,8 @@ from aiohttp import web
 
 from gateway.config import load as gateway_config
 from gateway.fleet.discovery import Resolver, system_resolver
-from gateway.server.app import DISPATCHER, HEALTH, LIFECYCLE, METRICS, build_app
+from gateway.server.app import build_app
+from gateway.server.resources import DISPATCHER, HEALTH, LIFECYCLE, METRICS
 from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 

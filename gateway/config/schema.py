@@ -243,7 +243,7 @@ class SharedSection(Frozen):
     ttl: float = Field(3.0, gt=0, le=60)  # a process's entries vanish this long after it died
     namespace: str = Field("gateway", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     # A place on an instance is a lease taken atomically in Redis: caps hold exactly across
-    # replicas, at one Redis round trip per request (fleet/shared.py, "Strict caps").
+    # replicas, at one Redis round trip per request (fleet/shared_leases.py).
     strict_caps: bool = False
 
     @model_validator(mode="after")

@@ -2,7 +2,10 @@
 
 `dispatcher` (queue waits and leases around `gateway.dispatch.Scheduler`), `health` (probes,
 `/metrics` and `/v1/models` scrapes), `shared` and `shared_codec` (the view of the other
-processes' load through Redis), `shared_limits` (the named keys' counters in Redis),
+processes' load through Redis: `SharedState`, the entry point), `shared_link` (the one
+connection to Redis, its failures counted), `shared_placements` (the prefix placements
+stream), `shared_leases` (strict caps' leases), `shared_limits` (the named keys' counters in
+Redis),
 `inputs` (what the config makes of the fleet), `discovery` (instances found by DNS),
 `drains` (the operator's drains: which instances are out of rotation).
 May import: the vocabulary, `gateway.dispatch`, `gateway.config`, `gateway.upstream`,

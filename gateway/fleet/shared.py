@@ -13,8 +13,8 @@ TTL, and reads every other process's key in the same round:
     retry budget   requests and retries in its window
 
 and appends to one Redis stream the prompts it placed where they were not cached yet
-(instance and block hashes), which every other process reads into its prefix index: so
-replicas agree where a prefix lives instead of each caching it somewhere else.
+(instance and block hashes), which every other process reads into its prefix index
+(shared_placements.py).
 
 A view a round old is too old where requests come faster than rounds: a 6,000-token prompt
 prefills in a third of a second, and replicas that all see an instance idle for a quarter
@@ -48,36 +48,30 @@ says (a key written without a TTL would otherwise stay forever). `gateway_shared
 is 1 only while the view is actually shared: the last round went through and, with pushes
 on, the listener is subscribed.
 
-**Strict caps** (`[shared] strict_caps`). The view above counts the others' load as last
-heard, so while pushes are in flight a few more requests than an instance's cap can land
-on it. With strict caps every place is also a lease in Redis, taken atomically by a Lua
-script: a sorted set per instance of `process:ticket` members scored by their expiry
-(Redis's own clock), trimmed of expired leases and checked against the cap in one step.
-A request whose lease is refused is placed again elsewhere (dispatcher.py). Leases are
-renewed every round and given back when the attempt ends; a dead process's expire after
-`LEASE_S`. The price is one Redis round trip per request; if Redis does not answer in
-`CLAIM_TIMEOUT_S`, the local view decides, as without strict caps.
+This module is the entry point (`SharedState`, which server/app.py starts) and the view
+exchange itself: the rounds, the pushes both ways, the peers. The rest has a module each:
+`shared_link` (the connection, this process's name, failures counted and logged, up or
+down), `shared_placements` (the placements stream), `shared_leases` (strict caps' leases,
+`[shared] strict_caps`), `shared_codec` (what an entry says, bounded), `shared_limits` (the
+named keys' counters, on the same link). The operator's drains (drains.py) are read here,
+each round, from the hash they are stored in.
+
+May import: redis, prometheus_client, `gateway.dispatch`, `gateway.observe`, and the
+fleet's `dispatcher`, `drains` and `shared_*` modules.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import random
-import socket
-from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError, ResponseError
 
 from gateway.dispatch import LocalShare, RetryBudget, SharedView
-from gateway.dispatch.fleet import MAX_PLACEMENTS
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.drains import DrainOrder, parse_since
 from gateway.fleet.shared_codec import (
@@ -88,52 +82,24 @@ from gateway.fleet.shared_codec import (
     decode,
     encode,
     newest,
-    parse_placements,
     parse_push,
     push_key,
     push_message,
     redacted,
 )
-from gateway.observe import log
-
-_log = log.get("gateway.shared")
+from gateway.fleet.shared_leases import Leases
+from gateway.fleet.shared_link import SharedLink, honour_cancel, text
+from gateway.fleet.shared_placements import PlacementStream
 
 BACKOFF_MAX = 1.0  # seconds between attempts while Redis is away: back within a second
 MAX_PEERS = 256  # other processes read per round; more is a misconfiguration, not a fleet
-LOG_EVERY_S = 60.0  # the same failure is logged at most this often (with a count)
-LEASE_S = 10.0  # a strict-caps lease lives this long unless renewed (a round renews it)
-CLAIM_TIMEOUT_S = 0.5  # a claim Redis does not answer in this long is decided locally
-
-# KEYS[1]: the instance's leases; ARGV: member, cap, lease ms. {1 if the place is ours,
-# forged leases dropped}: a lease lives at most its time from now, so one scored later was
-# not written by a gateway (it would hold a place for good).
-_CLAIM = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local latest = string.format('(%.0f', now + tonumber(ARGV[3]))
-local forged = redis.call('ZREMRANGEBYSCORE', KEYS[1], latest, '+inf')
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-  return {1, forged}
-end
-return {0, forged}
-"""
-# KEYS: lease sets; ARGV[1]: lease ms, then one member per key: renew if held (the strict
-# caps' places, and the named keys' places, shared_limits.py).
-RENEW_LEASES = """
-local t = redis.call('TIME')
-local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
-for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', until_ms, ARGV[i + 1])
-end
-return #KEYS
-"""
-STREAM_MAXLEN = 20_000  # placements kept in the stream (approximately: Redis trims lazily)
-CATCH_UP = 500  # placements a new process reads back from before it started
 
 
 class SharedState:
+    """This process in the shared view: its rounds, its pushes and the others', with the
+    placements stream and the strict caps' leases on the same link (the one object that
+    server/app.py starts and stops)."""
+
     def __init__(
         self,
         url: str,
@@ -153,39 +119,23 @@ class SharedState:
         self.interval = interval
         self.ttl = ttl
         self.push_interval = push_interval  # 0: rounds only
-        self.process_id = (
-            process_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-        )
+        self.link = SharedLink(url, dispatcher.clock, interval=interval, process_id=process_id)
+        self.process_id = self.link.process_id
+        self._redis = self.link.redis  # the link's, for good: a failed round reconnects it
         self._members = f"{namespace}:processes"
         self._prefix = f"{namespace}:process:"
-        self._stream = f"{namespace}:placements"
         self._channel = f"{namespace}:pushes"
-        self._leases = f"{namespace}:leases:"  # + instance: a sorted set of held places
         self._drained = f"{namespace}:drained"  # the operator's drains (drains.py)
         # Called each round with the drains the store holds for our instances.
         self.on_drains: Callable[[dict[str, float]], None] | None = None
-        self._held: dict[int, str] = {}  # ticket -> instance, the leases we hold
-        self._unheld: list[tuple[str, int]] = []  # leases to give back
-        self._give_back = asyncio.Event()
-        self._stream_at: str | None = None  # the last placement read
-        # Placements the pushes told the others, for the next round to append to the
-        # stream in one entry: one stream write a round rather than one a push, and a
-        # round reads back one entry of its own rather than a dozen. Only a process that
-        # joins later reads the stream for them, and a round later is soon enough.
-        self._unstreamed: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
+        self.placements = PlacementStream(self.link, dispatcher, namespace)
+        self.leases = Leases(self.link, namespace, ttl)
         self._own_tag = self.process_id.encode() + b" "  # how our own pushes start
         self._seq = 0  # publications made, pushes and keys alike
         self._pushed: tuple[object, ...] | None = None  # what the last publication said
         self._peers: dict[str, PeerEntry] = {}  # the others' newest publications
         self._changed = asyncio.Event()  # set by the dispatcher when our load may have moved
-        # Every call is bounded: a slow Redis costs a round, never a request.
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=max(0.5, interval * 2), socket_connect_timeout=1.0
-        )
-        self.up: bool | None = None  # None until the first round
         self.round_ok: bool | None = None  # the last round went through
-        self.errors: dict[str, int] = {}  # failures by reason, for the counter
-        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
         self._moved: dict[str, tuple[int, float]] = {}  # peer -> (seq, when it last moved)
         self._rng = random.Random()  # which unknown processes a crowded round reads
         self.peers = 0
@@ -194,9 +144,22 @@ class SharedState:
         self.pushes_heard = 0
         self.listening = False  # subscribed to the others' pushes
         self.strict_caps = strict_caps
-        self._claim_script = self._redis.register_script(_CLAIM)
-        self._renew_script = self._redis.register_script(RENEW_LEASES)
         self._deaf = False  # the listener lost its subscription and has not got it back
+
+    @property
+    def up(self) -> bool | None:
+        """Whether the view is shared now (None until the first round): the link's, which
+        the leases and the keys' limits read too."""
+        return self.link.up
+
+    @up.setter
+    def up(self, up: bool | None) -> None:
+        self.link.up = up
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Failures by reason, of the view and of everything on its link."""
+        return self.link.errors
 
     async def run_forever(self) -> None:
         """The rounds, and between them the pushes both ways, until cancelled."""
@@ -208,8 +171,10 @@ class SharedState:
                 asyncio.create_task(self._listen_forever(), name="shared-state-listen"),
             ]
         if self.strict_caps:
-            self.dispatcher.claim, self.dispatcher.unclaim = self.claim, self.unclaim
-            helpers.append(asyncio.create_task(self._give_back_forever(), name="shared-leases"))
+            self.dispatcher.claim, self.dispatcher.unclaim = self.leases.claim, self.leases.unclaim
+            helpers.append(
+                asyncio.create_task(self.leases.give_back_forever(), name="shared-leases")
+            )
         try:
             await self._rounds_forever()
         finally:
@@ -241,13 +206,10 @@ class SharedState:
             raise
         except Exception as exc:
             reason = "redis" if isinstance(exc, RedisError | OSError | TimeoutError) else "round"
-            self.failed(reason, exc)
+            self.link.failed(reason, exc)
             self.round_ok = False
             self._peers = {}  # the local view alone
-            # The next round on a fresh connection: one pooled from before a Redis restart
-            # would fail that round too.
-            with contextlib.suppress(Exception):
-                await self._redis.connection_pool.disconnect()
+            await self.link.reconnect()  # the next round on a fresh connection
         else:
             self.round_ok = True
         self._refresh_up()
@@ -255,75 +217,13 @@ class SharedState:
         self._apply()
         return self.round_ok is True
 
-    @property
-    def redis(self) -> aioredis.Redis:
-        """The connection, for the features that share it (shared_limits.py): bounded
-        timeouts, and a fresh one after each failed round."""
-        return self._redis
-
     async def claim(self, instance: str, ticket: int, cap: int) -> bool | None:
-        """Take one of `cap` places on `instance` in Redis: True if ours, False if all are
-        taken, None if Redis did not answer in time (the local view decides)."""
-        if self.up is not True:
-            return None  # Redis is away: no request waits for it (the local view decides)
-        member = f"{self.process_id}:{ticket}"
-        try:
-            async with asyncio.timeout(CLAIM_TIMEOUT_S):
-                got = await self._claim_script(
-                    keys=[self._leases + instance], args=[member, cap, int(LEASE_S * 1000)]
-                )
-        except asyncio.CancelledError:
-            self._give_back_lease(instance, ticket)  # it may have gone through
-            raise
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._give_back_lease(instance, ticket)  # a timed-out script may have taken it
-            self.failed("redis", exc)
-            return None
-        ours, forged = _claim_answer(got)
-        if forged:
-            self.failed("forged_lease", f"{forged} of {instance}'s leases past a lease's time")
-        if ours:
-            self._held[ticket] = instance
-        return ours
-
-    def unclaim(self, ticket: int) -> None:
-        """Give back the lease `ticket` holds, if it holds one."""
-        instance = self._held.pop(ticket, None)
-        if instance is not None:
-            self._give_back_lease(instance, ticket)
-
-    def _give_back_lease(self, instance: str, ticket: int) -> None:
-        """Soon, in one pipeline with the others given back meanwhile."""
-        self._held.pop(ticket, None)
-        self._unheld.append((instance, ticket))
-        self._give_back.set()
-
-    async def _give_back_forever(self) -> None:
-        while True:
-            await self._give_back.wait()
-            self._give_back.clear()
-            batch, self._unheld = self._unheld, []
-            try:
-                async with asyncio.timeout(max(1.0, self.ttl / 2)):
-                    async with self._redis.pipeline(transaction=False) as pipe:
-                        for instance, ticket in batch:
-                            pipe.zrem(self._leases + instance, f"{self.process_id}:{ticket}")
-                        await pipe.execute()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # they expire after LEASE_S in any case
-                self.failed("redis", exc)
-            honour_cancel()
+        """A strict-caps place on `instance` (shared_leases.py)."""
+        return await self.leases.claim(instance, ticket, cap)
 
     async def _renew(self) -> None:
-        """Our leases live another LEASE_S: a stream may hold its place for minutes."""
-        held = list(self._held.items())
-        if not held:
-            return
-        await self._renew_script(
-            keys=[self._leases + instance for _, instance in held],
-            args=[int(LEASE_S * 1000), *(f"{self.process_id}:{t}" for t, _ in held)],
-        )
+        """The round's renewal of our strict-caps leases."""
+        await self.leases.renew()
 
     def _alive(self, read: dict[str, PeerEntry]) -> dict[str, PeerEntry]:
         """The peers whose publication moved within `ttl` (by our clock): a process that
@@ -353,28 +253,10 @@ class SharedState:
         self._rng.shuffle(unknown)
         return (known + unknown)[:MAX_PEERS]
 
-    def failed(self, reason: str, error: BaseException | str) -> None:
-        """Count a failure and log it, at most once a minute per reason."""
-        self.errors[reason] = self.errors.get(reason, 0) + 1
-        now = self.dispatcher.clock()
-        last, since = self._logged.get(reason, (-LOG_EVERY_S, 0))
-        if now - last < LOG_EVERY_S:
-            self._logged[reason] = (last, since + 1)
-            return
-        self._logged[reason] = (now, 0)
-        detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        _log.warning(
-            "shared_state_error",
-            reason=reason,
-            detail=str(detail)[:200],
-            suppressed=since,
-            redis=redacted(self.url),
-        )
-
     def _refresh_up(self) -> None:
         """Up only while the view is shared: rounds go through and the listener, once
         subscribed, has not lost its subscription."""
-        self._set_up(self.round_ok is True and not self._deaf)
+        self.link.set_up(self.round_ok is True and not self._deaf)
 
     def _apply(self, stagger: float = 0.0) -> None:
         entries = list(self._peers.values())
@@ -394,23 +276,21 @@ class SharedState:
         return encode(share, requests, retries, self._seq)
 
     async def _exchange(self) -> dict[str, PeerEntry]:
-        placements = [*self._unstreamed, *self.dispatcher.take_placements()]
-        self._unstreamed.clear()  # sent with this round, or lost with it if Redis fails
-        if self._stream_at is None:
-            await self._catch_up()
+        placements = self.placements.to_send()
+        await self.placements.join()
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._prefix + self.process_id, self._publication(), px=int(self.ttl * 1000))
             pipe.sadd(self._members, self.process_id)
             pipe.smembers(self._members)
             if placements:
-                self._add_placements(pipe, placements)
-            pipe.xread({self._stream: self._stream_at or "0-0"}, count=1000)
+                self.placements.append(pipe, placements)
+            self.placements.read(pipe)
             results = await pipe.execute()
-        self._learn(results[-1])
+        self.placements.learn(results[-1])
         await self._read_drains()
-        others = [_text(m) for m in results[2] if _text(m) != self.process_id]
+        others = [text(m) for m in results[2] if text(m) != self.process_id]
         if len(others) > MAX_PEERS:
-            self.failed("too_many_peers", f"{len(others)} processes listed, {MAX_PEERS} read")
+            self.link.failed("too_many_peers", f"{len(others)} processes listed, {MAX_PEERS} read")
             others = self._freshest(others)
         if not others:
             return {}
@@ -429,7 +309,7 @@ class SharedState:
             try:
                 read[process] = decode(value, known)
             except ValueError as exc:
-                self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
+                self.link.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
         if gone:
             await self._redis.srem(self._members, *gone)
         # A push heard while this round was on its way may be newer than the key.
@@ -445,7 +325,7 @@ class SharedState:
         try:
             values = await self._redis.hmget(self._drained, names)
         except ResponseError as exc:  # not a hash
-            self.failed("malformed", exc)
+            self.link.failed("malformed", exc)
             return
         drained: dict[str, float] = {}
         for name, raw in zip(names, values, strict=True):
@@ -453,7 +333,7 @@ class SharedState:
             if since is not None:
                 drained[name] = since
             elif raw is not None:
-                self.failed("malformed", f"drain entry of {name!r}: {raw[:40]!r}")
+                self.link.failed("malformed", f"drain entry of {name!r}: {raw[:40]!r}")
         self.on_drains(drained)
 
     async def store_drain(self, order: DrainOrder) -> bool:
@@ -467,13 +347,9 @@ class SharedState:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.failed("redis", exc)
+            self.link.failed("redis", exc)
             return False
         return True
-
-    def _add_placements(self, pipe: Any, placements: list[tuple[str, tuple[int, ...]]]) -> None:
-        entry = {"p": self.process_id, "d": json.dumps(placements)}
-        pipe.xadd(self._stream, entry, maxlen=STREAM_MAXLEN, approximate=True)
 
     async def _push_forever(self) -> None:
         """When our load or queues change, push them: at once after a quiet spell, and at
@@ -492,7 +368,7 @@ class SharedState:
             message = push_message(self.process_id, self._publication(share), placements, settled)
             # The stream gets them with the next round (a process that starts later reads
             # them there), so a push is one command: PUBLISH, no pipeline.
-            self._unstreamed.extend(placements)
+            self.placements.pushed(placements)
             # A failed push is not retried: the next change, or the next round, tells.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(max(0.5, self.interval * 2)):
@@ -519,7 +395,7 @@ class SharedState:
             except (RedisError, OSError, TimeoutError):
                 pass  # the rounds count and log the outage
             except Exception as exc:
-                self.failed("listener", exc)
+                self.link.failed("listener", exc)
             self.listening, self._deaf = False, True
             self._refresh_up()
             honour_cancel()
@@ -536,7 +412,7 @@ class SharedState:
             process, payload, placements, settled = parse_push(raw)
             entry = decode(payload, self.dispatcher.instance_names())
         except ValueError as exc:
-            self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
+            self.link.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
             return
         if placements:  # the stream brings them again at the next round: harmless
             self.dispatcher.learn_placements(placements)
@@ -550,35 +426,6 @@ class SharedState:
         # Every process hears this push at once: staggered, those with requests waiting
         # do not all put one into the room it freed (dispatcher.apply_shared).
         self._apply(stagger=self.push_interval / 2)
-
-    async def _catch_up(self) -> None:
-        """On joining, read the newest placements the others made before we started."""
-        recent: list[Any] = list(await self._redis.xrevrange(self._stream, count=CATCH_UP) or ())
-        self._stream_at = "0-0"
-        self._learn([[self._stream, recent[::-1]]])
-
-    def _learn(self, streams: Any) -> None:
-        """Placements other processes made: into our prefix indexes."""
-        for _, entries in streams or ():
-            for entry_id, fields in entries:
-                self._stream_at = _text(entry_id)
-                if _text(fields.get(b"p", b"")) == self.process_id:
-                    continue
-                try:
-                    learned = parse_placements(fields[b"d"])
-                except (KeyError, ValueError) as exc:
-                    self.failed(exc.reason if isinstance(exc, Refused) else "malformed", exc)
-                    continue
-                self.dispatcher.learn_placements(learned)
-
-    def _set_up(self, up: bool) -> None:
-        if up == self.up:
-            return
-        if up:
-            _log.info("shared_state_up", redis=redacted(self.url), process=self.process_id)
-        else:  # once per outage; its cause is the shared_state_error line
-            _log.warning("shared_state_down", redis=redacted(self.url), process=self.process_id)
-        self.up = up
 
     async def close(self) -> None:
         """Leave the view at once (rather than after the TTL), then drop the connection."""
@@ -624,25 +471,3 @@ class SharedStateCollector(Collector):
         for reason, count in sorted(self.shared.errors.items()):
             errors.add_metric([reason], count)
         yield errors
-
-
-def _claim_answer(answer: Any) -> tuple[bool, int]:
-    """The claim script's answer: whether the place is ours, and the forged leases it
-    dropped (an answer of another shape takes no place)."""
-    if isinstance(answer, list | tuple) and len(answer) == 2:
-        ours, forged = answer
-        if isinstance(ours, int) and isinstance(forged, int):
-            return ours == 1, max(0, forged)
-    return False, 0
-
-
-def honour_cancel() -> None:
-    """redis-py (8.1) can swallow a cancellation that lands inside a command: the command
-    returns as if nothing happened. Honour the request, or shutdown would wait forever."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

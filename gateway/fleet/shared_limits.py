@@ -13,12 +13,12 @@ Redis's clock (microseconds of `TIME`), whatever the replicas' clocks say.
     <namespace>:limit:<key>:inflight   a sorted set of places in use, scored by expiry (ms)
 
 A key whose bucket is full has no key at all (it expires once full). A place is a lease,
-as strict caps' are (shared.py): renewed every `LEASE_S` / 3 while its request runs and
+as strict caps' are (shared_leases.py): renewed every `LEASE_S` / 3 while its request runs and
 given back when it ends, so a process that dies frees its places within `LEASE_S`.
 Settlements (the tokens used less those reserved, and the place given back) go out in
 one pipeline, off the request's path.
 
-The script's answer is read like anything else from Redis (untrusted: shared.py): five
+The script's answer is read like anything else from Redis (untrusted: shared_codec.py): five
 integers within bounds, else it is counted (`malformed`) and this process decides on its
 own counters. So it does whenever Redis is away or slow (more than `CLAIM_TIMEOUT_S`):
 counted and logged as a `redis` failure of the shared state, at most once a minute. No
@@ -42,13 +42,8 @@ from gateway.dispatch.key_limits import (
     decide,
     standings_of,
 )
-from gateway.fleet.shared import (
-    CLAIM_TIMEOUT_S,
-    LEASE_S,
-    RENEW_LEASES,
-    SharedState,
-    honour_cancel,
-)
+from gateway.fleet.shared_leases import CLAIM_TIMEOUT_S, LEASE_S, RENEW_LEASES
+from gateway.fleet.shared_link import SharedLink, honour_cancel
 
 _US = 1_000_000
 # A TAT or a clock further than this from Redis's own now is nobody's honest state.
@@ -133,14 +128,14 @@ return 1
 
 
 class SharedLimits:
-    """The keys' counters in Redis, through the shared view's connection (`SharedState`)."""
+    """The keys' counters in Redis, through the shared view's link (shared_link.py)."""
 
-    def __init__(self, shared: SharedState, namespace: str = "gateway") -> None:
-        self.shared = shared
+    def __init__(self, link: SharedLink, namespace: str = "gateway") -> None:
+        self.link = link
         self._prefix = f"{namespace}:limit:"
-        self._admit_script = shared.redis.register_script(_ADMIT)
-        self._settle_script = shared.redis.register_script(_SETTLE)
-        self._renew_script = shared.redis.register_script(RENEW_LEASES)
+        self._admit_script = link.redis.register_script(_ADMIT)
+        self._settle_script = link.redis.register_script(_SETTLE)
+        self._renew_script = link.redis.register_script(RENEW_LEASES)
         self._held: dict[str, str] = {}  # our places in use: member -> key
         self._settlements: list[tuple[str, int, int, str]] = []  # key, tpm, extra, member
         self._wake = asyncio.Event()
@@ -151,14 +146,14 @@ class SharedLimits:
         return [f"{prefix}:requests", f"{prefix}:tokens", f"{prefix}:inflight"]
 
     def _member(self, lease: str) -> str:
-        return f"{self.shared.process_id}:{lease}"
+        return f"{self.link.process_id}:{lease}"
 
     async def admit(
         self, key: str, limits: KeyLimits, tokens: int, lease: str
     ) -> Admitted | OverLimit | None:
         """Admit a request of `key` reserving `tokens` in Redis, or refuse it; None if Redis
         did not answer in time or answered nonsense (this process decides instead)."""
-        if self.shared.up is not True:
+        if self.link.up is not True:
             return None  # Redis is away: no request waits for it
         most = limits.max_concurrent or 0
         member = self._member(lease)
@@ -180,15 +175,15 @@ class SharedLimits:
         except (RedisError, OSError, TimeoutError) as exc:
             if most:
                 self._queue(key, 0, 0, member)
-            self.shared.failed("redis", exc)
+            self.link.failed("redis", exc)
             return None
         try:
             admitted, now, requests_tat, tokens_tat, places, forged = _bounded(answer)
         except ValueError as exc:
-            self.shared.failed("malformed", f"the key limits' script answered {exc}")
+            self.link.failed("malformed", f"the key limits' script answered {exc}")
             return None
         if forged:
-            self.shared.failed("forged_lease", f"{forged} of key {key}'s places past a lease")
+            self.link.failed("forged_lease", f"{forged} of key {key}'s places past a lease")
         seconds = now / _US
         if admitted:
             self.admitted += 1
@@ -227,7 +222,7 @@ class SharedLimits:
         requests_key, tokens_key, places_key = self._keys(key)
         try:
             async with asyncio.timeout(CLAIM_TIMEOUT_S):
-                async with self.shared.redis.pipeline(transaction=False) as pipe:
+                async with self.link.redis.pipeline(transaction=False) as pipe:
                     pipe.time()
                     pipe.get(requests_key)
                     pipe.get(tokens_key)
@@ -237,7 +232,7 @@ class SharedLimits:
             values = [now, int(requests_tat or now), int(tokens_tat or now), int(places)]
             _, _, requests_at, tokens_at, held, _ = _bounded([1, *values, 0])
         except (RedisError, OSError, TimeoutError, ValueError, TypeError) as exc:
-            self.shared.failed("redis", exc)
+            self.link.failed("redis", exc)
             return None
         return standings_of(limits, requests_at / _US, tokens_at / _US, held, now / _US)
 
@@ -262,7 +257,7 @@ class SharedLimits:
     async def _send(self, batch: list[tuple[str, int, int, str]], renew: bool) -> None:
         try:
             async with asyncio.timeout(max(1.0, CLAIM_TIMEOUT_S * 2)):
-                async with self.shared.redis.pipeline(transaction=False) as pipe:
+                async with self.link.redis.pipeline(transaction=False) as pipe:
                     for key, tpm, tokens, member in batch:
                         _, tokens_key, places_key = self._keys(key)
                         await self._settle_script(
@@ -279,7 +274,7 @@ class SharedLimits:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # places expire after LEASE_S; a lost settlement stays charged
-            self.shared.failed("redis", exc)
+            self.link.failed("redis", exc)
 
     def __repr__(self) -> str:
         return (

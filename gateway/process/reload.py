@@ -33,7 +33,8 @@ from gateway.config.schema import ConfigFile, Settings
 from gateway.fleet.drains import DrainTable
 from gateway.observe import log
 from gateway.proxy.tenants import key_checker
-from gateway.server.app import DISCOVERY, DISPATCHER, DRAINS, PROXY, apply_instances
+from gateway.server.app import apply_instances
+from gateway.server.resources import DISCOVERY, DISPATCHER, DRAINS, PROXY
 
 _log = log.get("gateway.reload")
 

@@ -25,7 +25,8 @@ from gateway.lifecycle import Lifecycle
 from gateway.observe import log
 from gateway.process import watch
 from gateway.process.reload import reload_from, reload_on_signal
-from gateway.server.app import DISPATCHER, DRAINS, PROXY, build_app
+from gateway.server.app import build_app
+from gateway.server.resources import DISPATCHER, DRAINS, PROXY
 from gateway.server.runner import GatewayRunner, make_runner
 
 _log = log.get("gateway.server")

@@ -34,7 +34,7 @@ from aiohttp import web
 from gateway.config.load import Config
 from gateway.observe import log
 from gateway.process.reload import reload
-from gateway.server.app import PROXY
+from gateway.server.resources import PROXY
 
 POLL_INTERVAL = 1.0  # seconds between looks: a ConfigMap change is seen within about 2 s
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -84,6 +85,21 @@ LOGGED_MODEL_CHARS = 100  # of a model name the fleet does not know, in the acce
 
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Endpoint", "Proxy", "Route"]
+
+
+@dataclass
+class _Asked:
+    """What a request asks, as `Proxy.handle`'s stages read it: the body as it goes on (a
+    default model or a usage request written in), and what was read of it."""
+
+    body: bytes
+    payload: dict[str, Any]
+    stream: bool = False  # the client asked for server-sent events
+    hide_usage: bool = False  # the gateway asked for the stream's usage chunk: keep it back
+    model: str | None = None  # served and allowed (intake.served_model)
+    prompt: dict[str, Any] = field(default_factory=dict)  # as the instance renders it
+    kv_chain: tuple[int, ...] = ()  # its blocks' hashes for a KV events index
+    kv_block_size: int = 0
 
 
 class Proxy:
@@ -176,9 +192,9 @@ class Proxy:
     # ------------------------------------------------------------ handler
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
-        ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
-        ex.route = route.name  # the middleware records it (recorder.py)
-        ex.metered = route.metered
+        """One request's walk: opened, read, checked, counted, laned, admitted, ticketed,
+        then forwarded (in one hop or two); a refusal answered in the route's shape."""
+        ex = self._opened(request, route)
         headers = {request_id.HEADER: ex.request_id}  # a stream sends its headers itself
         tenant = request.get(TENANT, DEFAULT)
         grant: Grant | None = None  # the key's limits' claim, settled once it is over
@@ -186,116 +202,196 @@ class Proxy:
         if task is not None:
             self.lifecycle.track(task)
         try:
-            # The key was checked first (auth.py's middleware): an unauthenticated request
-            # names no metric label (its tag would use up the bounded tag slots).
-            ex.tag = self.intake.tag(request)
-            if ex.tag:
-                headers["X-Request-Tag"] = ex.tag
-                structlog.contextvars.bind_contextvars(tag=ex.tag)
-            ex.forward = self.intake.passthrough(request)
-            if route.form:  # an upload goes on byte for byte: its model is not filled in
-                body, payload = await self.intake.form_body(request)
-            else:
-                body, payload = await self.intake.json_body(request)
-            ex.bytes_received = len(body)  # as read: a chunked body has no Content-Length
-            if route.kv_connected and "kv_transfer_params" in payload:
-                raise errors.BadRequest(
-                    "kv_transfer_params names hosts and KV blocks on the instances and is "
-                    "set by the gateway only; remove it from the request",
-                    param="kv_transfer_params",
-                )
-            if payload.get("model") is None and self.default_model and not route.form:
-                body = jsoncodec.with_field(body, payload, "model", self.default_model)
-                payload["model"] = self.default_model
-            try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
-                stream = route.streams and wants_stream(payload)
-            except InvalidField as bad:
-                raise errors.BadRequest(str(bad), param=bad.field) from None
-            hide_usage = False  # whose tokens these are is read from the instance's usage
-            if stream and route.asks_usage:
-                body, hide_usage = ask_usage(body, payload)
-            try:
-                model = self.intake.served_model(payload, tenant)
-            except errors.GatewayError:  # not served (404), or not this key's (403)
-                self._label_model(ex, payload.get("model"))
-                raise
-            self._label_model(ex, model)
-            # What the instance renders into the prompt: a Messages body as vLLM converts it.
-            prompt = anthropic_body.as_chat(payload) if route.api == "anthropic" else payload
-            # Its token ids, where an instance's KV events index can look them up: then its
-            # count is exact too.
-            ids = await self.prompt_ids.chain(prompt, model) if self.prompt_ids else None
-            kv_chain: tuple[int, ...] = ()
-            kv_block_size = 0
-            if ids is None:
-                ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
-            else:
-                ex.prompt_tokens = len(ids[0])
-                _, kv_chain, kv_block_size = ids
-            ex.max_tokens = max_tokens_of(payload)
-            lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
-            ex.lane = self.lane_names[lane]
-            structlog.contextvars.bind_contextvars(lane=ex.lane)
+            self._tag(request, ex, headers)
+            asked = await self._read(request, route, ex)
+            self._fill_in(route, asked)
+            self._check_model(asked, tenant, ex)
+            await self._count_tokens(route, asked, ex)
+            lane = self._lane(ex)
             grant = await self.limiter.admit(tenant, ex, route, headers)
             ex.priority = tenant.priority
-            ticket = self.dispatcher.new_ticket(
-                lane,
-                ex.started + self.request_timeout,
-                tokens=ex.prompt_tokens,
-                max_tokens=ex.max_tokens,
-                model=model,
-                prefix=prompt_blocks(prompt_text(prompt)) if self.affinity else (),
-                kv_chain=kv_chain,
-                kv_block_size=kv_block_size,
-                priority=tenant.priority,
-                key=tenant.name,
-            )
-            # A stream its instance breaks may go on elsewhere (migration.py), unless the
-            # request is one a continuation cannot reproduce.
-            migrate = stream and self.retry.migrations > 0
-            not_migrated = continuation.refusal(route, payload) if migrate else "off"
-            call = Call(
-                request,
-                route,
-                body,
-                stream,
-                lane,
-                ticket.deadline,
-                headers,
-                hide_usage,
-                not_migrated=not_migrated,
-            )
-            if route.prioritized:
-                call = vllm_priority(call, payload, tenant.vllm_priority)
+            ticket = self._ticket(asked, lane, tenant, ex)
+            call = self._call(request, route, asked, lane, ticket, headers, tenant)
             if route.disaggregates and self.dispatcher.has_prefill_role:
-                return await self._disaggregated(call, ex, ticket, payload)
+                return await self._disaggregated(call, ex, ticket, asked.payload)
             return await self._forward(call, ex, ticket)
         except errors.GatewayError as exc:
-            ex.status = exc.status
-            ex.refused = ex.refused or exc.rejection  # the scheduler's reason, if it refused
-            return exc.response(headers, route.api)
+            return self._refused(exc, route, ex, headers)
         except asyncio.CancelledError:
             if self.aborting and ex.status == 0 and task is not None:
                 task.uncancel()  # our own drain deadline, not the client: answer it
-                error = errors.ShuttingDown(
-                    "the gateway is shutting down",
-                    retry_after=self.dispatcher.retry_after,
-                )
-                ex.status = error.status
-                return error.response(headers, route.api)
-            if ex.status == 200:
-                self.metrics.stream_aborts.labels("client").inc()
-                ex.cut = "client"
-            ex.status = 499  # the client closed the connection (nginx's code for it)
+                return self._shutting_down(route, ex, headers)
+            self._client_left(ex)
             raise
         finally:
-            used = tokens_used(ex)
-            if grant is not None:
-                self.limiter.settle(grant, sum(used))
-            if used[1]:
-                self.dispatcher.answered(tenant.name, used[1])
-            if task is not None:
-                self.lifecycle.done(task)
+            self._settle(ex, tenant, grant, task)
+
+    # The stages of `handle`, in the order a request walks them.
+
+    def _opened(self, request: web.Request, route: Route) -> Exchange:
+        """The request's record, as the middleware opened it (recorder.py), for this route."""
+        ex = request.get(EXCHANGE) or Exchange(route.name, request_id.current(), self.clock())
+        ex.route = route.name  # the middleware records it (recorder.py)
+        ex.metered = route.metered
+        return ex
+
+    def _tag(self, request: web.Request, ex: Exchange, headers: dict[str, str]) -> None:
+        """The request's tag (echoed and logged) and the client headers passed through."""
+        # The key was checked first (auth.py's middleware): an unauthenticated request
+        # names no metric label (its tag would use up the bounded tag slots).
+        ex.tag = self.intake.tag(request)
+        if ex.tag:
+            headers["X-Request-Tag"] = ex.tag
+            structlog.contextvars.bind_contextvars(tag=ex.tag)
+        ex.forward = self.intake.passthrough(request)
+
+    async def _read(self, request: web.Request, route: Route, ex: Exchange) -> _Asked:
+        """The body, read once (bounded) and parsed once."""
+        if route.form:  # an upload goes on byte for byte: its model is not filled in
+            body, payload = await self.intake.form_body(request)
+        else:
+            body, payload = await self.intake.json_body(request)
+        ex.bytes_received = len(body)  # as read: a chunked body has no Content-Length
+        if route.kv_connected and "kv_transfer_params" in payload:
+            raise errors.BadRequest(
+                "kv_transfer_params names hosts and KV blocks on the instances and is "
+                "set by the gateway only; remove it from the request",
+                param="kv_transfer_params",
+            )
+        return _Asked(body, payload)
+
+    def _fill_in(self, route: Route, asked: _Asked) -> None:
+        """The default model where none is named; whether it streams; a stream's usage asked."""
+        body, payload = asked.body, asked.payload
+        if payload.get("model") is None and self.default_model and not route.form:
+            body = jsoncodec.with_field(body, payload, "model", self.default_model)
+            payload["model"] = self.default_model
+        try:  # read as vLLM reads it ("true" and 1 stream), before any instance is asked
+            asked.stream = route.streams and wants_stream(payload)
+        except InvalidField as bad:
+            raise errors.BadRequest(str(bad), param=bad.field) from None
+        # whose tokens these are is read from the instance's usage
+        if asked.stream and route.asks_usage:
+            body, asked.hide_usage = ask_usage(body, payload)
+        asked.body = body
+
+    def _check_model(self, asked: _Asked, tenant: Tenant, ex: Exchange) -> None:
+        """The model, served by the fleet and allowed to the key (404, 403), as a label."""
+        try:
+            asked.model = self.intake.served_model(asked.payload, tenant)
+        except errors.GatewayError:  # not served (404), or not this key's (403)
+            self._label_model(ex, asked.payload.get("model"))
+            raise
+        self._label_model(ex, asked.model)
+
+    async def _count_tokens(self, route: Route, asked: _Asked, ex: Exchange) -> None:
+        """The prompt as the instance renders it, and its tokens: exact where an instance's
+        KV events index can look its token ids up, else counted or estimated."""
+        payload = asked.payload
+        # What the instance renders into the prompt: a Messages body as vLLM converts it.
+        prompt = asked.prompt = (
+            anthropic_body.as_chat(payload) if route.api == "anthropic" else payload
+        )
+        # Its token ids, where an instance's KV events index can look them up: then its
+        # count is exact too.
+        ids = await self.prompt_ids.chain(prompt, asked.model) if self.prompt_ids else None
+        if ids is None:
+            ex.prompt_tokens = await self.counter.count(prompt, self.config.prefill)
+        else:
+            ex.prompt_tokens = len(ids[0])
+            _, asked.kv_chain, asked.kv_block_size = ids
+        ex.max_tokens = max_tokens_of(payload)
+
+    def _lane(self, ex: Exchange) -> Lane:
+        """The long lane above the threshold, else the short one; bound to the log context."""
+        lane = Lane.LONG if ex.prompt_tokens > self.threshold else Lane.SHORT
+        ex.lane = self.lane_names[lane]
+        structlog.contextvars.bind_contextvars(lane=ex.lane)
+        return lane
+
+    def _ticket(self, asked: _Asked, lane: Lane, tenant: Tenant, ex: Exchange) -> Ticket:
+        """What the dispatcher places: lane, deadline, size, model, prefix, key."""
+        return self.dispatcher.new_ticket(
+            lane,
+            ex.started + self.request_timeout,
+            tokens=ex.prompt_tokens,
+            max_tokens=ex.max_tokens,
+            model=asked.model,
+            prefix=prompt_blocks(prompt_text(asked.prompt)) if self.affinity else (),
+            kv_chain=asked.kv_chain,
+            kv_block_size=asked.kv_block_size,
+            priority=tenant.priority,
+            key=tenant.name,
+        )
+
+    def _call(
+        self,
+        request: web.Request,
+        route: Route,
+        asked: _Asked,
+        lane: Lane,
+        ticket: Ticket,
+        headers: dict[str, str],
+        tenant: Tenant,
+    ) -> Call:
+        """The request as each attempt sends it."""
+        # A stream its instance breaks may go on elsewhere (migration.py), unless the
+        # request is one a continuation cannot reproduce.
+        migrate = asked.stream and self.retry.migrations > 0
+        not_migrated = continuation.refusal(route, asked.payload) if migrate else "off"
+        call = Call(
+            request,
+            route,
+            asked.body,
+            asked.stream,
+            lane,
+            ticket.deadline,
+            headers,
+            asked.hide_usage,
+            not_migrated=not_migrated,
+        )
+        if route.prioritized:
+            call = vllm_priority(call, asked.payload, tenant.vllm_priority)
+        return call
+
+    def _refused(
+        self, exc: errors.GatewayError, route: Route, ex: Exchange, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """The gateway's own error, recorded and answered in the route's API's shape."""
+        ex.status = exc.status
+        ex.refused = ex.refused or exc.rejection  # the scheduler's reason, if it refused
+        return exc.response(headers, route.api)
+
+    def _shutting_down(
+        self, route: Route, ex: Exchange, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """The answer to a request the drain deadline cut (503, retry elsewhere)."""
+        error = errors.ShuttingDown(
+            "the gateway is shutting down",
+            retry_after=self.dispatcher.retry_after,
+        )
+        ex.status = error.status
+        return error.response(headers, route.api)
+
+    def _client_left(self, ex: Exchange) -> None:
+        """The client closed the connection: a stream it cut is counted as such."""
+        if ex.status == 200:
+            self.metrics.stream_aborts.labels("client").inc()
+            ex.cut = "client"
+        ex.status = 499  # the client closed the connection (nginx's code for it)
+
+    def _settle(
+        self, ex: Exchange, tenant: Tenant, grant: Grant | None, task: asyncio.Task[Any] | None
+    ) -> None:
+        """Whatever the end: the key's limits settled with the tokens used, the key's answered
+        tokens counted, the request no longer in progress."""
+        used = tokens_used(ex)
+        if grant is not None:
+            self.limiter.settle(grant, sum(used))
+        if used[1]:
+            self.dispatcher.answered(tenant.name, used[1])
+        if task is not None:
+            self.lifecycle.done(task)
 
     def _label_model(self, ex: Exchange, model: object) -> None:
         """The model as a metric label: a model the fleet knows, else "other" (and then, for

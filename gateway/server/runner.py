@@ -28,8 +28,8 @@ from aiohttp import web
 
 from gateway import errors
 from gateway.observe import log, request_id
-from gateway.server.app import ADMIN, CONFIG, METRICS
 from gateway.server.connections import ClientConnections, ConnectionLimits
+from gateway.server.resources import ADMIN, CONFIG, METRICS
 
 _log = log.get("gateway.runner")
 

@@ -19,7 +19,8 @@ from fakes import KEY, fleet, write_config
 
 from gateway.config import load as gateway_config
 from gateway.process.reload import reload
-from gateway.server.app import DISPATCHER, build_app
+from gateway.server.app import build_app
+from gateway.server.resources import DISPATCHER
 from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 

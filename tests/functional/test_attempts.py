@@ -17,7 +17,7 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server.app import PROXY
+from gateway.server.resources import PROXY
 from gateway.sim.sim_vllm import SimConfig
 from gateway.upstream.response import AttemptFailed
 

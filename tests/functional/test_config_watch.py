@@ -17,7 +17,8 @@ from fakes import KEY, fleet, write_config
 
 from gateway.config import load as gateway_config
 from gateway.process import watch
-from gateway.server.app import METRICS, PROXY, build_app
+from gateway.server.app import build_app
+from gateway.server.resources import METRICS, PROXY
 from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_server import redis_server
 
 from gateway.proxy import jsoncodec
-from gateway.server.app import DISPATCHER
+from gateway.server.resources import DISPATCHER
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 pytestmark = pytest.mark.slow

@@ -44,7 +44,7 @@ import yaml
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import free_port, redis_server
 
-from gateway.server.app import SHARED
+from gateway.server.resources import SHARED
 from gateway.sim.sim_vllm import SimConfig
 
 REPO = Path(__file__).resolve().parents[2]

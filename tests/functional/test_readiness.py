@@ -13,7 +13,7 @@ from fakes import KEY, fleet, write_config
 from test_admin import two_listeners, until_down, until_up
 
 from gateway.process.reload import reload
-from gateway.server.app import LIFECYCLE
+from gateway.server.resources import LIFECYCLE
 from gateway.sim.sim_vllm import SimConfig
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

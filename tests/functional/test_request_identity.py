@@ -10,7 +10,7 @@ from aiohttp import web
 from fakes import KEY, fleet, gateway_with
 
 from gateway.routes import Route
-from gateway.server.app import PROXY
+from gateway.server.resources import PROXY
 from gateway.sim.sim_vllm import SimConfig
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import RedisServer, redis_server
 
-from gateway.server.app import SHARED
+from gateway.server.resources import SHARED
 from gateway.sim.sim_vllm import SimConfig
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from redis_server import RedisServer, redis_server
 
 from gateway.fleet.shared_limits import _bounded
-from gateway.server.app import PROXY, SHARED
+from gateway.server.resources import PROXY, SHARED
 from gateway.sim.sim_vllm import SimConfig
 
 TEAM_KEY = "sk-team-a-0123456789abcdef"

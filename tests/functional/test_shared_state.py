@@ -19,8 +19,9 @@ from redis_server import RedisServer, redis_server
 from gateway.dispatch import InstanceState, Lane
 from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from gateway.fleet import shared as shared_module
+from gateway.fleet import shared_leases
 from gateway.fleet.shared_codec import parse_placements
-from gateway.server.app import SHARED
+from gateway.server.resources import SHARED
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 ONE_SLOT = SimConfig(max_num_seqs=1, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
@@ -514,7 +515,7 @@ async def test_a_lease_comes_back_when_its_process_stops_renewing_it(
 ) -> None:
     """A place claimed by a process that died (no give-back, no renewal) is free again after
     its lease expires; one renewed by its live holder is not."""
-    monkeypatch.setattr(shared_module, "LEASE_S", 0.3)
+    monkeypatch.setattr(shared_leases, "LEASE_S", 0.3)
     with redis_server() as redis:
         holder, other = (
             shared_module.SharedState(redis.url, _Clock(), None, strict_caps=True)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from fakes import KEY, Gateway, fleet, gateway_with
 from faultproxy import eventually
 from test_upstream_misbehaves import ROLE, instance, start_stream, token
 
-from gateway.server.app import PROXY
+from gateway.server.resources import PROXY
 from gateway.sim.sim_vllm import SimConfig
 
 BIG = 400  # events of 8 KiB: 3.2 MB, far more than the client's buffers hold

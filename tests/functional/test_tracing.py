@@ -15,7 +15,7 @@ import pytest
 from fakes import KEY, Gateway, fleet, gateway_with, serving, write_config
 
 from gateway.config import load as gateway_config
-from gateway.server.app import PROXY
+from gateway.server.resources import PROXY
 from gateway.sim.sim_vllm import SimConfig
 
 pytest.importorskip(

@@ -24,7 +24,7 @@ from fakes import KEY, Gateway, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observe.exchange import Exchange
-from gateway.server.app import PROXY
+from gateway.server.resources import PROXY
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MESSAGES: list[Any] = [{"role": "user", "content": "hello"}]
