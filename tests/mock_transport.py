@@ -46,6 +46,10 @@ class MockTransport(asyncio.Transport):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", 50000)}.get(name, default)
 
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        assert self.protocol is not None
+        return self.protocol
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert not self.closed, "written after close"
         self.written += data

@@ -13,12 +13,14 @@ import ssl
 from typing import Any, cast
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from mock_transport import MockTransport, Network, connect
 from multidict import CIMultiDictProxy
 from prometheus_client import CollectorRegistry
 
 from gateway.observe.metrics import Metrics
 from gateway.relay import splice, sse
+from gateway.relay.client_stream import ClientStream
 from gateway.server.connections import ClientConnections, ConnectionLimits
 from gateway.upstream import connection as h1
 from gateway.upstream import pool as h1_pool
@@ -716,14 +718,21 @@ def test_a_header_with_a_line_break_is_refused() -> None:
 # ------------------------------------------------------------------ the splice
 
 
-def client_connection() -> tuple[splice.Watch, MockTransport]:
-    """The gateway's own client-connection protocol on a mock transport whose write buffer
-    goes over its mark past 64 bytes and back under it when empty."""
+async def client_connection() -> tuple[ClientStream, MockTransport]:
+    """A prepared stream to the client over the gateway's own client-connection protocol, on
+    a mock transport whose write buffer goes over its mark past 64 bytes and back under it
+    when empty; the head is taken, so `written` holds the body only."""
     limits = ConnectionLimits(header_timeout=60.0, idle_timeout=60.0, max_open=8)
     connections = ClientConnections(limits, Metrics(CollectorRegistry()))
     protocol = connections.protocol_factory(asyncio.Protocol)()
     transport = connect(protocol, high=64, low=0)
-    return cast(splice.Watch, protocol), transport
+    out = ClientStream({"Content-Type": "text/event-stream"}, write_timeout=10)
+    await out.prepare(make_mocked_request("POST", "/v1/completions", transport=transport))
+    assert out.send(b"")  # the head alone
+    assert transport.written.startswith(b"HTTP/1.1 200 OK\r\n")
+    transport.take()
+    transport.written.clear()
+    return out, transport
 
 
 async def test_sse_events_go_from_the_instance_to_the_client_whole_and_chunk_framed() -> None:
@@ -736,11 +745,9 @@ async def test_sse_events_go_from_the_instance_to_the_client_whole_and_chunk_fra
         head = ask(conn)
         upstream.feed(CHUNKED_HEAD)
         response = head.result()
-        watch, client = client_connection()
-        run = splice.Splice(
-            response, client, sse.Framer(), chunked=True, silence=10, write_timeout=10
-        )
-        run.start(watch)
+        out, client = await client_connection()
+        run = splice.Splice(response, out, sse.Framer(), silence=10, write_timeout=10)
+        run.start(out)
         upstream.feed(stream[:cut])
         client.take()  # the client keeps up
         upstream.feed(stream[cut:])
@@ -750,7 +757,7 @@ async def test_sse_events_go_from_the_instance_to_the_client_whole_and_chunk_fra
         assert len(payloads) <= 2, cut  # one write per read of the instance's socket
         assert run.done.result() == splice.End(splice.Why.ENDED)
         assert run.framer.done
-        run.stop(watch)
+        run.stop(out)
         response.close()
         assert owner.back == [conn]
 
@@ -762,9 +769,9 @@ async def test_a_client_over_its_high_water_mark_pauses_the_instance_until_it_dr
     head = ask(conn)
     upstream.feed(CHUNKED_HEAD)
     response = head.result()
-    watch, client = client_connection()
-    run = splice.Splice(response, client, sse.Framer(), chunked=True, silence=10, write_timeout=10)
-    run.start(watch)
+    out, client = await client_connection()
+    run = splice.Splice(response, out, sse.Framer(), silence=10, write_timeout=10)
+    run.start(out)
     upstream.feed(chunk(EVENTS[0]))
     assert not upstream.reading_paused
     upstream.feed(chunk(b"data: " + b"z" * 80 + b"\n\n"))  # over the client's 64 bytes
@@ -790,9 +797,9 @@ async def test_the_instance_breaking_mid_stream_ends_the_splice_with_why() -> No
     head = ask(conn)
     upstream.feed(CHUNKED_HEAD)
     response = head.result()
-    watch, client = client_connection()
-    run = splice.Splice(response, client, sse.Framer(), chunked=True, silence=10, write_timeout=10)
-    run.start(watch)
+    out, client = await client_connection()
+    run = splice.Splice(response, out, sse.Framer(), silence=10, write_timeout=10)
+    run.start(out)
     upstream.feed(chunk(EVENTS[0]) + chunk(b"data: half"))
     upstream.feed_eof()
     end = await asyncio.wait_for(run.done, 1)
@@ -809,9 +816,9 @@ async def test_a_client_that_left_ends_the_splice_and_drops_the_instance() -> No
     head = ask(conn)
     upstream.feed(CHUNKED_HEAD)
     response = head.result()
-    watch, client = client_connection()
-    run = splice.Splice(response, client, sse.Framer(), chunked=True, silence=10, write_timeout=10)
-    run.start(watch)
+    out, client = await client_connection()
+    run = splice.Splice(response, out, sse.Framer(), silence=10, write_timeout=10)
+    run.start(out)
     client.close()
     upstream.feed(chunk(EVENTS[0]))
     assert run.done.result().why is splice.Why.CLIENT

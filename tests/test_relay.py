@@ -15,7 +15,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import pytest
 from aiohttp import web
@@ -71,17 +70,20 @@ def relay(clock: Clock | None = None) -> Relay:
 
 
 class Client(asyncio.Transport):
-    """The client's transport: keeps the body bytes, whether aiohttp wrote them (the head's
-    first event, the in-band error, the last chunk) or splice.py did, unframed.
+    """The client's transport: keeps what each write carried of the body, unframed (the
+    relay's `ClientStream` writes the head, each event and the last chunk through it), and
+    the head apart.
 
     With `leaves_after`, the client is gone once it holds that many writes (0: at once):
-    aiohttp's next write resets, and the transport says it is closing. Each write moves
-    `clock` (if given) on by `tick` seconds.
+    the transport says it is closing. Each write moves `clock` (if given) on by `tick`
+    seconds.
     """
 
     def __init__(self, leaves_after: int | None, clock: Clock | None, tick: float) -> None:
         super().__init__()
         self.sent: list[bytes] = []
+        self.heads: list[bytes] = []
+        self.ended = False  # the last chunk came
         self.leaves_after = leaves_after
         self.clock, self.tick = clock, tick
         self.listener: Callable[[bool], None] | None = None
@@ -91,20 +93,24 @@ class Client(asyncio.Transport):
     def gone(self) -> bool:
         return self.leaves_after is not None and len(self.sent) >= self.leaves_after
 
-    def keep(self, data: bytes) -> None:
-        self.sent.append(data)
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        rest = bytes(data)
+        assert not self.ended, "written after the last chunk"
+        if rest.startswith(b"HTTP/"):
+            assert not self.heads, "a second head"
+            head, rest = rest.split(b"\r\n\r\n", 1)
+            self.heads.append(head)
+        assert self.heads, "the body before the head"
+        body = b""
+        while rest:  # whole HTTP/1.1 chunks only
+            size, rest = rest.split(b"\r\n", 1)
+            n = int(size, 16)
+            assert rest[n : n + 2] == b"\r\n", data
+            body, rest = body + rest[:n], rest[n + 2 :]
+            self.ended = n == 0
+        self.sent.append(body)
         if self.clock is not None:
             self.clock.now += self.tick
-
-    async def write_body(self, data: bytes) -> None:  # aiohttp's payload writer
-        if self.gone:
-            raise ConnectionResetError("the client left")
-        self.keep(bytes(data))
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:  # splice.py, chunked
-        size, rest = bytes(data).split(b"\r\n", 1)
-        assert rest[int(size, 16) :] == b"\r\n", data  # one whole HTTP/1.1 chunk
-        self.keep(rest[: int(size, 16)])
 
     def is_closing(self) -> bool:
         return self.gone
@@ -125,14 +131,7 @@ def client(
 ) -> tuple[web.Request, Client]:
     """A mocked client request on a fake client transport, whose `sent` gets the body."""
     transport = Client(leaves_after, clock, tick)
-    writer = mock.Mock()
-    writer.write_headers = mock.AsyncMock()
-    writer.write = transport.write_body
-    writer.write_eof = transport.write_body  # the last bytes, when the answer ends with them
-    writer.drain = mock.AsyncMock()
-    request = make_mocked_request(
-        "POST", "/v1/chat/completions", writer=writer, transport=transport
-    )
+    request = make_mocked_request("POST", "/v1/chat/completions", transport=transport)
     return request, transport
 
 

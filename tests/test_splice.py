@@ -1,11 +1,10 @@
-"""splice.py without sockets: a fake instance answer, a mock client transport."""
+"""splice.py without sockets: a fake instance answer, a fake client stream (how the client
+stream frames and writes what it is handed is test_client_stream.py's)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-
-from mock_transport import MockTransport
 
 from gateway.relay import splice, sse
 
@@ -28,6 +27,24 @@ class Source:
         self.resumed += 1
 
 
+class Client:
+    """The client's stream: keeps what it is handed; once `gone`, refuses it."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.gone = False
+
+    def send(self, data: bytes) -> bool:
+        if self.gone:
+            return False
+        self.sent.append(data)
+        return True
+
+    @property
+    def written(self) -> bytes:
+        return b"".join(self.sent)
+
+
 class Watch:
     def __init__(self, behind: bool = False) -> None:
         self.listener: Callable[[bool], None] | None = None
@@ -39,42 +56,34 @@ class Watch:
 
 
 def start(
-    *, silence: float = 10.0, write_timeout: float = 10.0, chunked: bool = True
-) -> tuple[splice.Splice, Source, MockTransport, Watch]:
-    source, client, watch = Source(), MockTransport(), Watch()
-    run = splice.Splice(
-        source,
-        client,
-        sse.Framer(),
-        chunked=chunked,
-        silence=silence,
-        write_timeout=write_timeout,
-    )
+    *, silence: float = 10.0, write_timeout: float = 10.0
+) -> tuple[splice.Splice, Source, Client, Watch]:
+    source, client, watch = Source(), Client(), Watch()
+    run = splice.Splice(source, client, sse.Framer(), silence=silence, write_timeout=write_timeout)
     run.start(watch)
     assert source.sink is run
     return run, source, client, watch
 
 
-async def test_whole_events_go_out_with_chunked_framing_and_a_half_event_is_held() -> None:
-    """Each whole event is written at once in HTTP/1.1 chunk framing; a half one waits."""
+async def test_whole_events_go_out_at_once_and_a_half_event_is_held() -> None:
+    """Each whole event is handed to the client at once; a half one waits for its end."""
     run, _, client, _ = start()
     run.body(b"data: 1\n\n")
-    assert bytes(client.written) == b"9\r\ndata: 1\n\n\r\n"
+    assert client.sent == [b"data: 1\n\n"]
     run.body(b"data: 2")
-    assert bytes(client.written) == b"9\r\ndata: 1\n\n\r\n"
+    assert client.sent == [b"data: 1\n\n"]
     run.body(b"\n\n")
-    assert bytes(client.written).endswith(b"9\r\ndata: 2\n\n\r\n")
-    assert run.sent == 2 * len(b"data: 1\n\n")  # the body, not its chunk framing
+    assert client.sent == [b"data: 1\n\n", b"data: 2\n\n"]
     assert run.framer.events == 2
     run.ended(None)
     assert (await run.done) == splice.End(splice.Why.ENDED)
 
 
-async def test_without_chunking_the_bytes_go_out_as_they_are() -> None:
-    """To a client without chunked framing (HTTP/1.0) the events are written bare."""
-    run, _, client, _ = start(chunked=False)
+async def test_the_events_of_one_read_go_out_in_one_write() -> None:
+    """The whole events of one read of the instance's socket are handed on together."""
+    run, _, client, _ = start()
     run.body(b"data: 1\n\ndata: [DONE]\n\n")
-    assert bytes(client.written) == b"data: 1\n\ndata: [DONE]\n\n"
+    assert client.sent == [b"data: 1\n\ndata: [DONE]\n\n"]
     assert run.framer.done
 
 
@@ -94,8 +103,8 @@ async def test_a_client_behind_pauses_the_instance_and_catching_up_resumes_it() 
 
 async def test_a_client_already_behind_at_the_start_pauses_at_once() -> None:
     """A client whose buffer is over the mark when the splice starts pauses the instance."""
-    source, client, watch = Source(), MockTransport(), Watch(behind=True)
-    run = splice.Splice(source, client, sse.Framer(), chunked=True, silence=5, write_timeout=5)
+    source, client, watch = Source(), Client(), Watch(behind=True)
+    run = splice.Splice(source, client, sse.Framer(), silence=5, write_timeout=5)
     run.start(watch)
     assert source.paused == 1
     assert run.behind
@@ -121,13 +130,14 @@ async def test_silence_ends_the_stream_and_only_data_events_reset_it() -> None:
     run.body(b": keep-alive\n\n")  # passed on, but does not
     end = await asyncio.wait_for(run.done, 2)
     assert end.why is splice.Why.QUIET
-    assert client.written.endswith(b": keep-alive\n\n\r\n")
+    assert client.written.endswith(b": keep-alive\n\n")
 
 
 async def test_a_client_gone_ends_the_stream() -> None:
-    """A chunk for a client whose transport is closing ends the stream as the client's."""
+    """An event the client's stream refuses (the client is gone) ends the stream as the
+    client's."""
     run, _, client, _ = start()
-    client.close()
+    client.gone = True
     run.body(b"data: 1\n\n")
     assert (await run.done).why is splice.Why.CLIENT
     assert client.written == b""
@@ -141,16 +151,14 @@ async def test_a_broken_answer_and_undecodable_bytes_say_why() -> None:
         splice.Why.ENDED, "broke the stream after it started (reset)"
     )
 
-    source, client, watch = Source(), MockTransport(), Watch()
+    source, client, watch = Source(), Client(), Watch()
 
     def bad(data: bytes) -> bytes:
         import zlib
 
         return zlib.decompressobj().decompress(data)
 
-    gz = splice.Splice(
-        source, client, sse.Framer(), chunked=True, silence=5, write_timeout=5, decode=bad
-    )
+    gz = splice.Splice(source, client, sse.Framer(), silence=5, write_timeout=5, decode=bad)
     gz.start(watch)
     gz.body(b"not zlib")
     assert (await gz.done).broken == "sent stream bytes that do not decode"

@@ -164,7 +164,7 @@ def middleware(owner: Callable[[web.Application], Owner], prefixes: Sequence[str
 
 def bytes_of(response: web.StreamResponse) -> int:
     """The answer's body bytes, without its head or any chunk framing: a stream counts what
-    it wrote (the relay's `_Out`: also when cut short), a whole answer, not written yet, is
+    it wrote (the relay's `ClientStream`: also when cut short), a whole answer, not written yet, is
     its Content-Length."""
     return response.body_length if response.prepared else response.content_length or 0
 

@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway import errors
 from gateway.dispatch import Outcome
 from gateway.relay import sse
+from gateway.relay.client_stream import ClientStream
 from gateway.relay.continuation import Transcript
 from gateway.upstream.response import UpstreamResponse
 
@@ -68,7 +69,7 @@ class Broken:
     """A committed stream its instance broke, not yet ended for the client: the proxy may
     continue it on another instance (continuation.py), else it ends it (`Relay.end`)."""
 
-    response: web.StreamResponse
+    response: ClientStream
     framer: sse.Framer
     transcript: Transcript  # what it sent the client
     why: str  # what the instance did, for the in-band error and the instance's record

@@ -3,10 +3,10 @@
 `whole()` passes on a complete answer (non-streamed, or an error) unchanged, its
 Content-Encoding included. `first_chunk()` reads a stream until its first token (its first
 data event, or the first of the route's token events), pulling its chunks one by one, with
-nothing sent yet (a retry is still possible). `stream()` then commits: the events so far
-go out through aiohttp with the response head, and `splice.Splice` moves the rest from the
-instance's socket to the
-client's, with flow control both ways and no await per chunk. Both hand each read to
+nothing sent yet (a retry is still possible). `stream()` then commits: a `ClientStream`
+(client_stream.py) writes the response head with the events so far, and `splice.Splice`
+moves the rest from the instance's socket to the client's, through that same writer, with
+flow control both ways and no await per chunk. Both hand each read to
 `sse.Framer`, which passes on whole events only (so an in-band error never lands inside a
 half-sent one) and counts them the same however TCP split them; it parses no JSON.
 
@@ -24,10 +24,9 @@ import asyncio
 import dataclasses
 import zlib
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 
 from gateway import errors
 from gateway.dispatch import Outcome
@@ -35,6 +34,7 @@ from gateway.fleet.dispatcher import Lease
 from gateway.observe import log
 from gateway.observe.metrics import Metrics
 from gateway.relay import splice, sse
+from gateway.relay.client_stream import ClientStream
 from gateway.relay.continuation import Transcript
 from gateway.relay.records import Broken, Started, Streamed, Unusable, Whole, stream_decoder
 from gateway.routes import CHAT, Route
@@ -75,46 +75,7 @@ class Request(Protocol):
 
 _log = log.get("gateway.proxy")
 
-# The first event's write is timed if it may block (the client is behind, or the event is
-# big); otherwise it is free. 16 KiB is asyncio's low-water mark.
-_BACKLOG = 16 * 1024
 _MAX_EVENT = 64 * 1024  # an event longer than this is passed on in pieces, not held
-
-
-class _Out(web.StreamResponse):
-    """A stream answer that counts its body's bytes, those written below aiohttp
-    (splice.py) included.
-
-    `body_length` is the body only, as the client's HTTP parser hands it on: no head and no
-    chunk framing, so a stream's figure means what a whole answer's Content-Length does.
-    aiohttp's own counts the head and the framing too.
-    """
-
-    spliced = 0  # body bytes the splice wrote
-    written = 0  # body bytes written through aiohttp
-    ended = False
-    writer: AbstractStreamWriter | None = None
-    # The head waits for the first event and goes out in the same write (aiohttp's own
-    # `Response` does the same; a stream answer otherwise sends its head alone).
-    _send_headers_immediately = False
-
-    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        self.writer = await super().prepare(request)
-        return self.writer
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        await super().write(data)
-        self.written += len(data)
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        ended, self.ended = self.ended, True
-        await super().write_eof(data)
-        if not ended:  # aiohttp ignores a second end, and its data
-            self.written += len(data)
-
-    @property
-    def body_length(self) -> int:
-        return self.written + self.spliced
 
 
 def _ended_well(framer: sse.Framer, route: Route) -> bool:
@@ -267,7 +228,7 @@ class Relay:
         out_headers["X-Gateway-Instance"] = lease.instance
         out_headers["Content-Type"] = response.headers.get("Content-Type", "text/event-stream")
         out_headers["Cache-Control"] = "no-cache"
-        out = _Out(status=200, headers=out_headers)
+        out = ClientStream(out_headers, write_timeout=self.write_timeout)
         try:
             await out.prepare(call.request)
         except ConnectionResetError:
@@ -278,10 +239,7 @@ class Relay:
         # any, and an Anthropic stream may end without a token event.
         timed = route.timed and started.framer.started
         lease.prefill_done(first_at, first_at - sent_at if timed else None)
-        transport = call.request.transport
-        if transport is None:  # the client left before we could answer
-            return self._client_left(out)  # nothing of it was sent
-        broken = await self._splice(out, response, transport, started, silence, route)
+        broken = await self._splice(out, response, started, silence, route)
         if isinstance(broken, Streamed):
             return broken
         framer = started.framer
@@ -303,8 +261,8 @@ class Relay:
         """Continue `broken`'s answer to the client with another instance's stream (a
         migration's), each event through `rewrite`; what it sends is kept in turn.
 
-        Read and written event by event through aiohttp, not spliced: a continuation is
-        rare, and its events are rewritten.
+        Read and written event by event (through the same `ClientStream`), not spliced: a
+        continuation is rare, and its events are rewritten.
         """
         route, out, framer = call.route, broken.response, started.framer
         lease.prefill_done(self.clock(), None)
@@ -348,7 +306,7 @@ class Relay:
     async def _conclude(
         self,
         call: Request,
-        out: web.StreamResponse,
+        out: ClientStream,
         lease: Lease,
         framer: sse.Framer,
         broken: str | None,
@@ -375,46 +333,36 @@ class Relay:
 
     async def _splice(
         self,
-        out: _Out,
+        out: ClientStream,
         response: StreamAnswer,
-        transport: asyncio.Transport,
         started: Started,
         silence: float,
         route: Route,
     ) -> Streamed | str | None:
         """Relay the rest below the streams (splice.py): why it broke, None, or a record.
 
-        The first event goes through aiohttp, which sends the held response head with it;
-        the rest goes from the instance's socket to the client's with no await per chunk.
+        The first event goes out with the response head in one write; the rest goes from
+        the instance's socket to the client's with no await per chunk.
         """
-        # Every client connection is served by server/connections.py's protocol, which
-        # reports its write buffer (the runner wraps each one).
-        watch = cast(splice.Watch, transport.get_protocol())
         # The whole answer came with its first token (one burst): head, events and the last
         # chunk go out in one write, with nothing left to splice.
         whole = response.drained and _ended_well(started.framer, route)
-        write = out.write_eof if whole else out.write
         try:
-            if transport.get_write_buffer_size() + len(started.first) > _BACKLOG:
-                async with asyncio.timeout(self.write_timeout):
-                    await write(started.first)
-            else:
-                await write(started.first)
-        except (ConnectionResetError, TimeoutError):
+            await (out.end if whole else out.write)(started.first)
+        except ConnectionResetError:  # gone, or behind for write_timeout
             return self._client_left(out, started.framer, route)
         if whole:
             return None
         run = splice.Splice(
             response,
-            transport,
+            out,
             started.framer,
-            chunked=out.headers.get("Transfer-Encoding") == "chunked",
             silence=silence,
             write_timeout=self.write_timeout,
             decode=started.decode,
         )
         try:
-            run.start(watch)
+            run.start(out)
             end = await run.done
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -430,8 +378,7 @@ class Relay:
             await self._end(out, route, f"{message}; the answer is incomplete", 503)
             return await self._finish(out, Outcome.NEUTRAL, "drain_deadline", started.framer, route)
         finally:
-            run.stop(watch)
-            out.spliced += run.sent
+            run.stop(out)
         if end.why is splice.Why.CLIENT:
             return self._client_left(out, started.framer, route)
         if end.why is splice.Why.QUIET:
@@ -445,7 +392,7 @@ class Relay:
 
     async def _end(
         self,
-        out: web.StreamResponse,
+        out: ClientStream,
         route: Route,
         message: str,
         code: int,
@@ -463,14 +410,14 @@ class Relay:
 
     async def _finish(
         self,
-        out: web.StreamResponse,
+        out: ClientStream,
         outcome: Outcome,
         error: str | None,
         framer: sse.Framer,
         route: Route,
     ) -> Streamed:
         try:
-            await out.write_eof()
+            await out.end()
         except ConnectionResetError:
             return self._client_left(out, framer, route)
         tokens = self._stream_tokens(framer, chat=route.name == CHAT.name)
@@ -478,9 +425,10 @@ class Relay:
         return Streamed(out, 200, outcome, error, tokens, None, cut, framer.prompt_tokens())
 
     def _client_left(
-        self, out: web.StreamResponse, framer: sse.Framer | None = None, route: Route = CHAT
+        self, out: ClientStream, framer: sse.Framer | None = None, route: Route = CHAT
     ) -> Streamed:
         """The client is gone: a 499 with what was relayed to it (nothing, without a framer)."""
+        out.cut()
         self.metrics.stream_aborts.labels("client").inc()
         if framer is None:
             return Streamed(out, 499, Outcome.NEUTRAL, None, 0, cut="client")

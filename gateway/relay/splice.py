@@ -2,10 +2,10 @@
 
 Once the first event has gone out, `Splice` is the `Sink` (upstream/connection.py) of the
 instance's answer: each body chunk arrives in the upstream connection's `data_received`,
-goes through the SSE framer (`sse.Framer`: whole events only, counted), and is written to
-the client's transport with HTTP/1.1 chunked framing, as aiohttp's `StreamResponse` would
-frame it, with no await per chunk. The relay's coroutine awaits `done` once, for the whole
-stream.
+goes through the SSE framer (`sse.Framer`: whole events only, counted), and is handed to
+the client's stream (`Client`: client_stream.py's `ClientStream`, the one writer of the
+answer, which frames, counts and writes it at once), with no await per chunk. The relay's
+coroutine awaits `done` once, for the whole stream.
 
 Flow control both ways (uvicorn's `flow_control.py` is the model): when the client's
 write buffer passes its high-water mark, the client connection (connections.py) says so
@@ -14,7 +14,7 @@ low-water mark reading resumes. A client that stays behind for `write_timeout` i
 The silence clock (no data event for `silence` seconds) is one timer for the stream,
 re-armed from the last event's time only when it fires, and stopped while the client is
 behind. What ends the stream is `done`'s result, an `End`; the relay writes the in-band
-error, `[DONE]` and the final chunk itself, through aiohttp.
+error, `[DONE]` and the final chunk itself, through the same client stream.
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ class Source(Protocol):
     def resume_reading(self) -> None: ...
 
 
+class Client(Protocol):
+    """The client's side of the stream (client_stream.py's `ClientStream`)."""
+
+    def send(self, data: bytes) -> bool:
+        """Write `data` now, framed as the answer is; False if the client is gone."""
+        ...
+
+
 class Watch(Protocol):
     """The client's connection: tells a listener when its write buffer is over the mark."""
 
@@ -73,13 +81,11 @@ class Splice:
         "_quiet",
         "_slow",
         "behind",
-        "chunked",
         "client",
         "decode",
         "done",
         "framer",
         "last_event",
-        "sent",
         "silence",
         "source",
         "write_timeout",
@@ -88,10 +94,9 @@ class Splice:
     def __init__(
         self,
         source: Source,
-        client: asyncio.Transport,
+        client: Client,
         framer: sse.Framer,
         *,
-        chunked: bool,
         silence: float,
         write_timeout: float,
         decode: Decode | None = None,
@@ -100,12 +105,10 @@ class Splice:
         self.source = source
         self.client = client
         self.framer = framer
-        self.chunked = chunked
         self.silence = silence
         self.write_timeout = write_timeout
         self.decode = decode
         self.done: asyncio.Future[End] = self._loop.create_future()
-        self.sent = 0  # body bytes written to the client, without the chunk framing
         self.behind = False  # the client's buffer is over its high-water mark
         self.last_event = self._loop.time()
         self._quiet: asyncio.TimerHandle | None = None
@@ -113,7 +116,7 @@ class Splice:
 
     def __repr__(self) -> str:
         state = self.done.result().why.value if self.done.done() else "running"
-        return f"<Splice {state} events={self.framer.events} sent={self.sent} behind={self.behind}>"
+        return f"<Splice {state} events={self.framer.events} behind={self.behind}>"
 
     def start(self, watch: Watch) -> None:
         """Start taking the source's chunks; `watch` reports the client's buffer."""
@@ -145,15 +148,9 @@ class Splice:
         out = framer.feed(data)
         if framer.events != events:
             self.last_event = self._loop.time()
-        if out:
-            client = self.client
-            if client.is_closing():
-                self._end(End(Why.CLIENT))
-                return
-            self.sent += len(out)
-            if self.chunked:
-                out = b"%x\r\n%b\r\n" % (len(out), out)
-            client.write(out)
+        if out and not self.client.send(out):
+            self._end(End(Why.CLIENT))
+            return
         if framer.done and self.silence > DONE_GRACE_S:
             self._grace()
 

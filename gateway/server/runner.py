@@ -28,6 +28,7 @@ from aiohttp import web
 
 from gateway import errors
 from gateway.observe import log, request_id
+from gateway.relay.client_stream import ANSWER_STARTED
 from gateway.server.connections import ClientConnections, ConnectionLimits
 from gateway.server.resources import ADMIN, CONFIG, METRICS
 
@@ -42,8 +43,11 @@ class _OpenAIErrorsHandler(web.RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # The parent logs the error and refuses if a response already started.
+        # The parent logs the error and refuses if a response already started through
+        # aiohttp's writer; a stream's answer is written by the relay's own (ClientStream).
         super().handle_error(request, status, exc, message)
+        if request.get(ANSWER_STARTED):
+            raise ConnectionError("the answer began already: no second one on this connection")
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
         response = web.Response(
             status=status,
