@@ -100,6 +100,7 @@ class PromptIds:
                 body=orjson.dumps(query),
                 headers={**headers, "Content-Type": "application/json"},
                 timeout=TIMEOUT,
+                for_request=True,
             )
             tokens = orjson.loads(data).get("tokens") if status == 200 else None
         except (AttemptFailed, orjson.JSONDecodeError, AttributeError):

@@ -112,6 +112,7 @@ class TokenCounter:
                 body=json.dumps(query).encode(),
                 headers=headers,
                 timeout=_TOKENIZE_TIMEOUT,
+                for_request=True,
             )
             count = json.loads(data).get("count") if status == 200 else None
         except (AttemptFailed, ValueError, AttributeError):

@@ -93,10 +93,13 @@ class Upstream:
         body: bytes | None = None,
         headers: dict[str, str] | None = None,
         timeout: float,
+        for_request: bool = False,
     ) -> tuple[int, bytes]:
         """A small exchange (health, metrics, models, tokenize): status and whole body, on
-        the control pool."""
-        response = await self._send(self._control, method, url, body, headers or {}, timeout)
+        the control pool; `for_request`: one a client's request waits on (its /tokenize),
+        on the requests' pool, so it never queues behind a health round's calls."""
+        pool = self._pool if for_request else self._control
+        response = await self._send(pool, method, url, body, headers or {}, timeout)
         return await read_whole(response, timeout)
 
     def __repr__(self) -> str:
