@@ -65,7 +65,8 @@ def case_table(runs: dict[str, Summary]) -> str:
                 _kv_sum(s, "replays"),
             ]
         )
-    return table(headers, rows) + "\n(times in ms; true hit: the instances' own counters)"
+    note = "times in ms; true hit: what the instances found cached for the front's requests"
+    return table(headers, rows) + f"\n({note})"
 
 
 def _restart_lines(runs: dict[str, Summary]) -> list[str]:
