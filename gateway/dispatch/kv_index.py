@@ -158,6 +158,7 @@ class KvIndex:
         self._ours: dict[Hashable, int] = {}  # the engine's hash -> ours
         self._media: dict[Hashable, set[str | None]] = {}  # the engine's hash -> where held
         self._pending: dict[int, _Pending] = {}  # placed tickets not prefilled yet
+        self._computed: list[int] = []  # of those, prefilled: released at the next batch
         self._pending_blocks: Counter[int] = Counter()
         self._version = 0  # counts changes to the blocks held, for `match`'s memo
         self._memo: tuple[Sequence[int], int, int] | None = None
@@ -268,6 +269,9 @@ class KvIndex:
         self.batches_total += 1
         self.last_event_at = now
         self.expecting_since = None
+        for ticket_id in self._computed:  # stored by now, or stored by this batch
+            self._release(ticket_id)
+        self._computed.clear()
         for event in events:
             self.events_total += 1
             if isinstance(event, StoredBlocks):
@@ -338,12 +342,16 @@ class KvIndex:
     # --- staleness -----------------------------------------------------------------------
 
     def computed(self, ticket_id: int, now: float) -> None:
-        """A prompt of ours placed there had its first token: it leaves the pending blocks.
-        If it held blocks the cache did not and no event at all came since it was placed,
-        the engine owes one (computing a block stores it before the first token is sent);
-        `check` says stale when none comes."""
-        pending = self._release(ticket_id)
-        if pending is None or not pending.owed or self.expecting_since is not None:
+        """A prompt of ours placed there had its first token. Its blocks stay pending until
+        the next batch comes (the one that stores them may still be on its way: meanwhile
+        its prefix must not look cold there). If it held blocks the cache did not and no
+        event at all came since it was placed, the engine owes one (computing a block
+        stores it before the first token is sent); `check` says stale when none comes."""
+        pending = self._pending.get(ticket_id)
+        if pending is None:
+            return
+        self._computed.append(ticket_id)
+        if not pending.owed or self.expecting_since is not None:
             return
         last = self.last_event_at
         if self.usable and (last is None or last < pending.placed_at):
