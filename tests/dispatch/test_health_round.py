@@ -1,4 +1,4 @@
-"""A health round (`Scheduler.drain`) places what waits where room came back without a
+"""A health round (`Scheduler.place_waiting`) places what waits where room came back without a
 call that says so: an ejection that ran out."""
 
 from __future__ import annotations
