@@ -110,10 +110,15 @@ def chain(
     out = []
     parent = ROOT
     for k, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
-        block = tuple(token_ids[start : start + block_size])
-        parent = hash((parent, block, request_extra_keys(k, lora_name, cache_salt)))
+        extra = request_extra_keys(k, lora_name, cache_salt)
+        parent = _link(parent, token_ids[start : start + block_size], extra)
         out.append(parent)
     return tuple(out)
+
+
+def _link(parent: int, tokens: Sequence[int], extra: tuple[Hashable, ...] | None) -> int:
+    """Our hash of one block after `parent`: a request's and an event's blocks alike."""
+    return hash((parent, tuple(tokens), extra))
 
 
 def _stored_extra(event: StoredBlocks, k: int) -> tuple[Hashable, ...] | None:
@@ -158,7 +163,7 @@ class KvIndex:
         self._ours: dict[Hashable, int] = {}  # the engine's hash -> ours
         self._media: dict[Hashable, set[str | None]] = {}  # the engine's hash -> where held
         self._pending: dict[int, _Pending] = {}  # placed tickets not prefilled yet
-        self._computed: list[int] = []  # of those, prefilled: released at the next batch
+        self._computed: set[int] = set()  # of those, prefilled: released at the next batch
         self._pending_blocks: Counter[int] = Counter()
         self._version = 0  # counts changes to the blocks held, for `match`'s memo
         self._memo: tuple[Sequence[int], int, int] | None = None
@@ -269,9 +274,8 @@ class KvIndex:
         self.batches_total += 1
         self.last_event_at = now
         self.expecting_since = None
-        for ticket_id in self._computed:  # stored by now, or stored by this batch
-            self._release(ticket_id)
-        self._computed.clear()
+        for ticket_id in list(self._computed):  # stored by now, or stored by this batch
+            self.release(ticket_id)
         for event in events:
             self.events_total += 1
             if isinstance(event, StoredBlocks):
@@ -304,8 +308,7 @@ class KvIndex:
             parent = known
         tokens = event.token_ids
         for k, engine_hash in enumerate(event.block_hashes):
-            block = tuple(tokens[k * size : (k + 1) * size])
-            parent = hash((parent, block, _stored_extra(event, k)))
+            parent = _link(parent, tokens[k * size : (k + 1) * size], _stored_extra(event, k))
             media = self._media.setdefault(engine_hash, set())
             if not media:
                 self._ours[engine_hash] = parent
@@ -350,7 +353,7 @@ class KvIndex:
         pending = self._pending.get(ticket_id)
         if pending is None:
             return
-        self._computed.append(ticket_id)
+        self._computed.add(ticket_id)
         if not pending.owed or self.expecting_since is not None:
             return
         last = self.last_event_at
@@ -414,10 +417,8 @@ class KvIndex:
             self._pending_blocks.update(chain_)
 
     def release(self, ticket_id: int) -> None:
-        """It ended: what it did not compute, nobody will."""
-        self._release(ticket_id)
-
-    def _release(self, ticket_id: int) -> _Pending | None:
+        """It ended, or the batch after its first token came: its blocks are not pending."""
+        self._computed.discard(ticket_id)
         pending = self._pending.pop(ticket_id, None)
         if pending is not None:
             blocks = self._pending_blocks
@@ -425,7 +426,6 @@ class KvIndex:
             for block in pending.chain:
                 if blocks[block] <= 0:
                     del blocks[block]
-        return pending
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,7 +149,7 @@ class _Listener:
             start = index.replay_from()
             index.gap(replaying=self.source.replay_endpoint is not None)
             for replayed, batch in await self._replay(start, seq):
-                if start <= replayed <= seq and replayed >= (index.next_seq or 0):
+                if (index.next_seq or 0) <= replayed <= seq:
                     self._take(index, replayed, batch)
             if (index.next_seq or 0) > seq:
                 return  # the replay brought this one too

@@ -67,11 +67,13 @@ def decode_batch(payload: bytes) -> list[Event]:
     return out
 
 
-def _fields(raw: Any) -> tuple[str, Mapping[str, Any]] | None:
+def _fields(raw: Any) -> tuple[str, Mapping[str, Any]]:
     """(class name, fields by name) of one event in either form."""
     if isinstance(raw, Mapping):
         kind = raw.get("type")
-        return (kind, raw) if isinstance(kind, str) else None
+        if not isinstance(kind, str):
+            raise BadPayload("an event without its type")
+        return kind, raw
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         kind = raw[0]
         names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
@@ -110,10 +112,7 @@ def _optional_int(value: Any, name: str) -> int | None:
 
 
 def _event(raw: Any) -> Event | None:
-    fields = _fields(raw)
-    if fields is None:
-        raise BadPayload("an event without its type")
-    kind, f = fields
+    kind, f = _fields(raw)
     if kind == "BlockStored":
         tokens = f.get("token_ids")
         size = f.get("block_size")

@@ -39,9 +39,10 @@ _COMPLETION_FIELDS = ("model", "prompt", "add_special_tokens")
 
 
 def given_ids(body: Mapping[str, Any]) -> list[int] | None:
-    """The prompt's token ids if the request gives them (a completions prompt of ints)."""
+    """The prompt's token ids if the request gives them (a completions prompt of ints,
+    told by its first as affinity.prompt_text tells it: the instance refuses the rest)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
         return prompt
     return None
 
