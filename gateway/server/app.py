@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -147,13 +147,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     proxy = app[PROXY] = Proxy(
         config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
     )
-
-    def instance_of(model: str | None) -> tuple[str, dict[str, str]] | None:
-        name = dispatcher.least_busy_available(model)
-        endpoint = None if name is None else proxy.endpoints.get(name)
-        return None if endpoint is None else (endpoint.url, endpoint.headers)
-
-    proxy.prompt_ids = PromptIds(upstream, dispatcher.kv_blocks, instance_of)
+    proxy.prompt_ids = PromptIds(
+        upstream, dispatcher.kv_blocks, _least_busy_endpoint(dispatcher, endpoints)
+    )
     # Verdicts before the first request, so start-up does not send traffic blind.
     await checker.run_round()
     recorder.start_series(
@@ -262,12 +258,19 @@ def _token_counter(
         return TokenCounter(threshold)
     if source != "instance":
         return TokenCounter(threshold, local=LocalTokenizer(source))
+    pick = _least_busy_endpoint(dispatcher, endpoints)
+    return TokenCounter(threshold, upstream=upstream, pick_instance=lambda: pick(None))
 
-    def least_loaded_instance() -> tuple[str, dict[str, str]] | None:
-        name = dispatcher.least_busy_available()
-        if name is None:
-            return None
-        endpoint = endpoints[name]
-        return endpoint.url, endpoint.headers
 
-    return TokenCounter(threshold, upstream=upstream, pick_instance=least_loaded_instance)
+def _least_busy_endpoint(
+    dispatcher: Dispatcher, endpoints: dict[str, Endpoint]
+) -> Callable[[str | None], tuple[str, dict[str, str]] | None]:
+    """Where a small call a request waits on goes (its /tokenize): the least busy available
+    instance (of `model`'s, if named). `endpoints` is the proxy's, which learns new ones."""
+
+    def pick(model: str | None = None) -> tuple[str, dict[str, str]] | None:
+        name = dispatcher.least_busy_available(model)
+        endpoint = None if name is None else endpoints.get(name)
+        return None if endpoint is None else (endpoint.url, endpoint.headers)
+
+    return pick
