@@ -148,15 +148,20 @@ http {{
 
 @contextlib.asynccontextmanager
 async def nginx_process(
-    instances: Sequence[str], *, core: int | None, pids: list[int] | None = None
+    instances: Sequence[str],
+    *,
+    core: int | None,
+    pids: list[int] | None = None,
+    port: int | None = None,
 ) -> AsyncIterator[str]:
-    """nginx with `least_conn` before `instances`, config in a temp folder; yields its URL."""
+    """nginx with `least_conn` before `instances` on `port` (a free one by default), config
+    in a temp folder; yields its URL."""
     binary = _nginx()
     if binary is None:
         raise Unavailable(missing("nginx") or "nginx")
     with tempfile.TemporaryDirectory(prefix="loadtest-nginx-") as tmp:
         folder = Path(tmp)
-        port = free_port()
+        port = port or free_port()
         conf = folder / "nginx.conf"
         conf.write_text(nginx_conf(folder, port, instances))
         log = folder / "error.log"
@@ -228,14 +233,17 @@ def front(
 ) -> contextlib.AbstractAsyncContextManager[str]:
     """The context manager that starts baseline `name` before `instances`; the process id
     of nginx, vllm-router and the floors is appended to `pids` (for their CPU time).
-    `port`: where vllm-router listens (the others take a free one)."""
+    `port`: where nginx or vllm-router listens (a front started again keeps its address);
+    the Python fronts take a free one and refuse a `port`."""
+    if port is not None and name not in ("nginx", "vllm-router", "vllm-router-rr"):
+        raise ValueError(f"baseline {name!r} takes no port: it cannot be started again in place")
     if name == "sticky":
         return python_front("loadtest.sticky", ["--seed", str(seed)], instances, core=core)
     if name.startswith("floor-"):
         server = ["--server", name.removeprefix("floor-")]
         return python_front("loadtest.floor", server, instances, core=core, pids=pids)
     if name == "nginx":
-        return nginx_process(instances, core=core, pids=pids)
+        return nginx_process(instances, core=core, pids=pids, port=port)
     if name == "vllm-router":
         return vllm_router_process(instances, core=core, pids=pids, port=port)
     if name == "vllm-router-rr":

@@ -131,47 +131,39 @@ def _wire_hash(block_hash: int) -> int:
     return block_hash & _HASH_MASK
 
 
-def _map_event(event: CacheEvent, lora_ids: Mapping[str, int]) -> msgspec.Struct:
-    if isinstance(event, Stored):
-        return BlockStored(
-            block_hashes=[_wire_hash(h) for h in event.block_hashes],
-            parent_block_hash=None if event.parent is None else _wire_hash(event.parent),
-            token_ids=list(event.token_ids),
-            block_size=event.block_size,
-            lora_id=lora_ids.get(event.lora_name) if event.lora_name else None,
-            medium=MEDIUM_GPU,
-            lora_name=event.lora_name,
-            extra_keys=list(event.extra_keys),
-        )
-    if isinstance(event, Removed):
-        return BlockRemoved(block_hashes=[_wire_hash(event.block_hash)], medium=MEDIUM_GPU)
-    return AllBlocksCleared()
-
-
-def _array_event(event: CacheEvent, lora_ids: Mapping[str, int]) -> msgspec.Struct:
-    if isinstance(event, Stored):
-        return ArrayBlockStored(
-            block_hashes=[_wire_hash(h) for h in event.block_hashes],
-            parent_block_hash=None if event.parent is None else _wire_hash(event.parent),
-            token_ids=list(event.token_ids),
-            block_size=event.block_size,
-            lora_id=lora_ids.get(event.lora_name) if event.lora_name else None,
-            medium=MEDIUM_GPU,
-        )
-    if isinstance(event, Removed):
-        return ArrayBlockRemoved(block_hashes=[_wire_hash(event.block_hash)], medium=MEDIUM_GPU)
-    return ArrayAllBlocksCleared()
-
-
 @dataclass(frozen=True)
 class _Form:
+    """One wire form: its classes, and whether its BlockStored has the newer fields."""
+
     batch: type[EventBatch] | type[ArrayEventBatch]
-    event: Callable[[CacheEvent, Mapping[str, int]], msgspec.Struct]
+    stored: type[BlockStored] | type[ArrayBlockStored]
+    removed: type[BlockRemoved] | type[ArrayBlockRemoved]
+    cleared: type[AllBlocksCleared] | type[ArrayAllBlocksCleared]
+    newer: bool  # lora_name and extra_keys (the array form is older vLLM's)
+
+    def event(self, event: CacheEvent, lora_ids: Mapping[str, int]) -> msgspec.Struct:
+        if isinstance(event, Removed):
+            return self.removed(block_hashes=[_wire_hash(event.block_hash)], medium=MEDIUM_GPU)
+        if not isinstance(event, Stored):
+            return self.cleared()
+        fields: dict[str, Any] = {
+            "block_hashes": [_wire_hash(h) for h in event.block_hashes],
+            "parent_block_hash": None if event.parent is None else _wire_hash(event.parent),
+            "token_ids": event.token_ids,  # msgspec writes a tuple as the array vLLM sends
+            "block_size": event.block_size,
+            "lora_id": lora_ids.get(event.lora_name) if event.lora_name else None,
+            "medium": MEDIUM_GPU,
+        }
+        if self.newer:
+            fields |= {"lora_name": event.lora_name, "extra_keys": event.extra_keys}
+        return self.stored(**fields)
 
 
 _FORMS: Mapping[KvEventsEncoding, _Form] = {
-    "map": _Form(EventBatch, _map_event),
-    "array": _Form(ArrayEventBatch, _array_event),
+    "map": _Form(EventBatch, BlockStored, BlockRemoved, AllBlocksCleared, newer=True),
+    "array": _Form(
+        ArrayEventBatch, ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared, newer=False
+    ),
 }
 
 

@@ -166,17 +166,12 @@ class PrefixCache:
         (their tokens taken from token_ids, the prompt's), then a `Removed` per evicted
         block, oldest first.
         """
-        if not self.events:
-            self._touch(hashes)
-            while len(self._blocks) > self.capacity:
-                self._blocks.popitem(last=False)
-            return []
+        events: list[CacheEvent] = []
         # The cache holds a prefix of any chain, so the new blocks are a suffix: walking back
         # from the end costs only as many lookups as there are new blocks.
         first = len(hashes)
-        while first > 0 and hashes[first - 1] not in self._blocks:
+        while self.events and first > 0 and hashes[first - 1] not in self._blocks:
             first -= 1
-        events: list[CacheEvent] = []
         if first < len(hashes):
             size = self.block_size
             events.append(
@@ -192,7 +187,8 @@ class PrefixCache:
         self._touch(hashes)
         while len(self._blocks) > self.capacity:
             evicted, _ = self._blocks.popitem(last=False)
-            events.append(Removed(evicted))
+            if self.events:
+                events.append(Removed(evicted))
         return events
 
     def clear(self) -> list[CacheEvent]:
