@@ -45,7 +45,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim.sim_engine import SimConfig
@@ -54,7 +53,8 @@ from loadtest.kv_report import APPROX, EXACT, REPEAT, print_case, verdicts
 from loadtest.loadgen import Client, RequestSpec, Result, Route, Run, run_open, session
 from loadtest.prefix_bench import (
     cached_prefix_tokens,
-    gateway_estimate,
+    estimate_of,
+    gateway_metrics,
     hit_ceiling,
     prefix_capacity,
     scrape,
@@ -181,9 +181,11 @@ _KV_COUNTERS = {
 async def gateway_kv(url: str) -> dict[str, Any]:
     """The gateway's KV events indexes: each instance's state and blocks, and the event
     counters summed over the instances (all empty for a gateway without KV events)."""
-    headers = {"Authorization": f"Bearer {harness.KEY}"}
-    async with aiohttp.ClientSession() as http, http.get(url + "/metrics", headers=headers) as resp:
-        text = await resp.text()
+    return kv_of(await gateway_metrics(url))
+
+
+def kv_of(text: str) -> dict[str, Any]:
+    """`gateway_kv` of a /metrics text already read."""
     out: dict[str, Any] = {"state": {}, "blocks": {}} | dict.fromkeys(_KV_COUNTERS.values(), 0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -201,10 +203,11 @@ async def gateway_figures(fronts: Sequence[Front], names: dict[str, str]) -> lis
     out = []
     for f in fronts:
         if f.gateway:
-            kv = await gateway_kv(f.url)
+            text = await gateway_metrics(f.url)  # one scrape: the estimate and the indexes
+            kv = kv_of(text)
             for key in ("state", "blocks"):
                 kv[key] = dict(sorted((names.get(k, k), v) for k, v in kv[key].items()))
-            out.append({"estimate": await gateway_estimate(f.url), "kv": kv})
+            out.append({"estimate": estimate_of(text), "kv": kv})
     return out
 
 

@@ -205,11 +205,20 @@ def _dispatch(variant: str) -> dict[str, Any] | None:
     return None
 
 
-async def gateway_estimate(url: str) -> dict[str, Any]:
-    """What the gateway's index estimated: prompt tokens sent, and of those cached."""
+async def gateway_metrics(url: str) -> str:
+    """The gateway's /metrics, with the harness's key."""
     headers = {"Authorization": f"Bearer {harness.KEY}"}
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics", headers=headers) as resp:
-        text = await resp.text()
+        return await resp.text()
+
+
+async def gateway_estimate(url: str) -> dict[str, Any]:
+    """What the gateway's index estimated: prompt tokens sent, and of those cached."""
+    return estimate_of(await gateway_metrics(url))
+
+
+def estimate_of(text: str) -> dict[str, Any]:
+    """`gateway_estimate` of a /metrics text already read."""
     totals: dict[str, float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
