@@ -28,6 +28,9 @@ from typing import Any
 
 import aiohttp
 
+from gateway.sim.fleet import kv_endpoints
+from gateway.sim.sim_engine import SimConfig
+
 KEY = "sk-loadtest-local"
 _STARTUP_LIMIT = 30.0
 # More fields of every instance entry of settings.json, or one dict per instance.
@@ -180,7 +183,7 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
             await proc.wait()
 
 
-KV_EVENTS_TOPIC = "kv-events"  # the simulator's (vLLM's default is the empty topic)
+KV_EVENTS_TOPIC = SimConfig.kv_events_topic  # the simulator's (vLLM's default is empty)
 
 
 @dataclass
@@ -195,16 +198,12 @@ class FleetProc:
         port = self.kv_events_port
         if not port:
             return [{} for _ in self.urls]
-        return [
-            {
-                "kv_events": {
-                    "endpoint": f"tcp://*:{port + 2 * i}",
-                    "replay_endpoint": f"tcp://*:{port + 2 * i + 1}",
-                    "topic": KV_EVENTS_TOPIC,
-                }
-            }
-            for i in range(len(self.urls))
-        ]
+        out = []
+        for i in range(len(self.urls)):
+            endpoint, replay = kv_endpoints(port, i)  # the fleet's own layout
+            events = {"endpoint": endpoint, "replay_endpoint": replay, "topic": KV_EVENTS_TOPIC}
+            out.append({"kv_events": events})
+        return out
 
 
 @contextlib.asynccontextmanager

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sim.fleet import _build_parser, _kv_events
+from gateway.sim.fleet import _build_parser, kv_endpoints
 from gateway.sim.sim_batching import Engine
 from gateway.sim.sim_engine import SimConfig, SimStats, parse_cache_salt, parse_endpoint
 from gateway.sim.sim_kv_events import Outbox, encode_batch, replay_request
@@ -301,8 +301,8 @@ def test_fleet_flags_give_each_instance_two_ports() -> None:
     """--kv-events-port P: instance i publishes on P+2i and replays on P+2i+1."""
     args = _build_parser("fleet").parse_args(["--kv-events-port", "5557"])
     assert (args.kv_events_encoding, args.kv_events_drop_every) == ("map", 0)
-    assert _kv_events(5557, 1) == ("tcp://*:5559", "tcp://*:5560")
-    assert _kv_events(0, 3) == (None, None)
+    assert kv_endpoints(5557, 1) == ("tcp://*:5559", "tcp://*:5560")
+    assert kv_endpoints(0, 3) == (None, None)
 
 
 async def test_the_engine_publishes_one_batch_per_step_that_changed_the_cache() -> None:

@@ -201,7 +201,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _kv_events(port: int, index: int) -> tuple[str | None, str | None]:
+def kv_endpoints(port: int, index: int) -> tuple[str | None, str | None]:
     """The KV event and replay endpoints of instance `index` of a fleet publishing from
     `port` (0: none); `*` binds the fleet's host."""
     if port == 0:
@@ -210,7 +210,7 @@ def _kv_events(port: int, index: int) -> tuple[str | None, str | None]:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    kv_events = [_kv_events(args.kv_events_port, i) for i in range(len(args.speeds))]
+    kv_events = [kv_endpoints(args.kv_events_port, i) for i in range(len(args.speeds))]
     configs = [
         SimConfig(
             model=args.model,
