@@ -142,7 +142,12 @@ def _kv(p: argparse.ArgumentParser) -> None:
         default=kv_bench.CASES,
         help=f"any of {','.join(kv_bench.CASES)} (default: all, in that order)",
     )
-    p.add_argument("--arms", type=_names, default=",".join(kv_bench.ARMS), help="comma-separated")
+    p.add_argument(
+        "--arms",
+        type=_names,
+        default=",".join(kv_bench.ARMS),
+        help="comma-separated; `@qN` sets an arm's max_queue_per_instance (exact@q0)",
+    )
     p.add_argument(
         "--duration", type=float, default=defaults.duration, help="seconds of arrivals per arm"
     )

@@ -7,7 +7,8 @@ of `prefix`'s uniform workload (32 groups of 4,000-token prefixes):
 
 - `exact`: the gateway (`least_time`) with each instance's `kv_events` in settings.json;
 - `approx`: the same gateway without them: the index it infers from what it sent;
-- `vllm-router`: vLLM's router, `cache_aware` (skipped where it is not installed).
+- `vllm-router`: vLLM's router, `cache_aware` (skipped where it is not installed);
+- a gateway arm marked `@qN` (`exact@q0`) runs with `max_queue_per_instance = N`.
 
 Cases, after the places docs/serving.md says the inferred index goes wrong:
 
@@ -131,8 +132,19 @@ def _always(url: str) -> Route:
 
 
 def _base(arm: str) -> str:
-    """The arm without its repeat mark: `approx#2` is `approx`."""
-    return arm.partition("#")[0]
+    """The arm without its marks: `approx#2` (a repeat) and `exact@q0` are `approx`, `exact`."""
+    return arm.partition("#")[0].partition("@")[0]
+
+
+def _queue_mark(arm: str) -> dict[str, Any] | None:
+    """`exact@q0`: the arm with `max_queue_per_instance = 0`, every request held in the
+    gateway's queue until an instance has a running slot free (placed at its turn)."""
+    mark = arm.partition("#")[0].partition("@")[2]
+    if not mark:
+        return None
+    if not (mark.startswith("q") and mark[1:].isdigit()):
+        raise ValueError(f"unknown mark {mark!r} in arm {arm!r}: only @qN")
+    return {"max_queue_per_instance": int(mark[1:])}
 
 
 @contextlib.asynccontextmanager
@@ -162,6 +174,7 @@ async def front(
         source=common.gateway_dir,
         # The [slo] defaults, as prefix: the baselines queue without bound.
         gateway=_GATEWAY,
+        dispatch=_queue_mark(arm),
         instance_fields=fleet.kv_event_fields() if base == EXACT else None,
         port=port,
     ) as gw:

@@ -107,3 +107,15 @@ def test_targets_are_met_and_missed() -> None:
     ]
     assert targets[5]["floor"] == pytest.approx(0.1)
     assert targets[5]["bar"] == pytest.approx(1.155)
+
+
+def test_an_arm_mark_sets_the_queue_at_the_instances() -> None:
+    """`exact@q0` is the exact arm holding every request in the gateway's queue; a repeat
+    keeps its mark; anything but `@qN` is refused rather than run as the plain arm."""
+    assert kv_bench._base("exact@q0") == "exact"
+    assert kv_bench._base("approx#2") == "approx"
+    assert kv_bench._queue_mark("exact@q0") == {"max_queue_per_instance": 0}
+    assert kv_bench._queue_mark("approx@q3#2") == {"max_queue_per_instance": 3}
+    assert kv_bench._queue_mark("exact") is None
+    with pytest.raises(ValueError, match="only @qN"):
+        kv_bench._queue_mark("exact@r4")
