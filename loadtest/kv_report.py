@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from loadtest.report import Summary, ms_of, table
+from loadtest.report import Summary, ms_of, read, table, verdict
 from loadtest.scenarios import say
 
 EXACT, APPROX = "exact", "approx"
@@ -126,15 +125,10 @@ def print_case(name: str, case: dict[str, Any]) -> None:
 def _verdict(
     target: str, case: str, measured: float | None, bar: float | None, at_most: bool, **more: Any
 ) -> dict[str, Any]:
-    if measured is None or bar is None or math.isnan(measured) or math.isnan(bar):
-        met = None
-    else:
-        met = measured <= bar if at_most else measured >= bar
-    return {"target": target, "case": case, "measured": measured, "bar": bar, "met": met, **more}
+    return verdict(target, measured, bar, at_most, case=case, **more)
 
 
-def _read(runs: dict[str, Summary], arm: str, read: Callable[[Summary], Any]) -> Any:
-    return read(runs[arm]) if arm in runs else None
+_read = read
 
 
 def _p90(s: Summary) -> Any:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loadtest.report import Summary, _pyplot, ms, table
+from loadtest.report import Summary, _pyplot, ms, read, table, verdict
 from loadtest.scenarios import say
 
 OURS = "least_time"
@@ -77,15 +76,10 @@ def print_scenario(name: str, scenario: dict[str, Any]) -> None:
 def _check(
     target: str, scenario: str, measured: float | None, bar: float | None, at_most: bool
 ) -> dict[str, Any]:
-    if measured is None or bar is None or math.isnan(measured) or math.isnan(bar):
-        return {"target": target, "scenario": scenario, "measured": measured, "bar": bar,
-                "met": None}  # fmt: skip
-    met = measured <= bar if at_most else measured >= bar
-    return {"target": target, "scenario": scenario, "measured": measured, "bar": bar, "met": met}
+    return verdict(target, measured, bar, at_most, scenario=scenario)
 
 
-def _get(runs: dict[str, Summary], setup: str, read: Callable[[Summary], Any]) -> Any:
-    return read(runs[setup]) if setup in runs else None
+_get = read
 
 
 def _times(value: Any, factor: float) -> float | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from loadtest.loadgen import Result, Run
@@ -132,6 +132,24 @@ def timeline(run: Run, most: int = 60) -> dict[str, Any]:
 
 
 # --- text ---------------------------------------------------------------------------------
+
+
+def verdict(
+    target: str, measured: float | None, bar: float | None, at_most: bool, **where: Any
+) -> dict[str, Any]:
+    """A target's verdict: what was measured, the bar, and whether it was met (None when
+    either is missing, so a run that did not measure it cannot pass it). `where` names the
+    scenario or case it was judged in."""
+    if measured is None or bar is None or math.isnan(measured) or math.isnan(bar):
+        met = None
+    else:
+        met = measured <= bar if at_most else measured >= bar
+    return {"target": target, **where, "measured": measured, "bar": bar, "met": met}
+
+
+def read(runs: dict[str, Summary], name: str, value: Callable[[Summary], Any]) -> Any:
+    """`value` of run `name`, or None where it did not run (a skipped baseline)."""
+    return value(runs[name]) if name in runs else None
 
 
 def ms(value: float | None) -> str:
