@@ -22,7 +22,7 @@ from gateway.config.schema import GatewaySection
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
-OPERATIONS = ROOT / "docs" / "operations.md"
+DEPLOYMENT = ROOT / "docs" / "deployment.md"
 
 # The [gateway] keys of issue 33 the ConfigMap sets, which the gateway's loader may not
 # know yet (its code is written in parallel); tests that start or load the gateway use a
@@ -103,12 +103,9 @@ def loader_compatible(text: str, drop: tuple[str, ...] = ()) -> str:
     return out
 
 
-def production_section() -> str:
-    """docs/operations.md's "Running in production" section."""
-    text = OPERATIONS.read_text(encoding="utf-8")
-    start = text.index("\n## Running in production\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
+def deployment_guide() -> str:
+    """docs/deployment.md: running in production (the image, Kubernetes, systemd)."""
+    return DEPLOYMENT.read_text(encoding="utf-8")
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

@@ -36,13 +36,13 @@ from deploykit import (
     config_toml,
     configmap_file,
     container_ports,
+    deployment_guide,
     gateway_container,
     gateway_deployment,
     kustomizations,
     loader_knows,
     named,
     objects,
-    production_section,
     render,
 )
 from redis_server import _binary as redis_binary
@@ -377,15 +377,15 @@ def _secret_refs() -> set[tuple[str, str]]:
 
 def test_no_secret_value_ships_and_the_docs_create_every_secret_the_pods_read() -> None:
     """deploy/kubernetes holds no Secret (nor `change-me`); each Secret key a pod reads is
-    created, with a random value, by a `kubectl create secret` line of docs/operations.md's
-    "Running in production" and of kustomization.yaml's comment."""
+    created, with a random value, by a `kubectl create secret` line of docs/deployment.md and
+    of kustomization.yaml's comment."""
     assert not objects("Secret")
     for path in DEPLOY.rglob("*"):
         if path.is_file():
             assert "change-me" not in path.read_text(encoding="utf-8", errors="replace"), path
     refs = _secret_refs()
     assert refs == {("vllm-gateway", "GATEWAY_API_KEY"), ("vllm-gateway-redis", "REDIS_PASSWORD")}
-    assert set(_CREATE.findall(production_section())) == refs
+    assert set(_CREATE.findall(deployment_guide())) == refs
     assert set(_CREATE.findall((K8S / "kustomization.yaml").read_text())) == refs
 
 

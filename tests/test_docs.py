@@ -1,7 +1,9 @@
-"""The docs keep up with the code: every setting documented, every link resolving.
+"""The docs keep up with the code: every setting documented, every link resolving, every
+page listed and none a wall.
 
 A setting the schema accepts but docs/configuration.md never names is one an operator
-cannot find; a link into a file that moved is a dead end. Both fail here, not in review.
+cannot find; a link into a file or a section that moved is a dead end; a page past a few
+hundred lines is read through, not navigated. All fail here, not in review.
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "configuration.md"
 PAGES = [
     ROOT / "README.md",
-    ROOT / "loadtest" / "README.md",
+    *sorted((ROOT / "loadtest").rglob("*.md")),
     *sorted((ROOT / "docs").rglob("*.md")),
 ]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+# Past this a page is a wall: split it by concern (operations, deployment, ...). The
+# benchmark page is a table of results, one section per scenario, and may run longer.
+MOST_LINES = 500
+RESULTS_PAGES = {"benchmarks.md"}
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
@@ -90,9 +97,31 @@ def test_anchored_links_reach_a_heading(page: Path) -> None:
 
 
 def test_anchors_are_githubs(tmp_path: Path) -> None:
+    """Punctuation and code spans leave a heading's anchor, `# lines` in code make none,
+    and a repeated heading is numbered."""
     page = tmp_path / "page.md"
     page.write_text(
         "# Title\n\n## Drain (SIGTERM)\n\n```sh\n# a comment\n```\n\n### `reload_on_change`\n\n"
         "## Title\n"
     )
     assert anchors(page) == {"title", "drain-sigterm", "reload_on_change", "title-1"}
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in DOCS if p.name not in RESULTS_PAGES], ids=lambda p: p.name
+)
+def test_no_page_is_a_wall(page: Path) -> None:
+    """A docs page stays within MOST_LINES lines (the results page aside), so it is
+    navigated by its headings rather than read through."""
+    lines = len(page.read_text(encoding="utf-8").splitlines())
+    assert lines <= MOST_LINES, f"{page.name} has {lines} lines: split it by concern"
+
+
+def test_the_readme_lists_every_docs_page() -> None:
+    """README's Documentation section links each page of docs/, so none is found by chance."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("\n## Documentation\n")
+    end = readme.find("\n## ", start + 1)
+    index = readme[start : end if end != -1 else len(readme)]
+    listed = set(LINK.findall(index))
+    assert {f"docs/{page.name}" for page in DOCS} <= listed

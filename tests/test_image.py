@@ -13,7 +13,7 @@ import re
 import tomllib
 from typing import Any
 
-from deploykit import ROOT, dockerfile_instructions, production_section
+from deploykit import ROOT, deployment_guide, dockerfile_instructions
 from packaging.markers import Marker, default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -111,12 +111,12 @@ def test_the_lock_pins_every_package_with_hashes_and_no_local_index() -> None:
 
 
 def test_the_lock_says_the_command_the_docs_give() -> None:
-    """requirements.lock's header names the pip-compile line of docs/operations.md, with the
+    """requirements.lock's header names the pip-compile line of docs/deployment.md, with the
     Python minor release of the image."""
     lines = LOCK.read_text().splitlines()
     header = "\n".join(lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))])
     (command,) = re.findall(r"^#\s+(pip-compile .+)$", header, re.MULTILINE)
-    assert command in production_section()
+    assert command in deployment_guide()
     assert f"with Python {_base_python().rsplit('.', 1)[0]}" in header
 
 
