@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.observe.metrics_merge import DEFAULT_GAUGE, merge, mode_of, render
+from gateway.observe.metrics_merge import COUNTERS, DEFAULT_GAUGE, GAUGES, merge, mode_of, render
 
 
 def _worker(
@@ -178,3 +178,30 @@ def test_the_gateways_own_facts_are_not_added_up() -> None:
     assert _value(merged, "gateway_config_last_reload_successful") == 0  # one worker failed
     assert _value(merged, "gateway_config_reloads_total", result="applied") == 3
     assert _value(merged, "gateway_config_info", hash="ab12") == 1
+
+
+def test_every_named_family_is_one_the_gateway_exposes() -> None:
+    """A mode for a family the gateway does not expose is a typo that leaves the real one
+    on the default (a scraped ratio summed over the workers): every name in the tables is
+    a family of the gateway's registry, or of prometheus_client's process and platform
+    collectors. The shared view's collector is read off a stand-in of its state."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from gateway.dispatch import STRATEGIES, HealthPolicy, InstanceSpec, Limits, Scheduler
+    from gateway.fleet.shared import SharedStateCollector
+    from gateway.observe.metrics import Metrics, Registry
+
+    limits = Limits()
+    sched = Scheduler(
+        [InstanceSpec("a")], STRATEGIES["least_busy"](limits.metrics_stale_after), limits,
+        HealthPolicy(),
+    )  # fmt: skip
+    registry = Registry()
+    Metrics(registry).watch(lambda: sched.snapshot(0.0))
+    registry.register(SharedStateCollector(SimpleNamespace(up=True, peers=0, errors={})))  # type: ignore[arg-type]
+    exposed = {family.name for family in registry.collect()}
+    exposed |= {family.name for family in REGISTRY.collect()}
+    assert set(GAUGES) - exposed == set()
+    assert set(COUNTERS) - exposed == set()

@@ -86,7 +86,7 @@ GAUGES: dict[str, str] = {
     "gateway_instance_score": "mean",
     "gateway_instance_vllm_running": "mean",
     "gateway_instance_vllm_waiting": "mean",
-    "gateway_instance_vllm_kv_cache_usage": "mean",
+    "gateway_instance_vllm_kv_cache_usage_ratio": "mean",
     "gateway_instance_prefill_rate_tokens_per_second": "mean",
     "gateway_instance_tpot_estimate_seconds": "mean",
     "gateway_prefix_index_blocks": "mean",
