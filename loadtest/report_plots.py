@@ -143,6 +143,13 @@ def plot_ladder(
 
 
 def plot_overload(body: dict[str, Any], path: Path) -> None:
+    """The overload scenario's figure (overload_figure), saved to `path`."""
+    fig = overload_figure(body)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def overload_figure(body: dict[str, Any]) -> Any:
     """The overload scenario against offered load, one line per setup: goodput, admitted
     p99 TTFT per lane, and how long a refused request waited for its answer."""
     plt = _pyplot()
@@ -198,5 +205,4 @@ def plot_overload(body: dict[str, Any], path: Path) -> None:
         ax.yaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(f"overload: estimated capacity {body['capacity_req_per_s']:.1f} req/s")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
