@@ -58,7 +58,7 @@ class Gateway:
         return self.app[LIFECYCLE]
 
     def names(self) -> list[str]:
-        return [s.name for s in self.dispatcher.scheduler.fleet.states]
+        return [s.name for s in self.dispatcher.scheduler.instances.states]
 
 
 def _toml_value(value: Any) -> str:

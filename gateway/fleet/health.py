@@ -6,7 +6,7 @@ instances concurrently; verdicts go to the scheduler through the dispatcher.
 
 Between rounds, an instance that holds more of our requests than it ever showed running
 has its metrics read twice, `LOOK_GAP_S` apart (`scrape_soon`): two readings are what it
-takes to learn that it runs fewer than configured (dispatch/fleet.py, `learned_slots`), and
+takes to learn that it runs fewer than configured (dispatch/instances.py, `learned_slots`), and
 a flood should not wait for the next round to find out.
 """
 

@@ -67,8 +67,8 @@ class Model:
         return self.setup.limits
 
     def pool(self, lane: Lane) -> list[InstanceState]:
-        serving = [s for s in self.sched.fleet.states if s.serves(lane)]
-        return serving or list(self.sched.fleet.states)
+        serving = [s for s in self.sched.instances.states if s.serves(lane)]
+        return serving or list(self.sched.instances.states)
 
     def has_room(self, state: InstanceState, lane: Lane) -> bool:
         """Recomputed from the spec and the slots the instance showed it runs (its learned
@@ -93,7 +93,7 @@ class Model:
         if limit is not None and len(self.held) >= limit:
             return False
         return any(
-            self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.fleet.states)
+            self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.instances.states)
         )
 
     def lane_alive(self, lane: Lane) -> bool:
@@ -121,7 +121,7 @@ class Model:
         now had room when the choice was made.
         """
         exclude = d.ticket.exclude
-        others = [s for s in self.sched.fleet.states if s.name != d.instance]
+        others = [s for s in self.sched.instances.states if s.name != d.instance]
         chosen = self.sched.state(d.instance)
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
@@ -207,13 +207,13 @@ class Model:
 
     def check(self) -> None:
         limits = self.limits
-        for state in self.sched.fleet.states:
+        for state in self.sched.instances.states:
             mine = [h for h in self.held.values() if h[0] == state.name]
             assert 0 <= state.inflight <= state.spec.slots + limits.max_queue_per_instance
             assert state.inflight == len(mine), state
             assert state.long_prefilling >= 0, state
             assert state.long_prefilling == sum(1 for h in mine if h[2]), state
-        total = sum(s.inflight for s in self.sched.fleet.states)
+        total = sum(s.inflight for s in self.sched.instances.states)
         assert total == self.sched.inflight == len(self.held)
         if limits.global_limit is not None:
             assert self.sched.inflight <= limits.global_limit
@@ -263,4 +263,4 @@ class Model:
             assert self.sched.release(tid, Outcome.SUCCESS, self.now, self.rng) == []
             self.check()
         assert self.sched.inflight == 0
-        assert all(s.long_prefilling == 0 for s in self.sched.fleet.states)
+        assert all(s.long_prefilling == 0 for s in self.sched.instances.states)

@@ -1,6 +1,6 @@
-"""The fleet a scheduler dispatches to: its instances, by name and by lane.
+"""The instances a scheduler dispatches to (the fleet), by name and by lane.
 
-The scheduler has a `Fleet` (`Scheduler.fleet`): it holds the instance states, answers
+The scheduler's `Instances` (`Scheduler.instances`): it holds the instance states, answers
 questions about them (is one up, does it serve a model, has it room for a request, where
 may a ticket go), counts a placed prompt into their prefix indexes, and takes in what the
 shell observes of them that places no request (speeds, scrapes, other processes'
@@ -47,12 +47,12 @@ from .model import (
 from .speed import update_slow_flags
 
 # A prompt longer than this is no model's context today: a peer's prefill work beyond it
-# per request is not believed (Fleet._believable).
+# per request is not believed (Instances._believable).
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
-class Fleet:
+class Instances:
     states: list[InstanceState]
     limits: Limits
     health_policy: HealthPolicy
@@ -438,7 +438,7 @@ class Fleet:
 
     def __repr__(self) -> str:
         instances = " ".join(f"{s.name}={s.verdict}/{s.inflight}" for s in self.states)
-        return f"<Fleet {instances or 'empty'}>"
+        return f"<Instances {instances or 'empty'}>"
 
 
 def learned_slots(state: InstanceState, last: LoadReport | None, report: LoadReport) -> int | None:
