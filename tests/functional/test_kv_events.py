@@ -20,7 +20,7 @@ from fakes import KEY, Gateway, fleet, gateway_with, until_available, write_conf
 
 from gateway.config import load as gateway_config
 from gateway.process.serve import start_simulated
-from gateway.sim.fleet import stop_fleet
+from gateway.sim.sim_fleet import stop_fleet
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 pytestmark = pytest.mark.slow
