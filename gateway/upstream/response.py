@@ -1,7 +1,7 @@
 """What the rest of the gateway knows of an instance's answer: `UpstreamResponse`, and
 `AttemptFailed` for an attempt that got no HTTP answer. Our client (`connection.py`, on
 httptools) returns the one and raises the other, and so does the tests' fake, so the relay,
-the proxy and the health checker never see a transport's own types.
+the proxy and the prober never see a transport's own types.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 from fakes import fleet, gateway_with
 
 from gateway.dispatch.affinity import BLOCK_TOKENS
-from gateway.fleet.health import parse_vllm_metrics
+from gateway.fleet.probes import parse_vllm_metrics
 from gateway.sim.sim_vllm import SimConfig
 
 

@@ -111,7 +111,7 @@ def _cache_tokens(labels: dict[str, str]) -> int | None:
         return None
 
 
-class HealthChecker:
+class Prober:
     def __init__(
         self,
         targets: list[ProbeTarget],
