@@ -103,11 +103,11 @@ class Instances:
         # Each hop goes to the instances whose role takes it; of those, where a lane has
         # no dedicated or shared instance, it may use any.
         self.has_prefill_role = any(s.spec.role == "prefill" for s in states)
-        self._pool: dict[tuple[Lane, Hop], list[InstanceState]] = {}
+        self._eligible: dict[tuple[Lane, Hop], list[InstanceState]] = {}
         for hop in Hop:
             takers = [s for s in states if s.takes(hop)]
             for lane in Lane:
-                self._pool[lane, hop] = [s for s in takers if s.serves(lane)] or takers
+                self._eligible[lane, hop] = [s for s in takers if s.serves(lane)] or takers
 
     def state(self, name: str) -> InstanceState:
         return self._by_name[name]
@@ -136,11 +136,11 @@ class Instances:
 
     def alive(self, lane: Lane, model: str | None, now: float, hop: Hop = Hop.WHOLE) -> bool:
         """Whether an instance that may take `hop` of a `lane` request for `model` is up."""
-        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane, hop])
+        return any(s.available(now) and s.serves_model(model) for s in self._eligible[lane, hop])
 
-    def pool(self, lane: Lane, hop: Hop) -> Sequence[InstanceState]:
+    def eligible(self, lane: Lane, hop: Hop) -> Sequence[InstanceState]:
         """The instances that may take `hop` of a `lane` request, up or not."""
-        return self._pool[lane, hop]
+        return self._eligible[lane, hop]
 
     # ------------------------------------------------------------ room and observations
 
@@ -155,7 +155,7 @@ class Instances:
         """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
         return any(
             s.available(now) and s.name not in tried and s.serves_model(model)
-            for s in self._pool[lane, hop]
+            for s in self._eligible[lane, hop]
         )
 
     def set_drained(self, drained: Mapping[str, float]) -> bool:
@@ -356,7 +356,7 @@ class Instances:
         state.own_at_report = state.inflight
 
     def candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where `ticket` may go now: the instances of its pool up for it and with room, and
+        """Where `ticket` may go now: the instances eligible for it, up and with room, and
         of those one that did not just say "busy" unless none other may take it; none while
         `holding` (requests placed in all) is at the global limit."""
         limit = self.limits.global_limit
@@ -366,7 +366,7 @@ class Instances:
         # exists (`untried_available`) before it retries.
         room = [
             s
-            for s in self._pool[ticket.lane, ticket.hop]
+            for s in self._eligible[ticket.lane, ticket.hop]
             if s.available(now)
             and s.serves_model(ticket.model)
             and s.name not in ticket.exclude
@@ -403,7 +403,7 @@ class Instances:
         running slots: they start before anything the gateway still queues."""
         return sum(
             max(0, s.fleet_inflight - s.slots)
-            for s in self._pool[lane, hop]
+            for s in self._eligible[lane, hop]
             if s.serves_model(model)
         )
 

@@ -178,8 +178,8 @@ class Scheduler:
         """Whether `ticket` goes in two hops: prefill on a prefill instance, then decode
         (disaggregation.py). Never in a fleet without prefill instances."""
         return split(
-            self.instances.pool(ticket.lane, Hop.PREFILL),
-            self.instances.pool(ticket.lane, Hop.DECODE),
+            self.instances.eligible(ticket.lane, Hop.PREFILL),
+            self.instances.eligible(ticket.lane, Hop.DECODE),
             ticket,
             now,
             transfer_s_per_token=self._transfer.value,

@@ -66,7 +66,7 @@ class Model:
     def limits(self) -> Limits:
         return self.setup.limits
 
-    def pool(self, lane: Lane) -> list[InstanceState]:
+    def eligible(self, lane: Lane) -> list[InstanceState]:
         serving = [s for s in self.sched.instances.states if s.serves(lane)]
         return serving or list(self.sched.instances.states)
 
@@ -75,7 +75,7 @@ class Model:
         capacity, which test_learned_capacity.py checks), independently of the scheduler's
         fleet's own `_has_room`. From the spec alone, a report of fewer running than placed made
         the model see room the scheduler rightly did not."""
-        if not state.available(self.now) or state not in self.pool(lane):
+        if not state.available(self.now) or state not in self.eligible(lane):
             return False
         if state.inflight >= state.slots + self.limits.max_queue_per_instance:
             return False
@@ -97,7 +97,7 @@ class Model:
         )
 
     def lane_alive(self, lane: Lane) -> bool:
-        return any(s.available(self.now) for s in self.pool(lane))
+        return any(s.available(self.now) for s in self.eligible(lane))
 
     def record_final(self, decision: Decision) -> None:
         tid = decision.ticket.id
@@ -109,7 +109,7 @@ class Model:
         state = self.sched.state(decision.instance)
         lane = decision.ticket.lane
         assert state.available(self.now), f"{decision} went to an unavailable {state!r}"
-        assert state in self.pool(lane), f"{decision} went to {state!r}, not serving {lane}"
+        assert state in self.eligible(lane), f"{decision} went to {state!r}, not serving {lane}"
         if lane is Lane.LONG and self.capped(state):
             assert state.long_prefilling <= self.limits.max_long_per_instance, state
         self.held[decision.ticket.id] = (decision.instance, lane, lane is Lane.LONG)
@@ -200,7 +200,8 @@ class Model:
 
     def untried_alive(self, ticket: Ticket) -> bool:
         return any(
-            s.available(self.now) and s.name not in ticket.exclude for s in self.pool(ticket.lane)
+            s.available(self.now) and s.name not in ticket.exclude
+            for s in self.eligible(ticket.lane)
         )
 
     # ---------------------------------------------------------------- invariants
