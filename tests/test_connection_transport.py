@@ -263,7 +263,7 @@ async def test_a_clean_end_goes_back_once_however_often_it_is_closed() -> None:
     response = head.result()
     assert owner.back == []  # not before its reader is done with it
     response.close()
-    response.release()
+    response.close()
     assert owner.back == [conn]
     assert "idle used=1" in repr(conn)
 

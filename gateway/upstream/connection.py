@@ -180,8 +180,6 @@ class Response:
             conn.finished(self)
         self._end("closed by the gateway before it ended")
 
-    release = close
-
     # -------------------------------------------------------- from the connection
 
     def _body(self, data: bytes) -> None:

@@ -49,17 +49,15 @@ class UpstreamResponse(Protocol):
         ...
 
     def close(self) -> None:
-        """Drop the connection (idempotent): the instance sees its client leave and aborts."""
-        ...
-
-    def release(self) -> None:
-        """Hand a fully read connection back to the pool (idempotent)."""
+        """Done with the answer (idempotent): its connection goes back to the pool if the
+        answer ended cleanly, else it is dropped and the instance sees its client leave and
+        aborts (a stream not read to its end, a cancelled reader)."""
         ...
 
 
 async def read_whole(response: UpstreamResponse, timeout: float) -> tuple[int, bytes]:
-    """A small exchange's status and body read whole; the connection released after."""
+    """A small exchange's status and body read whole, then the answer closed (see `close`)."""
     try:
         return response.status, await response.read(timeout)
     finally:
-        response.release()
+        response.close()
