@@ -212,7 +212,7 @@ class Prober:
                 target.url + "/health", headers=target.headers, timeout=self.probe_timeout
             )
         except AttemptFailed as exc:
-            return exc.kind
+            return exc.reported
         return None if status == 200 else f"status_{status}"
 
     async def _scrape(self, target: ProbeTarget) -> None:
@@ -228,7 +228,7 @@ class Prober:
                 load = parse_vllm_metrics(body.decode())
                 failed = None if load is not None else "no_vllm_metrics"
         except AttemptFailed as exc:
-            failed = exc.kind
+            failed = exc.reported
         except (ValueError, UnicodeDecodeError):
             failed = "parse"
         if failed is not None:
