@@ -63,12 +63,12 @@ def _fleet(instances: int, index_blocks: int, blocks: tuple[int, ...], seed: int
         limits,
     )
     rng = random.Random(seed)
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, rng)
         filler = [rng.getrandbits(64) for _ in range(index_blocks)]
         for start in range(0, len(filler), 256):
             state.cache.insert(filler[start : start + 256])
-    sched.fleet.states[0].cache.insert(blocks[: len(blocks) // 2])
+    sched.instances.states[0].cache.insert(blocks[: len(blocks) // 2])
     return sched
 
 
@@ -110,8 +110,8 @@ def measure(
     ticket = Ticket(1, Lane.LONG, 1e9, tokens=prompt_bytes // 4, max_tokens=256, prefix=blocks)
     least_time = sched.strategy
     least_busy = STRATEGIES["least_busy"](sched.limits.metrics_stale_after, None)
-    states, rng = sched.fleet.states, random.Random(seed)
-    index = sched.fleet.states[1].cache
+    states, rng = sched.instances.states, random.Random(seed)
+    index = sched.instances.states[1].cache
     result = {
         "blocks": float(len(blocks)),
         "hash_us": _per_call_us(lambda: prompt_blocks(prompt_text(payload)), number, repeat),

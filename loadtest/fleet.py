@@ -1,11 +1,11 @@
 """`python -m loadtest.fleet`: the simulated fleet's command line, kept for the checkout's
-scripts and READMEs; the fleet is `gateway.sim.fleet` (also `python -m gateway.sim.fleet`)."""
+scripts and READMEs; the fleet itself is `gateway.sim.sim_fleet` (also a `python -m` entry)."""
 
 from __future__ import annotations
 
 import sys
 
-from gateway.sim.fleet import main, start_fleet, stop_fleet
+from gateway.sim.sim_fleet import main, start_fleet, stop_fleet
 
 __all__ = ["main", "start_fleet", "stop_fleet"]
 

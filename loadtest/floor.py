@@ -81,7 +81,7 @@ def aiohttp_app(forwarder: _Forwarder) -> web.Application:
             while (data := await response.next_chunk(_TIMEOUT)) and transport is not None:
                 transport.write(_chunk(data))
         finally:
-            response.release()
+            response.close()
         await out.write_eof()
         return out
 
@@ -145,7 +145,7 @@ class HttptoolsExchange(asyncio.Protocol):
                 head = b""
             self._write(head + b"0\r\n\r\n")
         finally:
-            response.release()
+            response.close()
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None:

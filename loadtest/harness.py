@@ -28,8 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from gateway.sim.fleet import kv_endpoints
 from gateway.sim.sim_engine import SimConfig
+from gateway.sim.sim_fleet import kv_endpoints
 
 KEY = "sk-loadtest-local"
 _STARTUP_LIMIT = 30.0

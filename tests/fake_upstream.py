@@ -48,7 +48,6 @@ class FakeResponse:
         self._items: deque[Item] = deque(items)
         self.reads = 0  # non-empty chunks handed out
         self.closed = False
-        self.released = False
         self.pauses = 0  # pause_reading() calls while spliced
         self._reading = asyncio.Event()
         self._reading.set()
@@ -131,9 +130,6 @@ class FakeResponse:
         self._closing.set()
         if self._pusher is not None:
             self._pusher.cancel()  # the instance sees its client leave
-
-    def release(self) -> None:
-        self.released = True
 
     def __repr__(self) -> str:
         spliced = " spliced" if self._pusher is not None else ""

@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway.config import load as gateway_config
 from gateway.fleet.discovery import Resolver, system_resolver
 from gateway.server.app import build_app
-from gateway.server.resources import DISPATCHER, HEALTH, LIFECYCLE, METRICS
+from gateway.server.resources import DISPATCHER, LIFECYCLE, METRICS, PROBER
 from gateway.server.runner import make_runner
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
@@ -46,8 +46,8 @@ class Gateway:
         return self.app[DISPATCHER]
 
     @property
-    def health(self) -> Any:
-        return self.app[HEALTH]
+    def prober(self) -> Any:
+        return self.app[PROBER]
 
     @property
     def metrics(self) -> Any:
@@ -58,7 +58,7 @@ class Gateway:
         return self.app[LIFECYCLE]
 
     def names(self) -> list[str]:
-        return [s.name for s in self.dispatcher.scheduler.fleet.states]
+        return [s.name for s in self.dispatcher.scheduler.instances.states]
 
 
 def _toml_value(value: Any) -> str:

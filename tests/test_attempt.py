@@ -12,7 +12,7 @@ from gateway.dispatch import STRATEGIES, InstanceSpec, Lane, Limits, Outcome, Sc
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.observe.metrics import Metrics
 from gateway.proxy.attempt import Failed, failed_to_send
-from gateway.upstream.response import AttemptFailed
+from gateway.upstream.response import AttemptFailed, AttemptKind
 
 
 def one_instance() -> Dispatcher:
@@ -78,3 +78,12 @@ def test_no_response_head_fails_with_the_matching_gateway_error(
     assert isinstance(failed.answer, errors.GatewayError)
     assert failed.answer.retry_after == retry_after
     assert "detail" in failed.answer.message
+
+
+@pytest.mark.parametrize("kind", ["stale", "unsendable", "shutting_down"])
+def test_a_kind_that_says_more_than_connect_is_reported_as_connect(kind: AttemptKind) -> None:
+    """Retries, metrics and recent errors name these "connect", as before they had names;
+    the client gets the same 503 with Retry-After."""
+    failed = failed_to_send(AttemptFailed(kind, "detail"), retry_after=3.0)
+    assert failed.reason == "connect"
+    assert type(failed.answer) is errors.NoInstanceAvailable

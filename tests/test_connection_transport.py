@@ -18,12 +18,14 @@ from mock_transport import MockTransport, Network, connect
 from multidict import CIMultiDictProxy
 from prometheus_client import CollectorRegistry
 
+from gateway.config.schema import Timeouts
 from gateway.observe.metrics import Metrics
 from gateway.relay import splice, sse
 from gateway.relay.client_stream import ClientStream
 from gateway.server.connections import ClientConnections, ConnectionLimits
 from gateway.upstream import connection as h1
 from gateway.upstream import pool as h1_pool
+from gateway.upstream.client import Upstream
 from gateway.upstream.response import AttemptFailed
 
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
@@ -263,7 +265,7 @@ async def test_a_clean_end_goes_back_once_however_often_it_is_closed() -> None:
     response = head.result()
     assert owner.back == []  # not before its reader is done with it
     response.close()
-    response.release()
+    response.close()
     assert owner.back == [conn]
     assert "idle used=1" in repr(conn)
 
@@ -656,8 +658,9 @@ async def test_no_head_in_time_is_a_timeout_and_drops_the_connection(network: Ne
     assert network.last.aborted
 
 
-async def test_a_refused_connect_or_a_foreign_url_is_a_connect_failure(network: Network) -> None:
-    """A connection refused, or a URL that is not http(s)://, fails the attempt with "connect"."""
+async def test_a_refused_connect_is_connect_and_a_foreign_url_unsendable(network: Network) -> None:
+    """A connection refused fails the attempt with "connect"; a URL that is not http(s)://,
+    with "unsendable", which counts as "connect"."""
     pool = h1_pool.Pool(4, 1.0)
     network.refuse = ConnectionRefusedError("refused")
     with pytest.raises(AttemptFailed) as refused:
@@ -666,8 +669,25 @@ async def test_a_refused_connect_or_a_foreign_url_is_a_connect_failure(network: 
     assert "cannot connect" in refused.value.detail
     with pytest.raises(AttemptFailed) as foreign:
         await request(pool, "ftp://a/v1")
-    assert foreign.value.kind == "connect"
+    assert (foreign.value.kind, foreign.value.reported) == ("unsendable", "connect")
     assert "open=0/4" in repr(pool)
+
+
+async def test_a_closed_pool_or_an_unsendable_header_opens_nothing(network: Network) -> None:
+    """A pool the gateway closed refuses with "shutting_down", and a header holding a line
+    break is "unsendable" (Upstream maps the pool's refusal); both count as "connect"."""
+    upstream = Upstream(4, Timeouts())
+    await upstream.start()
+    with pytest.raises(AttemptFailed) as unsendable:
+        await upstream.open("GET", "http://a:8000/", body=None, headers={"X": "a\r\nb"}, timeout=1)
+    assert (unsendable.value.kind, unsendable.value.reported) == ("unsendable", "connect")
+    await upstream.close()
+    pool = h1_pool.Pool(4, 1.0)
+    pool.close()
+    with pytest.raises(AttemptFailed) as closing:
+        await request(pool)
+    assert (closing.value.kind, closing.value.reported) == ("shutting_down", "connect")
+    assert network.transports == []
 
 
 async def test_an_https_instance_is_reached_over_tls_with_its_name_checked(

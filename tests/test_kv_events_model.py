@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sim.fleet import _build_parser, kv_endpoints
 from gateway.sim.sim_batching import Engine
 from gateway.sim.sim_engine import SimConfig, SimStats, parse_cache_salt, parse_endpoint
+from gateway.sim.sim_fleet import _build_parser, kv_endpoints
 from gateway.sim.sim_kv_events import Outbox, encode_batch, replay_request
 from gateway.sim.sim_prefix_cache import (
     BlockKeys,

@@ -104,7 +104,7 @@ def _help_entries(text: str) -> list[str]:
         ("loadtest.__main__", ["lanes"]),
         ("loadtest.__main__", ["overhead"]),
         ("loadtest.fleet", []),
-        ("gateway.sim.fleet", []),
+        ("gateway.sim.sim_fleet", []),
         ("loadtest.soak", []),
         ("loadtest.replicas", []),
         ("loadtest.affinity_cost", []),

@@ -36,7 +36,7 @@ FAR = 1e9
 
 def make(*specs: InstanceSpec) -> Scheduler:
     sched = Scheduler(list(specs), STRATEGIES["least_busy"](30.0), Limits())
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, random.Random(0))
     return sched
 

@@ -7,7 +7,6 @@ import statistics
 
 import pytest
 
-from gateway.sim.fleet import _build_parser
 from gateway.sim.sim_engine import (
     MAX_MODEL_LEN,
     ApiError,
@@ -18,6 +17,7 @@ from gateway.sim.sim_engine import (
     parse_max_tokens,
     tokens_to_generate,
 )
+from gateway.sim.sim_fleet import _build_parser
 
 
 def prompt(i: int) -> list[dict[str, str]]:
@@ -91,7 +91,7 @@ def test_no_default_limit_is_the_rest_of_the_context() -> None:
 
 
 def test_the_fleet_command_takes_the_median() -> None:
-    """`python -m gateway.sim.fleet --answer-tokens-median N` sets it; 200 when not given."""
+    """`python -m gateway.sim.sim_fleet --answer-tokens-median N` sets it; 200 when not given."""
     assert _build_parser("fleet").parse_args([]).answer_tokens_median == 200
     args = _build_parser("fleet").parse_args(["--answer-tokens-median", "50"])
     assert args.answer_tokens_median == 50

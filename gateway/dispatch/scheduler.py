@@ -6,7 +6,7 @@ decisions. Decisions about requests that were waiting in the gateway queue come 
 a list from whichever call freed room (`release`, `prefill_done`, `probe`), and the
 shell wakes those requests.
 
-The scheduler has the fleet's state (`self.fleet`, `fleet.py`): where a request may go
+The scheduler has the fleet's state (`self.instances`, `instances.py`): where a request may go
 (its limits, lane, models) is the fleet's to say, and what the shell observes of an
 instance that places no request goes there through the few methods the dispatcher needs
 (the last section below). The scheduler keeps what the fleet does not: the gateway queue,
@@ -33,10 +33,10 @@ from types import MappingProxyType
 from .admission import DrainRates, predicted_wait, refusal
 from .disaggregation import fastest_prefill, split
 from .fairness import ServiceCounts
-from .fleet import Fleet
 from .health import apply_outcome
 from .holding import Held as _Held
 from .holding import UnknownTicket
+from .instances import Instances
 from .kv_index import KvIndex
 from .model import (
     Assigned,
@@ -75,7 +75,7 @@ class Scheduler:
         limits: Limits = Limits(),
         health_policy: HealthPolicy = HealthPolicy(),
     ) -> None:
-        self.fleet = Fleet(specs, limits, health_policy)
+        self.instances = Instances(specs, limits, health_policy)
         self.strategy = strategy
         self.closed = False
         self._queues = WaitQueues()
@@ -112,7 +112,7 @@ class Scheduler:
         requests may now fit (more room) or have nowhere left to go (rejected).
         """
         departed = {h.state.name: h.state for h in self._holding.values()}
-        self.fleet.set_fleet(specs, limits, health_policy, departed)
+        self.instances.set_fleet(specs, limits, health_policy, departed)
         self._service.shares = limits.shares
         return self._place_waiting(now, rng)
 
@@ -121,7 +121,7 @@ class Scheduler:
     @property
     def limits(self) -> Limits:
         """The limits it runs with now (the fleet's: a reload changes both at once)."""
-        return self.fleet.limits
+        return self.instances.limits
 
     @property
     def inflight(self) -> int:
@@ -144,7 +144,7 @@ class Scheduler:
         peers_queued = self._shared.queued.get(lane, 0)
         if priority is Priority.INTERACTIVE:
             peers_queued -= self._shared.queued_batch.get(lane, 0)
-        at_instances = self.fleet.beyond_slots(lane, model, hop)
+        at_instances = self.instances.beyond_slots(lane, model, hop)
         own = self._queues.length_for(lane, model, hop, priority)
         return own + max(0, peers_queued) + at_instances
 
@@ -178,8 +178,8 @@ class Scheduler:
         """Whether `ticket` goes in two hops: prefill on a prefill instance, then decode
         (disaggregation.py). Never in a fleet without prefill instances."""
         return split(
-            self.fleet.pool(ticket.lane, Hop.PREFILL),
-            self.fleet.pool(ticket.lane, Hop.DECODE),
+            self.instances.eligible(ticket.lane, Hop.PREFILL),
+            self.instances.eligible(ticket.lane, Hop.DECODE),
             ticket,
             now,
             transfer_s_per_token=self._transfer.value,
@@ -197,7 +197,7 @@ class Scheduler:
             return self._refuse(ticket, "shutting_down", self.limits.queue_retry_after)
         if ticket.deadline <= now:
             return self._refuse(ticket, "deadline", self.limits.queue_retry_after)
-        if not self.fleet.alive(ticket.lane, ticket.model, now, ticket.hop):
+        if not self.instances.alive(ticket.lane, ticket.model, now, ticket.hop):
             return self._refuse(ticket, "no_instance", self.limits.queue_retry_after)
         if ticket.exclude:
             return self._submit_retry(ticket, now, rng)
@@ -206,7 +206,7 @@ class Scheduler:
         # In the queue's order: nobody may overtake requests already waiting for the same
         # lane, model and hop whose wait runs out first (of its class, all of them).
         if not self._queues.waiting_before(ticket, wait_until):
-            candidates = self.fleet.candidates(ticket, now, len(self._holding))
+            candidates = self.instances.candidates(ticket, now, len(self._holding))
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
         if self.bounded(lane, priority) >= self.limits.gateway_queue_size:
@@ -242,13 +242,13 @@ class Scheduler:
             waiting[key] = waiting.get(key, 0) + n
         places = self._service.places_before(ticket.key, waiting)
         # Its own place is the last of `places`; refusal counts that one itself.
-        return self.fleet.beyond_slots(lane, model, hop) + retries + places - 1
+        return self.instances.beyond_slots(lane, model, hop) + retries + places - 1
 
     def _submit_retry(self, ticket: Ticket, now: float, rng: random.Random) -> Decision:
         """A retry goes to an untried instance with room, or waits apart for one."""
         if not self._untried_alive(ticket, now):
             return self._refuse(ticket, "no_instance", self.limits.queue_retry_after)
-        candidates = self.fleet.candidates(ticket, now, len(self._holding))
+        candidates = self.instances.candidates(ticket, now, len(self._holding))
         if candidates:
             return self._assign(ticket, candidates, now, rng)
         if self._queues.retry_count() >= self.limits.gateway_queue_size:
@@ -277,7 +277,7 @@ class Scheduler:
         assert ticket is not None
         # Room may have come back unannounced (an ejection that ran out): it starts there.
         if ticket.deadline > now and (
-            candidates := self.fleet.candidates(ticket, now, len(self._holding))
+            candidates := self.instances.candidates(ticket, now, len(self._holding))
         ):
             return [self._assign(ticket, candidates, now, rng)]
         return [self._refuse(ticket, "deadline", self.limits.queue_retry_after)]
@@ -301,7 +301,7 @@ class Scheduler:
         held.end_prefill()
         if held.departs_at_prefill:
             self._depart(held, now)
-        self.fleet.settle_prefix(held.state, held.ticket, now)
+        self.instances.settle_prefix(held.state, held.ticket, now)
         if ttft is not None and held.ticket.hop is Hop.DECODE:
             if held.ticket.tokens:
                 # Never below zero: a hop quicker than a step moved its blocks for free.
@@ -328,13 +328,13 @@ class Scheduler:
         prefilling = held.prefilling
         held.leave()
         if outcome is Outcome.SUCCESS:  # a whole answer: its prompt was computed there
-            self.fleet.settle_prefix(held.state, held.ticket, now)
+            self.instances.settle_prefix(held.state, held.ticket, now)
         if held.state.kv is not None:  # what it did not compute, nobody will
             held.state.kv.release(ticket_id)
         if prefilling or not held.departs_at_prefill:  # else it departed at its first token
             self._depart(held, now)
-        fleet = self.fleet
-        apply_outcome(held.state, outcome, now, fleet.health_policy, fleet.states, error)
+        instances = self.instances
+        apply_outcome(held.state, outcome, now, instances.health_policy, instances.states, error)
         return self._place_waiting(now, rng)
 
     def _depart(self, held: _Held, now: float) -> None:
@@ -365,7 +365,7 @@ class Scheduler:
     ) -> list[Decision]:
         """An active health probe answered (or failed, and why); ignored for a removed
         instance."""
-        changed = self.fleet.observe_probe(name, ok, now, error)
+        changed = self.instances.observe_probe(name, ok, now, error)
         if changed is None:
             return []
         # Also place what waits when nothing changed: an ejection may have run out since.
@@ -375,7 +375,7 @@ class Scheduler:
         self, name: str, models: frozenset[str], now: float, rng: random.Random
     ) -> list[Decision]:
         """The models `name` lists now (its /v1/models); requests waiting for them may go."""
-        return self._place_waiting(now, rng) if self.fleet.observe_models(name, models) else []
+        return self._place_waiting(now, rng) if self.instances.observe_models(name, models) else []
 
     def set_drained(
         self, drained: Mapping[str, float], now: float, rng: random.Random
@@ -385,7 +385,7 @@ class Scheduler:
         A drained instance takes no new request; those it holds finish. Queued requests
         go elsewhere, or are refused if nowhere is left; one resumed may take them.
         """
-        return self._place_waiting(now, rng) if self.fleet.set_drained(drained) else []
+        return self._place_waiting(now, rng) if self.instances.set_drained(drained) else []
 
     def apply_shared(
         self, view: SharedView, now: float, rng: random.Random, *, place: bool = True
@@ -405,7 +405,7 @@ class Scheduler:
         self._shared = view
         self._departures.peers = view.rates
         self._service.peers = view.key_service
-        self.fleet.hear_peers(view, now)
+        self.instances.hear_peers(view, now)
         # Peers may have let go of places: waiting requests may fit now.
         return self._place_waiting(now, rng) if place and self._queues else []
 
@@ -418,7 +418,7 @@ class Scheduler:
         a request may still go elsewhere or be refused at once with Retry-After. The
         newest go first: the instance serves its queue in order, so they wait longest.
         """
-        state = self.fleet.state(name)
+        state = self.instances.state(name)
         if state.learned_slots is None:
             return []
         excess = state.fleet_inflight - (state.slots + self.limits.max_queue_per_instance)
@@ -437,7 +437,7 @@ class Scheduler:
         """Whether we hold more on `name` than it ever showed running (and at least
         UNCONFIRMED): time to look at its metrics again, rather than at the next round,
         in case it runs fewer than its configured slots."""
-        state = self.fleet.state(name)
+        state = self.instances.state(name)
         return state.learned_slots is None and state.fleet_inflight > max(
             UNCONFIRMED, 2 * state.running_seen
         )
@@ -457,7 +457,7 @@ class Scheduler:
         batch = {lane: n for lane in Lane if (n := self._queues.batch_length(lane))}
         keys = self._queues.key_counts()
         rates, service = self._departures.own(now), self._service.own()
-        return self.fleet.local_share(queued, rates, batch, keys, service)
+        return self.instances.local_share(queued, rates, batch, keys, service)
 
     def close(self) -> list[Decision]:
         """Shutting down: refuse new requests and turn away every queued one."""
@@ -489,8 +489,10 @@ class Scheduler:
         return Rejected(ticket, reason, retry_after)
 
     def _untried_alive(self, ticket: Ticket, now: float) -> bool:
-        fleet = self.fleet
-        return fleet.untried_available(ticket.lane, ticket.exclude, now, ticket.model, ticket.hop)
+        instances = self.instances
+        return instances.untried_available(
+            ticket.lane, ticket.exclude, now, ticket.model, ticket.hop
+        )
 
     def _assign(
         self, ticket: Ticket, candidates: Sequence[InstanceState], now: float, rng: random.Random
@@ -499,7 +501,7 @@ class Scheduler:
         if ticket.hop is Hop.PREFILL:
             state = fastest_prefill(candidates, ticket, rng)
         else:
-            state = self.strategy.choose(candidates, self.fleet.states, ticket, now, rng)
+            state = self.strategy.choose(candidates, self.instances.states, ticket, now, rng)
         cached = state.cached_tokens(ticket)
         if ticket.hop is not Hop.DECODE:  # a decode hop's prompt was its prefill hop's
             self._service.charge(ticket.key, prompt_tokens=ticket.tokens)
@@ -510,11 +512,11 @@ class Scheduler:
             ahead=state.pending_prefill_tokens + state.peers.pending_prefill_tokens,
             # A decode hop reads its prompt's KV blocks: nothing of it to compute there.
             uncached=0 if ticket.hop is Hop.DECODE else ticket.tokens - cached,
-            long_place=self.fleet.takes_long_place(state, ticket),
+            long_place=self.instances.takes_long_place(state, ticket),
         )
         self._holding[ticket.id] = held
         held.take()
-        self.fleet.place_prefix(state, ticket, cached, now)
+        self.instances.place_prefix(state, ticket, cached, now)
         return Assigned(ticket, state.name)
 
     def _place_waiting(self, now: float, rng: random.Random) -> list[Decision]:
@@ -523,7 +525,7 @@ class Scheduler:
         out: list[Decision] = []
         after = self.limits.queue_retry_after
         for (lane, model, hop, _), tickets in self._queues.fifos():
-            if not self.fleet.alive(lane, model, now, hop):
+            if not self.instances.alive(lane, model, now, hop):
                 for ticket in tickets:
                     out.append(self._refuse(ticket, "no_instance", after))
         for ticket in self._queues.retries():
@@ -540,7 +542,7 @@ class Scheduler:
                 candidates = (
                     []
                     if ticket.deadline <= now
-                    else self.fleet.candidates(ticket, now, len(self._holding))
+                    else self.instances.candidates(ticket, now, len(self._holding))
                 )
                 if expired and not candidates:
                     out.append(self._refuse(ticket, "deadline", after))
@@ -561,7 +563,7 @@ class Scheduler:
             strategy=self.strategy.name,
             inflight=self.inflight,
             queues=MappingProxyType({lane: self.queue_length(lane) for lane in Lane}),
-            instances=instances_at(self.fleet.states, now, self.limits.metrics_stale_after),
+            instances=instances_at(self.instances.states, now, self.limits.metrics_stale_after),
             key_service=MappingProxyType(self._service.own()),
             key_queued=MappingProxyType(self._queues.key_counts()),
             model_queued=MappingProxyType(Counter(t.model for t in self._queues if t.model)),
@@ -569,35 +571,35 @@ class Scheduler:
 
     # ------------------------------------------------------------ the fleet, for the dispatcher
     # What the dispatcher asks of the instances, or tells of them, that places no request:
-    # passed to the fleet (fleet.py says what each does). Nothing else of it shows here.
+    # passed to the fleet (instances.py says what each does). Nothing else of it shows here.
 
     @property
     def has_prefill_role(self) -> bool:
-        return self.fleet.has_prefill_role
+        return self.instances.has_prefill_role
 
     def state(self, name: str) -> InstanceState:
-        return self.fleet.state(name)
+        return self.instances.state(name)
 
     def has(self, name: str) -> bool:
-        return self.fleet.has(name)
+        return self.instances.has(name)
 
     def names(self) -> frozenset[str]:
-        return self.fleet.names()
+        return self.instances.names()
 
     def room(self, name: str) -> int:
-        return self.fleet.room(name)
+        return self.instances.room(name)
 
     def note_full(self, name: str) -> None:
-        self.fleet.note_full(name)
+        self.instances.note_full(name)
 
     def knows_model(self, model: str) -> bool:
-        return self.fleet.knows_model(model)
+        return self.instances.knows_model(model)
 
     def model_served(self, model: str) -> bool:
-        return self.fleet.model_served(model)
+        return self.instances.model_served(model)
 
     def served_models(self) -> list[str]:
-        return self.fleet.served_models()
+        return self.instances.served_models()
 
     def untried_available(
         self,
@@ -607,40 +609,40 @@ class Scheduler:
         model: str | None = None,
         hop: Hop = Hop.WHOLE,
     ) -> bool:
-        return self.fleet.untried_available(lane, tried, now, model, hop)
+        return self.instances.untried_available(lane, tried, now, model, hop)
 
     def least_busy_available(self, now: float, model: str | None = None) -> str | None:
-        return self.fleet.least_busy_available(now, model)
+        return self.instances.least_busy_available(now, model)
 
     def report_load(self, name: str, report: LoadReport) -> None:
-        self.fleet.report_load(name, report)
+        self.instances.report_load(name, report)
 
     def observe_error(self, name: str, error: str, now: float) -> None:
-        self.fleet.observe_error(name, error, now)
+        self.instances.observe_error(name, error, now)
 
     def observe_tpot(self, name: str, seconds: float) -> None:
-        self.fleet.observe_tpot(name, seconds)
+        self.instances.observe_tpot(name, seconds)
 
     def update_slow_flags(self) -> dict[str, bool]:
-        return self.fleet.update_slow_flags()
+        return self.instances.update_slow_flags()
 
     def kv_index(self, name: str) -> KvIndex | None:
-        return self.fleet.kv_index(name)
+        return self.instances.kv_index(name)
 
     def kv_blocks(self, model: str | None) -> tuple[int, str | None] | None:
-        return self.fleet.kv_blocks(model)
+        return self.instances.kv_blocks(model)
 
     def take_placements(self) -> list[tuple[str, tuple[int, ...]]]:
-        return self.fleet.take_placements()
+        return self.instances.take_placements()
 
     def take_settled(self) -> list[tuple[str, tuple[int, ...]]]:
-        return self.fleet.take_settled()
+        return self.instances.take_settled()
 
     def learn_placements(self, placements: Iterable[tuple[str, Sequence[int]]]) -> None:
-        self.fleet.learn_placements(placements)
+        self.instances.learn_placements(placements)
 
     def learn_settled(self, settled: Iterable[tuple[str, Sequence[int]]]) -> None:
-        self.fleet.learn_settled(settled)
+        self.instances.learn_settled(settled)
 
     def __repr__(self) -> str:
         return f"<Scheduler {self.strategy.name} inflight={self.inflight} {self._queues!r}>"

@@ -1,7 +1,7 @@
 """The core's shell: what feeds the pure scheduler and waits on it.
 
-`dispatcher` (queue waits and leases around `gateway.dispatch.Scheduler`), `health` (probes,
-`/metrics` and `/v1/models` scrapes), `shared` and `shared_codec` (the view of the other
+`dispatcher` (queue waits and leases around `gateway.dispatch.Scheduler`), `probes` (health
+probes, `/metrics` and `/v1/models` scrapes), `shared` and `shared_codec` (the view of the other
 processes' load through Redis: `SharedState`, the entry point), `shared_link` (the one
 connection to Redis, its failures counted), `shared_placements` (the prefix placements
 stream), `shared_leases` (strict caps' leases), `shared_limits` (the named keys' counters in

@@ -128,7 +128,7 @@ class Dispatcher:
         # its prefill, released): the shared view's pusher listens (shared.py).
         self.on_change: Callable[[], None] | None = None
         # Called with an instance that holds more of ours than it ever showed running: the
-        # health checker looks at its metrics soon (Scheduler.unconfirmed).
+        # prober looks at its metrics soon (Scheduler.unconfirmed).
         self.on_unconfirmed: Callable[[str], None] | None = None
         self._leases: dict[int, Lease] = {}  # the places attempts hold, by ticket
         # With [shared] strict_caps: take a place's lease in the shared store (True), be

@@ -11,8 +11,8 @@ from gateway.config.load import Config
 from gateway.config.schema import InstanceConfig
 from gateway.dispatch import HealthPolicy, InstanceSpec, Limits
 from gateway.dispatch.affinity import DEFAULT_INDEX_BLOCKS
-from gateway.fleet.health import ProbeTarget
 from gateway.fleet.kv_events import KvSource
+from gateway.fleet.probes import ProbeTarget
 from gateway.upstream.endpoint import Endpoint
 
 

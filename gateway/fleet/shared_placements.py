@@ -22,7 +22,7 @@ import json
 from collections import deque
 from typing import Any
 
-from gateway.dispatch.fleet import MAX_PLACEMENTS
+from gateway.dispatch.instances import MAX_PLACEMENTS
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.shared_codec import Refused, parse_placements
 from gateway.fleet.shared_link import SharedLink, text

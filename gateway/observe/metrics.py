@@ -35,6 +35,7 @@ from gateway.dispatch import GiveUp, Lane, Priority, Rejected, Snapshot
 from gateway.dispatch.kv_index import KvState
 from gateway.dispatch.retry import RetryReason
 from gateway.observe.saturation import fleet_saturation
+from gateway.upstream.response import Reported
 
 PRIORITIES = [p.value for p in Priority]  # the SLO series' class label
 
@@ -50,7 +51,7 @@ TAG_IDLE_S = 600.0
 NONE = "none"  # the label value of what a request never had (a lane, a model, a tag)
 CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle_timeout", "over_limit")
 # Label values known in advance, each series created at zero by `start_series`.
-ERROR_KINDS = ("connect", "timeout", "bad_response")  # an attempt that got no usable answer
+ERROR_KINDS = get_args(Reported)  # an attempt that got no usable answer, as reported
 RETRY_REASONS = (*get_args(RetryReason), "bad_response", "taken_back")
 RETRY_REFUSALS: tuple[str, ...] = get_args(get_type_hints(GiveUp)["why"])
 REJECTIONS: tuple[str, ...] = get_args(get_type_hints(Rejected)["reason"])

@@ -2,7 +2,7 @@
 
 A reload never drops a request. The new files are read and validated first; if either
 is bad, the old configuration stays and `reload_failed` says why. Otherwise the new
-`Config` is handed to the shell (proxy, intake, upstream, health checker: what they read
+`Config` is handed to the shell (proxy, intake, upstream, prober: what they read
 per request changes from the next request on) and the instance list, limits and health
 policy to the scheduler, which keeps the state of instances that stay.
 

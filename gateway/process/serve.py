@@ -35,7 +35,7 @@ SIMULATED_CACHE_TOKENS = 450_000
 
 async def start_simulated(config: Config) -> list[object]:
     """One simulated vLLM instance per configured URL, on that URL's loopback port."""
-    from gateway.sim.fleet import start_fleet  # only --simulate needs the simulator
+    from gateway.sim.sim_fleet import start_fleet  # only --simulate needs the simulator
     from gateway.sim.sim_vllm import SimConfig
 
     configs, ports = [], []
@@ -136,7 +136,7 @@ async def serve(
             on_hup[0] = _too_early
             await runner.cleanup()
             if sims:
-                from gateway.sim.fleet import stop_fleet
+                from gateway.sim.sim_fleet import stop_fleet
 
                 await stop_fleet(sims)  # type: ignore[arg-type]
             _log.info("stopped")

@@ -456,7 +456,7 @@ class _Simulation:
             _log.info("simulated_instance_started", url=getattr(sim, "url", "?"))
 
     def stop(self) -> None:
-        from gateway.sim.fleet import stop_fleet
+        from gateway.sim.sim_fleet import stop_fleet
 
         if self.sims:
             done = asyncio.run_coroutine_threadsafe(stop_fleet(self.sims), self.loop)  # type: ignore[arg-type]

@@ -88,7 +88,7 @@ def failed_to_send(failed: AttemptFailed, retry_after: float) -> Failed:
         error = errors.NoInstanceAvailable(
             f"could not reach a vLLM instance ({failed.detail})", retry_after=retry_after
         )
-    return Failed(failed.kind, Outcome.FAILURE, error)
+    return Failed(failed.reported, Outcome.FAILURE, error)
 
 
 def taken_back(instance: str, limits: Limits) -> Failed:

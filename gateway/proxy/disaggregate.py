@@ -176,7 +176,8 @@ class PrefillHop:
         endpoint = self.endpoints[lease.instance]
         timeout = max(0.001, min(allowance, call.deadline - self.clock()))
         response: UpstreamResponse | None = None
-        outcome, error = Outcome.NEUTRAL, None  # cancelled: the client left
+        outcome = Outcome.NEUTRAL  # cancelled: the client left
+        error: str | None = None  # for the instance's recent errors
         sent = self.clock()
         try:
             try:
@@ -190,9 +191,9 @@ class PrefillHop:
                 )
                 status, answer = await read_whole(response, timeout)
             except AttemptFailed as failed:
-                outcome, error = Outcome.FAILURE, failed.kind
-                self.metrics.instance_errors.labels(lease.instance, failed.kind).inc()
-                _log.info("prefill_failed", reason=failed.kind, detail=failed.detail)
+                outcome, error = Outcome.FAILURE, failed.reported
+                self.metrics.instance_errors.labels(lease.instance, failed.reported).inc()
+                _log.info("prefill_failed", reason=failed.reported, detail=failed.detail)
                 return None, FAILED
             self.metrics.instance_requests.labels(lease.instance, str(status)).inc()
             took = self.clock() - sent

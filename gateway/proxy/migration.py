@@ -140,7 +140,7 @@ class Migration:
                     timeout=max(0.001, min(remaining, allowance)),
                 )
             except AttemptFailed as failed:
-                note = failed.kind
+                note = failed.reported
                 return None
             if response.status != 200:
                 note = f"status {response.status}"

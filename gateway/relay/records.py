@@ -28,7 +28,7 @@ Decode = Callable[[bytes], bytes]
 class Unusable:
     """An answer that cannot be passed on (nothing of it was sent): why, and our error."""
 
-    reason: str  # "connect", "timeout" or "bad_response", as `AttemptFailed.kind`
+    reason: str  # "connect", "timeout" or "bad_response", as `AttemptFailed.reported`
     error: errors.GatewayError
 
 

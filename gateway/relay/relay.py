@@ -119,7 +119,7 @@ class Relay:
                     "timeout", errors.UpstreamTimeout("the vLLM instance did not finish in time")
                 )
             return Unusable(
-                failed.kind,
+                failed.reported,
                 errors.UpstreamError(f"the vLLM instance broke the connection: {failed.detail}"),
             )
         out_headers = dict(headers)

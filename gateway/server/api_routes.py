@@ -15,7 +15,7 @@ from gateway import errors
 from gateway.observe import recorder, request_id
 from gateway.proxy import tenants
 from gateway.routes import Route, mount
-from gateway.server.resources import CONFIG, DISPATCHER, HEALTH, PROXY
+from gateway.server.resources import CONFIG, DISPATCHER, PROBER, PROXY
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -77,7 +77,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
         raise errors.NoInstanceAvailable(
             "no vLLM instance is up", retry_after=dispatcher.retry_after
         )
-    data = request.app[HEALTH].model_union({i.name for i in up})
+    data = request.app[PROBER].model_union({i.name for i in up})
     listed = {m["id"] for m in data}
     for instance in up:  # pinned models of instances that hide the route
         if instance.pinned_models is not None:

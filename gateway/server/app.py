@@ -25,9 +25,9 @@ from gateway.dispatch.least_time import LeastTime
 from gateway.fleet.discovery import Discovery, Resolver, system_resolver
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.drains import Drains
-from gateway.fleet.health import HealthChecker
 from gateway.fleet.inputs import endpoints_of, kv_sources, probe_targets, scheduler_inputs
 from gateway.fleet.kv_events import KvListeners
+from gateway.fleet.probes import Prober
 from gateway.lifecycle import Lifecycle
 from gateway.observe import recorder, request_id
 from gateway.observe.metrics import Metrics, Registry
@@ -44,11 +44,11 @@ from gateway.server.resources import (
     DISCOVERY,
     DISPATCHER,
     DRAINS,
-    HEALTH,
     KV_LISTENERS,
     LIFECYCLE,
     METRICS,
     PEERS,
+    PROBER,
     PROXY,
     SHARED,
     AdminListener,
@@ -123,7 +123,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
     await upstream.start()
     endpoints = endpoints_of(config, instances)
-    checker = HealthChecker(
+    prober = Prober(
         probe_targets(endpoints),
         upstream,
         dispatcher,
@@ -143,7 +143,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[DRAINS] = Drains(dispatcher)
     discovery.on_change = functools.partial(apply_instances, app)
     discovery.on_failure = lambda entry: metrics.discovery_failures.labels(entry.label).inc()
-    app[HEALTH] = checker
+    app[PROBER] = prober
     proxy = app[PROXY] = Proxy(
         config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
     )
@@ -151,7 +151,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         upstream, dispatcher.kv_blocks, _least_busy_endpoint(dispatcher, endpoints)
     )
     # Verdicts before the first request, so start-up does not send traffic blind.
-    await checker.run_round()
+    await prober.run_round()
     recorder.start_series(
         metrics,
         config,
@@ -161,7 +161,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         models=dispatcher.served_models(),
         keys=[t.name for t in tenants.tenants_of(config)],
     )
-    task = asyncio.create_task(checker.run_forever(), name="health-checks")
+    task = asyncio.create_task(prober.run_forever(), name="health-checks")
     finding = asyncio.create_task(discovery.run_forever(), name="discovery")
     try:
         yield
@@ -182,7 +182,7 @@ def apply_instances(app: web.Application, instances: list[InstanceConfig]) -> No
     specs, limits, policy = scheduler_inputs(config, instances)
     app[DISPATCHER].reconfigure(specs, limits, policy)
     app[PROXY].know(endpoints)
-    app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
+    app[PROBER].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
     app[KV_LISTENERS].follow(kv_sources(config, instances))
     # A removed instance's streams may still end (and count) for up to a request's time.
     app[METRICS].depart(before - set(endpoints), set(endpoints), config.gateway.request_timeout)

@@ -16,8 +16,8 @@ from gateway.config.load import Config
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.drains import Drains
-from gateway.fleet.health import HealthChecker
 from gateway.fleet.kv_events import KvListeners
+from gateway.fleet.probes import Prober
 from gateway.lifecycle import Lifecycle
 from gateway.observe.metrics import Metrics
 from gateway.observe.peer_metrics import PeerMetrics
@@ -31,7 +31,7 @@ CONFIG = web.AppKey("config", Config)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 PROXY = web.AppKey("proxy", Proxy)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
-HEALTH = web.AppKey("health", HealthChecker)
+PROBER = web.AppKey("prober", Prober)
 DRAINS = web.AppKey("drains", Drains)
 DISCOVERY = web.AppKey("discovery", Discovery)
 KV_LISTENERS = web.AppKey("kv_listeners", KvListeners)

@@ -22,7 +22,7 @@ What the simulator puts in place of the hardware:
 
 - The network is a registry of connectors by engine id (`KvRegistry`; `SimInstance` uses the
   process's one, registering at start and leaving at stop). A decode instance reaches a
-  prefill instance only inside one process, as the instances of one `gateway.sim.fleet` are.
+  prefill instance only inside one process, as the instances of one `gateway.sim.sim_fleet` are.
   A stopped instance has left the registry, so params naming it are unusable.
 - A transfer takes blocks x block_size x kv_bytes_per_token / kv_link_bytes_per_s seconds of
   the decode instance's link; it is not scaled by the card's `speed`.

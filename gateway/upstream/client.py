@@ -8,8 +8,8 @@ call (a message is a boundary; a stale kept-alive socket is retried once on a ne
 returns the answer once its head arrived: a `Response` whose body is read whole
 (`read`), pulled (`next_chunk`) or, once a stream is committed, spliced to the client
 (`splice`, see relay/splice.py). Every failure is mapped where it enters to
-`AttemptFailed` with a short kind that the retry policy understands ("connect",
-"timeout", or "bad_response" for an answer that is not HTTP we can pass on). HTTP answers
+`AttemptFailed` with a kind that says why (response.py lists them; metrics and the
+retry policy see "connect", "timeout" or "bad_response"). HTTP answers
 of any status come back as responses for the proxy to judge. Bodies are passed on as
 sent: nothing is decompressed here. `tests/fake_upstream.py` replays scripted responses
 through the same interface.
@@ -83,7 +83,7 @@ class Upstream:
         try:
             return await pool.request(method, url, body=body, headers=headers, timeout=timeout)
         except ValueError as exc:  # a header that cannot be sent
-            raise AttemptFailed("connect", str(exc)) from None
+            raise AttemptFailed("unsendable", str(exc)) from None
 
     async def fetch(
         self,

@@ -29,7 +29,7 @@ from typing import Protocol, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.upstream.response import MAX_WHOLE_BYTES, AttemptFailed
+from gateway.upstream.response import MAX_WHOLE_BYTES, AttemptFailed, AttemptKind
 
 Key = tuple[str, int, bool]  # host, port, TLS: the connections that can serve one another
 _MAX_HEAD = 64 * 1024  # an answer head longer than this is no vLLM's
@@ -179,8 +179,6 @@ class Response:
         if conn is not None:
             conn.finished(self)
         self._end("closed by the gateway before it ended")
-
-    release = close
 
     # -------------------------------------------------------- from the connection
 
@@ -380,7 +378,7 @@ class H1Connection(asyncio.Protocol):
         self._broken("stale" if self.used and not self._heard else "connect", why)
         self.pool.lost(self)
 
-    def _broken(self, kind: str, detail: str) -> None:
+    def _broken(self, kind: AttemptKind, detail: str) -> None:
         head, self.head = self.head, None
         if head is not None and not head.done():
             head.set_exception(AttemptFailed(kind, detail))

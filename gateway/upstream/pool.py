@@ -106,7 +106,7 @@ class Pool:
         if known is None:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise AttemptFailed("connect", f"not an http(s):// URL: {url[:80]!r}")
+                raise AttemptFailed("unsendable", f"not an http(s):// URL: {url[:80]!r}")
             tls = parts.scheme == "https"
             port = parts.port or (443 if tls else 80)
             path = parts.path or "/"
@@ -124,7 +124,7 @@ class Pool:
         woken = False
         while True:
             if self.closed:
-                raise AttemptFailed("connect", "the gateway is shutting down its connections")
+                raise AttemptFailed("shutting_down", "the gateway is shutting down its connections")
             # Only a woken waiter, or one who finds nobody waiting, may take a place.
             if woken or not (self._waiters or self._promised):
                 idle = None if fresh else self._idle.get(key)

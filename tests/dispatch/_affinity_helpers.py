@@ -22,7 +22,7 @@ def make(
         limits,
     )
     rng = random.Random(0)
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, rng)
     return sched
 

@@ -41,7 +41,7 @@ def make(
 
 def bring_up(sched: Scheduler, rng: random.Random, now: float = 0.0) -> None:
     """Probe every instance good once: the first probe decides at once."""
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, now, rng)
 
 

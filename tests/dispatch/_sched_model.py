@@ -66,16 +66,16 @@ class Model:
     def limits(self) -> Limits:
         return self.setup.limits
 
-    def pool(self, lane: Lane) -> list[InstanceState]:
-        serving = [s for s in self.sched.fleet.states if s.serves(lane)]
-        return serving or list(self.sched.fleet.states)
+    def eligible(self, lane: Lane) -> list[InstanceState]:
+        serving = [s for s in self.sched.instances.states if s.serves(lane)]
+        return serving or list(self.sched.instances.states)
 
     def has_room(self, state: InstanceState, lane: Lane) -> bool:
         """Recomputed from the spec and the slots the instance showed it runs (its learned
         capacity, which test_learned_capacity.py checks), independently of the scheduler's
         fleet's own `_has_room`. From the spec alone, a report of fewer running than placed made
         the model see room the scheduler rightly did not."""
-        if not state.available(self.now) or state not in self.pool(lane):
+        if not state.available(self.now) or state not in self.eligible(lane):
             return False
         if state.inflight >= state.slots + self.limits.max_queue_per_instance:
             return False
@@ -93,11 +93,11 @@ class Model:
         if limit is not None and len(self.held) >= limit:
             return False
         return any(
-            self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.fleet.states)
+            self.has_room(s, ticket.lane) for s in self.allowed(ticket, self.sched.instances.states)
         )
 
     def lane_alive(self, lane: Lane) -> bool:
-        return any(s.available(self.now) for s in self.pool(lane))
+        return any(s.available(self.now) for s in self.eligible(lane))
 
     def record_final(self, decision: Decision) -> None:
         tid = decision.ticket.id
@@ -109,7 +109,7 @@ class Model:
         state = self.sched.state(decision.instance)
         lane = decision.ticket.lane
         assert state.available(self.now), f"{decision} went to an unavailable {state!r}"
-        assert state in self.pool(lane), f"{decision} went to {state!r}, not serving {lane}"
+        assert state in self.eligible(lane), f"{decision} went to {state!r}, not serving {lane}"
         if lane is Lane.LONG and self.capped(state):
             assert state.long_prefilling <= self.limits.max_long_per_instance, state
         self.held[decision.ticket.id] = (decision.instance, lane, lane is Lane.LONG)
@@ -121,7 +121,7 @@ class Model:
         now had room when the choice was made.
         """
         exclude = d.ticket.exclude
-        others = [s for s in self.sched.fleet.states if s.name != d.instance]
+        others = [s for s in self.sched.instances.states if s.name != d.instance]
         chosen = self.sched.state(d.instance)
         lane = d.ticket.lane
         assert d.instance not in exclude, f"{d} went back to an instance it tried"
@@ -200,20 +200,21 @@ class Model:
 
     def untried_alive(self, ticket: Ticket) -> bool:
         return any(
-            s.available(self.now) and s.name not in ticket.exclude for s in self.pool(ticket.lane)
+            s.available(self.now) and s.name not in ticket.exclude
+            for s in self.eligible(ticket.lane)
         )
 
     # ---------------------------------------------------------------- invariants
 
     def check(self) -> None:
         limits = self.limits
-        for state in self.sched.fleet.states:
+        for state in self.sched.instances.states:
             mine = [h for h in self.held.values() if h[0] == state.name]
             assert 0 <= state.inflight <= state.spec.slots + limits.max_queue_per_instance
             assert state.inflight == len(mine), state
             assert state.long_prefilling >= 0, state
             assert state.long_prefilling == sum(1 for h in mine if h[2]), state
-        total = sum(s.inflight for s in self.sched.fleet.states)
+        total = sum(s.inflight for s in self.sched.instances.states)
         assert total == self.sched.inflight == len(self.held)
         if limits.global_limit is not None:
             assert self.sched.inflight <= limits.global_limit
@@ -263,4 +264,4 @@ class Model:
             assert self.sched.release(tid, Outcome.SUCCESS, self.now, self.rng) == []
             self.check()
         assert self.sched.inflight == 0
-        assert all(s.long_prefilling == 0 for s in self.sched.fleet.states)
+        assert all(s.long_prefilling == 0 for s in self.sched.instances.states)

@@ -32,7 +32,7 @@ def make(*specs: InstanceSpec, **limits: float) -> Scheduler:
         STRATEGIES["least_busy"](30.0),
         Limits(max_queue_per_instance=0, **limits),  # type: ignore[arg-type]
     )
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, random.Random(0))
     return sched
 

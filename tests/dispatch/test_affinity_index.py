@@ -115,11 +115,11 @@ def test_uncached_work_is_never_negative(sizes: list[int], seed: int) -> None:
     for i, size in enumerate(sizes):
         # The token count may undercount the text: the estimate must still not exceed it.
         sched.submit(tk(i, shared + text(i, size * 100), tokens=size), 0.0, rng)
-        for state in sched.fleet.states:
+        for state in sched.instances.states:
             assert state.pending_prefill_tokens >= 0
     for i in range(len(sizes)):
         sched.prefill_done(i, 1.0, rng)
-    assert [s.pending_prefill_tokens for s in sched.fleet.states] == [0, 0]
+    assert [s.pending_prefill_tokens for s in sched.instances.states] == [0, 0]
 
 
 # ------------------------------------------------------------------ prompt text

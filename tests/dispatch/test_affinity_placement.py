@@ -56,12 +56,14 @@ def test_a_cached_prefix_attracts_and_an_evicted_one_stops() -> None:
         sched.prefill_done(i, 0.0, rng)
         sched.release(i, Outcome.SUCCESS, 0.0, rng)
     assert sched.state(home).cache.match(prompt_blocks(prompt)) == 0
-    costs = strategy.costs(sched.fleet.states, sched.fleet.states, tk(999, prompt), 0.0)
+    costs = strategy.costs(sched.instances.states, sched.instances.states, tk(999, prompt), 0.0)
     assert costs["a"] == costs["b"]
     homes = set()
     for seed in range(20):
         homes.add(
-            strategy.choose(sched.fleet.states, sched.fleet.states, tk(999, prompt), 0.0, rng).name
+            strategy.choose(
+                sched.instances.states, sched.instances.states, tk(999, prompt), 0.0, rng
+            ).name
         )
         rng = random.Random(seed)
     assert homes == {"a", "b"}

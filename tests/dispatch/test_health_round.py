@@ -27,7 +27,7 @@ def test_a_queued_request_goes_to_an_instance_whose_ejection_ran_out() -> None:
     specs = [InstanceSpec("i0", slots=1), InstanceSpec("i1", slots=1)]
     sched = Scheduler(specs, STRATEGIES["least_busy"](30.0, None), limits, policy)
     rng = random.Random(0)
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, rng)
     first = sched.submit(Ticket(1, Lane.SHORT, 1e9, frozenset({"i1"})), 0.0, rng)
     assert first == Assigned(first.ticket, "i0")

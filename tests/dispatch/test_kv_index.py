@@ -316,7 +316,7 @@ def test_the_cost_reads_an_exact_index_and_not_the_inferred_one() -> None:
 
 def test_a_placed_prompt_attracts_its_twin_until_it_is_computed() -> None:
     sched, rng = scheduler_with_events()
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         state.kv.apply(0, [], 0.0)
     ids = list(range(400))
     first = sched.submit(kv_ticket(1, ids), 0.1, rng)
@@ -379,7 +379,7 @@ def test_the_index_is_exactly_the_cache_its_events_describe(
 def test_a_decode_hop_holds_no_pending_blocks_and_owes_no_event() -> None:
     """It reads its prompt's blocks from the prefill instance: nothing computed there."""
     sched, rng = scheduler_with_events()
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         state.kv.apply(0, [], 0.0)
     ids = list(range(400))
     decode = dataclasses.replace(kv_ticket(1, ids), hop=Hop.DECODE)

@@ -37,14 +37,14 @@ def make(*specs: InstanceSpec) -> Scheduler:
         HealthPolicy(eject_after_failures=1000),
     )
     rng = random.Random(0)
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, rng)
     return sched
 
 
 def place(sched: Scheduler, ticket_id: int, on: str, rng: random.Random) -> None:
     """Put one request of ours on instance `on` (a retry excluding all the others)."""
-    others = {s.name for s in sched.fleet.states} - {on}
+    others = {s.name for s in sched.instances.states} - {on}
     decision = sched.submit(Ticket(ticket_id, Lane.SHORT, 1e9, frozenset(others)), 0.0, rng)
     assert decision == Assigned(decision.ticket, on), decision
 
@@ -65,7 +65,7 @@ def test_score_adds_every_term_as_documented() -> None:
     place(sched, 3, "a", rng)
     # The instance runs 5: our 2 (ids 1 and 3) and 3 of traffic that bypasses us.
     sched.report_load("a", LoadReport(running=4, waiting=1, kv_usage=0.5, at=0.0))
-    score = score_all(sched.fleet.states, 0.0, 30.0)["a"]
+    score = score_all(sched.instances.states, 0.0, 30.0)["a"]
     assert (score.own, score.others, score.weight, score.kv, score.failures) == (2, 3, 2.0, 0.5, 1)
     assert score.total == pytest.approx(4.0)
 
@@ -146,7 +146,7 @@ def test_a_tie_between_two_breaks_at_random() -> None:
 def test_no_report_anywhere_scores_no_foreign_load() -> None:
     """With no fresh report in the fleet, unknown load is taken as none: others 0, kv 0."""
     sched = make(InstanceSpec("a"), InstanceSpec("b"))
-    for score in score_all(sched.fleet.states, 0.0, 30.0).values():
+    for score in score_all(sched.instances.states, 0.0, 30.0).values():
         assert (score.others, score.kv, score.fresh, score.total) == (0.0, 0.0, False, 0.0)
 
 
@@ -155,12 +155,14 @@ def test_round_robin_refuses_an_empty_candidate_list() -> None:
     strategy = STRATEGIES["round_robin"](30.0, None)
     sched = make(InstanceSpec("a"))
     with pytest.raises(ValueError, match=r"choose\(\) needs at least one candidate"):
-        strategy.choose([], sched.fleet.states, Ticket(1, Lane.SHORT, 1e9), 0.0, random.Random(0))
+        strategy.choose(
+            [], sched.instances.states, Ticket(1, Lane.SHORT, 1e9), 0.0, random.Random(0)
+        )
 
 
 def place_long(sched: Scheduler, ticket_id: int, on: str, rng: random.Random) -> None:
     """Put one 6,000-token prompt of ours on `on`, still short of its first token."""
-    others = {s.name for s in sched.fleet.states} - {on}
+    others = {s.name for s in sched.instances.states} - {on}
     ticket = Ticket(ticket_id, Lane.LONG, 1e9, frozenset(others), tokens=6000, max_tokens=32)
     decision = sched.submit(ticket, 0.0, rng)
     assert decision == Assigned(decision.ticket, on), decision

@@ -112,7 +112,7 @@ class Harness(Model):
             assert state.ejections_total == ejections_before + 1
             # The panic threshold: never the last available one, never beyond the fraction.
             assert op.outcome is Outcome.FAILURE
-            states = self.sched.fleet.states
+            states = self.sched.instances.states
             assert any(s.available(self.now) for s in states), "ejected the last instance"
             out_now = sum(1 for s in states if not s.available(self.now))
             assert out_now <= self.setup.policy.max_ejected_fraction * len(states)

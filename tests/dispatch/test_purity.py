@@ -172,7 +172,7 @@ def shell_modules() -> list[Path]:
 def test_seam_checker_sees_the_shell() -> None:
     """The checker walks the real shell modules that once read aiohttp's responses."""
     names = {p.name for p in shell_modules()}
-    assert {"handler.py", "relay.py", "health.py", "peer_metrics.py", "client.py"} <= names
+    assert {"handler.py", "relay.py", "probes.py", "peer_metrics.py", "client.py"} <= names
 
 
 @pytest.mark.parametrize("path", shell_modules(), ids=lambda p: str(p.relative_to(GATEWAY_DIR)))

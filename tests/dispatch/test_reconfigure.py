@@ -43,7 +43,7 @@ def test_staying_instances_keep_their_state() -> None:
     assert a.spec.weight == 3.0
     assert a.spec.slots == 8
     assert a.inflight == assigned.count("a")
-    assert [s.name for s in sched.fleet.states] == ["a", "c"]
+    assert [s.name for s in sched.instances.states] == ["a", "c"]
 
 
 def test_added_instance_is_unknown_until_probed_then_takes_traffic() -> None:
@@ -118,7 +118,7 @@ def test_counts_stay_exact_across_any_sequence_of_reloads(
     sched = make(*first)
     bring_up(sched, rng)
     held: list[int] = []
-    states = {s.name: s for s in sched.fleet.states}
+    states = {s.name: s for s in sched.instances.states}
     ticket = 0
     for names_now in reloads:
         for _ in range(3):
@@ -127,9 +127,9 @@ def test_counts_stay_exact_across_any_sequence_of_reloads(
             if isinstance(decision, Assigned):
                 held.append(ticket)
         sched.reconfigure([InstanceSpec(n) for n in names_now], Limits(), HealthPolicy(), 0, rng)
-        states.update({s.name: s for s in sched.fleet.states})
+        states.update({s.name: s for s in sched.instances.states})
         bring_up(sched, rng)
-        assert [s.name for s in sched.fleet.states] == names_now
+        assert [s.name for s in sched.instances.states] == names_now
         if held:
             sched.release(held.pop(0), Outcome.SUCCESS, 0.0, rng)
     for t in held:

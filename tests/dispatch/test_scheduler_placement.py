@@ -234,7 +234,7 @@ def test_unknown_load_is_not_idle() -> None:
     sched = make("a", "b")
     bring_up(sched, rng)
     sched.report_load("a", LoadReport(running=10, waiting=5, kv_usage=0.4, at=100.0))
-    scores = score_all(sched.fleet.states, 101.0, sched.limits.metrics_stale_after)
+    scores = score_all(sched.instances.states, 101.0, sched.limits.metrics_stale_after)
     assert scores["a"].fresh
     assert scores["a"].others == 15
     assert not scores["b"].fresh
@@ -261,10 +261,10 @@ def test_stale_report_counts_as_unknown() -> None:
     bring_up(sched, rng)
     sched.report_load("a", LoadReport(running=10, waiting=5, kv_usage=0.5, at=0.0))
     sched.report_load("b", LoadReport(running=2, waiting=0, kv_usage=0.1, at=25.0))
-    at_edge = score_all(sched.fleet.states, 30.0, 30.0)
+    at_edge = score_all(sched.instances.states, 30.0, 30.0)
     assert at_edge["a"].fresh
     assert at_edge["a"].others == 15
-    stale = score_all(sched.fleet.states, 30.5, 30.0)
+    stale = score_all(sched.instances.states, 30.5, 30.0)
     assert not stale["a"].fresh
     # Unknown borrows the worst fresh report in the fleet: here b's.
     assert stale["a"].others == stale["b"].others == 2
@@ -280,7 +280,7 @@ def test_others_traffic_subtracts_our_own_requests() -> None:
         sched.submit(tk(i), 0.0, rng)
     sched.report_load("a", LoadReport(running=3, waiting=0, kv_usage=None, at=0.0))
     assert sched.state("a").inflight_at_report == 3
-    score = score_all(sched.fleet.states, 0.0, 30.0)["a"]
+    score = score_all(sched.instances.states, 0.0, 30.0)["a"]
     assert score.others == 0
     assert score.own == 3
     assert score.kv == 0.0
@@ -309,13 +309,13 @@ def test_an_empty_fleet_refuses_every_request_until_an_instance_comes() -> None:
     sched = make()
     assert isinstance(sched.submit(tk(1), 0.0, rng), Rejected)
     assert sched.snapshot(0.0).instances == ()
-    sched.reconfigure([InstanceSpec("a")], sched.limits, sched.fleet.health_policy, 0.0, rng)
+    sched.reconfigure([InstanceSpec("a")], sched.limits, sched.instances.health_policy, 0.0, rng)
     bring_up(sched, rng)
     assert assigned_to(sched.submit(tk(2), 0.0, rng)) == "a"
 
 
 def test_reprs_show_counts() -> None:
-    """Scheduler, Fleet and InstanceState reprs show in-flight and queue counts."""
+    """Scheduler, Instances and InstanceState reprs show in-flight and queue counts."""
     rng = random.Random(0)
     sched = make(InstanceSpec("a", slots=1), limits=Limits(max_queue_per_instance=0))
     assert "unknown" in repr(sched.state("a"))
@@ -327,7 +327,7 @@ def test_reprs_show_counts() -> None:
     assert "inflight=1" in text
     assert "short=1" in text
     assert "long=0" in text
-    assert repr(sched.fleet) == "<Fleet a=up/1>"
+    assert repr(sched.instances) == "<Instances a=up/1>"
     state = repr(sched.state("a"))
     assert "<Instance a up" in state
     assert "inflight=1" in state

@@ -34,7 +34,7 @@ FAR = 1e9
 
 def make(*specs: InstanceSpec, strategy: str = "least_busy", **limits: int) -> Scheduler:
     sched = Scheduler(list(specs), STRATEGIES[strategy](30.0), Limits(**limits))  # type: ignore[arg-type]
-    for state in sched.fleet.states:
+    for state in sched.instances.states:
         sched.probe(state.name, True, 0.0, random.Random(0))
     return sched
 
@@ -56,13 +56,13 @@ def test_peers_load_enters_the_score_and_an_empty_view_restores_our_own() -> Non
     rng = random.Random(0)
     sched = make(InstanceSpec("a"), InstanceSpec("b"))
     sched.apply_shared(SharedView(loads={"a": PeerLoad(inflight=5)}, peers=1), 0.0, rng)
-    scores = score_all(sched.fleet.states, 0.0, 30.0)
+    scores = score_all(sched.instances.states, 0.0, 30.0)
     assert scores["a"].peers == 5
     assert scores["a"].total > scores["b"].total
     sched.apply_shared(SharedView(), 0.0, rng)
     assert (
-        score_all(sched.fleet.states, 0.0, 30.0)["a"].total
-        == score_all(sched.fleet.states, 0.0, 30.0)["b"].total
+        score_all(sched.instances.states, 0.0, 30.0)["a"].total
+        == score_all(sched.instances.states, 0.0, 30.0)["b"].total
     )
 
 

@@ -96,6 +96,6 @@ def test_a_long_prompt_starts_at_once_where_a_long_place_is_free() -> None:
         limits=limits,
     )
     bring_up(sched, rng)
-    sched.fleet.states[0].inflight = 6
+    sched.instances.states[0].inflight = 6
     assert sched.submit(_long(1), 0.0, rng) == Assigned(_long(1), "b")
     assert sched.submit(_long(2), 0.0, rng) == Assigned(_long(2), "a")

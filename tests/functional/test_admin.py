@@ -158,13 +158,13 @@ async def test_an_instance_down_says_why_in_the_log_metrics_and_admin() -> None:
 
 async def until_up(app: web.Application) -> None:
     async with asyncio.timeout(10):
-        while not all(s.up for s in app[DISPATCHER].scheduler.fleet.states):
+        while not all(s.up for s in app[DISPATCHER].scheduler.instances.states):
             await asyncio.sleep(0.05)
 
 
 async def until_down(app: web.Application) -> None:
     async with asyncio.timeout(10):
-        while any(s.up for s in app[DISPATCHER].scheduler.fleet.states):
+        while any(s.up for s in app[DISPATCHER].scheduler.instances.states):
             await asyncio.sleep(0.05)
 
 

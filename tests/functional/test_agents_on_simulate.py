@@ -19,7 +19,7 @@ from fakes import KEY, Gateway, gateway_with, until_available, write_config
 
 from gateway.config import load as gateway_config
 from gateway.process.serve import start_simulated
-from gateway.sim.fleet import stop_fleet
+from gateway.sim.sim_fleet import stop_fleet
 from gateway.sim.sim_vllm import SimInstance
 
 pytestmark = pytest.mark.slow

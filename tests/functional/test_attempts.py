@@ -67,7 +67,7 @@ def instances_of(gw: Gateway, upstream: FakeUpstream) -> list[str]:
 
 
 def nothing_held(gw: Gateway) -> bool:
-    return all(state.inflight == 0 for state in gw.dispatcher.scheduler.fleet.states)
+    return all(state.inflight == 0 for state in gw.dispatcher.scheduler.instances.states)
 
 
 async def test_a_busy_instance_is_retried_elsewhere_and_its_503_never_shown() -> None:

@@ -405,7 +405,8 @@ async def test_a_messages_request_is_never_split_in_a_prefill_decode_fleet() -> 
         ):
             await until(
                 lambda: all(
-                    s.available(gw.dispatcher.clock()) for s in gw.dispatcher.scheduler.fleet.states
+                    s.available(gw.dispatcher.clock())
+                    for s in gw.dispatcher.scheduler.instances.states
                 )
             )
             long = [{"role": "user", "content": "tell me more " * 200}]

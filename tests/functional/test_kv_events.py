@@ -20,7 +20,7 @@ from fakes import KEY, Gateway, fleet, gateway_with, until_available, write_conf
 
 from gateway.config import load as gateway_config
 from gateway.process.serve import start_simulated
-from gateway.sim.fleet import stop_fleet
+from gateway.sim.sim_fleet import stop_fleet
 from gateway.sim.sim_vllm import SimConfig, SimInstance
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ async def test_an_evicted_prefix_no_longer_attracts() -> None:
             return (await kv_views(session, gw))[home]["blocks"] == 0
 
         await until(cleared, "AllBlocksCleared applied")
-        state = gw.dispatcher.scheduler.fleet.state(home)
+        state = gw.dispatcher.scheduler.instances.state(home)
         before = state.prefix_hit_tokens
         await chat(session, gw.base_url, LONG + " again")
         assert state.prefix_hit_tokens == before  # the gateway sent it knowing it is cold
@@ -284,7 +284,7 @@ async def test_token_id_prompts_and_cache_salts_are_looked_up_as_the_engine_keys
             return (await kv_views(session, gw))[home]["blocks"] == held_blocks(sim) > 0
 
         await until(stored, "the token-id prompt indexed")
-        state = gw.dispatcher.scheduler.fleet.state(home)
+        state = gw.dispatcher.scheduler.instances.state(home)
         for salt, hit in ((None, True), ("tenant-b", False)):
             before = state.prefix_hit_tokens
             extra = {} if salt is None else {"cache_salt": salt}

@@ -29,9 +29,9 @@ async def test_models_names_the_instances_whose_lists_it_merged() -> None:
         names = set(gw.names())
         assert len(names) == 2
         assert await _instances(gw.url) == names
-        down = gw.dispatcher.scheduler.fleet.states[0].name
+        down = gw.dispatcher.scheduler.instances.states[0].name
         sims[0].faults.health_status = 503
         async with asyncio.timeout(10):
-            while any(s.up for s in gw.dispatcher.scheduler.fleet.states if s.name == down):
+            while any(s.up for s in gw.dispatcher.scheduler.instances.states if s.name == down):
                 await asyncio.sleep(0.05)
         assert await _instances(gw.url) == names - {down}

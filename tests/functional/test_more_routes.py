@@ -326,7 +326,7 @@ async def test_untimed_streams_teach_no_speed_and_count_no_ttft(gw: Gateway) -> 
     assert ttft_sum(gw, "short") == 0
     speeds = [
         (s.speed.prefill.samples, s.speed.tpot.samples)
-        for s in gw.dispatcher.scheduler.fleet.states
+        for s in gw.dispatcher.scheduler.instances.states
     ]
     assert speeds == [(0, 0), (0, 0)]
     async with client(gw) as c:
@@ -338,8 +338,8 @@ async def test_untimed_streams_teach_no_speed_and_count_no_ttft(gw: Gateway) -> 
         )
         _ = [chunk async for chunk in chat]
     assert ttft_sum(gw, "short") > 0
-    assert sum(s.speed.prefill.samples for s in gw.dispatcher.scheduler.fleet.states) == 1
-    assert sum(s.speed.tpot.samples for s in gw.dispatcher.scheduler.fleet.states) == 1
+    assert sum(s.speed.prefill.samples for s in gw.dispatcher.scheduler.instances.states) == 1
+    assert sum(s.speed.tpot.samples for s in gw.dispatcher.scheduler.instances.states) == 1
 
 
 @pytest.mark.parametrize(

@@ -134,9 +134,9 @@ async def test_gateways_spread_over_the_fleet_by_each_others_load() -> None:
         async with fleet(ONE_SLOT, ONE_SLOT) as sims, two_gateways(redis, sims) as (a, b):
             held = asyncio.create_task(stream(a, max_tokens=150))
             await until(
-                lambda: sum(s.peers.inflight for s in b.dispatcher.scheduler.fleet.states) == 1
+                lambda: sum(s.peers.inflight for s in b.dispatcher.scheduler.instances.states) == 1
             )
-            busy = next(s.name for s in b.dispatcher.scheduler.fleet.states if s.peers.inflight)
+            busy = next(s.name for s in b.dispatcher.scheduler.instances.states if s.peers.inflight)
             status, served_by = await stream(b, max_tokens=2)
             assert status == 200
             assert served_by != busy

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import load as gateway_config
 from gateway.process.serve import start_simulated
-from gateway.sim.fleet import stop_fleet
+from gateway.sim.sim_fleet import stop_fleet
 from gateway.sim.sim_vllm import SimInstance
 
 SECTIONS = {

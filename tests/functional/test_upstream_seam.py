@@ -86,8 +86,8 @@ async def test_a_whole_answer_comes_back_as_our_response() -> None:
             assert response.content_type == "application/json"
             assert await response.read(1.0) == b'{"ok": true}'
         finally:
-            response.release()
-            response.release()  # idempotent
+            response.close()
+            response.close()  # idempotent
 
 
 async def test_a_body_cut_off_mid_way_is_a_connect_failure() -> None:

@@ -6,7 +6,7 @@ import pytest
 from fakes import fleet, gateway_with
 
 from gateway.dispatch.affinity import BLOCK_TOKENS
-from gateway.fleet.health import parse_vllm_metrics
+from gateway.fleet.probes import parse_vllm_metrics
 from gateway.sim.sim_vllm import SimConfig
 
 
@@ -36,6 +36,6 @@ async def test_the_gateway_sizes_each_index_from_the_instances_cache() -> None:
         fleet(SimConfig(prefix_cache_blocks=100), SimConfig()) as sims,
         gateway_with(sims) as gw,
     ):
-        cached, off = gw.dispatcher.scheduler.fleet.states
+        cached, off = gw.dispatcher.scheduler.instances.states
         assert cached.cache.capacity == 100 * 16 // BLOCK_TOKENS
         assert off.cache.capacity == 0  # its prefix caching is off: nothing to remember

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 from _sim_helpers import CHAT_URL, MakeSim, chat_body
 
-from gateway.sim.fleet import _build_parser
+from gateway.sim.sim_fleet import _build_parser
 from gateway.sim.sim_vllm import SimInstance
 
 
@@ -112,7 +112,7 @@ async def test_a_bad_priority_gets_vllms_400(
 
 
 def test_fleet_cli_takes_the_policy() -> None:
-    """`python -m gateway.sim.fleet --scheduling-policy priority`; fcfs when not given."""
+    """`python -m gateway.sim.sim_fleet --scheduling-policy priority`; fcfs when not given."""
     parser = _build_parser("fleet")
     assert parser.parse_args([]).scheduling_policy == "fcfs"
     assert parser.parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"

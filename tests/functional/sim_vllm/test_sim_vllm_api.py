@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from _sim_helpers import CHAT_URL, MakeSim, chat_body, client_for
 
-from gateway.sim.fleet import main as fleet_main
-from gateway.sim.fleet import start_fleet, stop_fleet
 from gateway.sim.sim_engine import ApiError, parse_stream
+from gateway.sim.sim_fleet import main as fleet_main
+from gateway.sim.sim_fleet import start_fleet, stop_fleet
 from gateway.sim.sim_vllm import SimConfig, SimInstance, count_message_tokens, count_tokens
 
 # --- OpenAI API surface, through the real openai client ------------------------------------

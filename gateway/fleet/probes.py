@@ -6,7 +6,7 @@ instances concurrently; verdicts go to the scheduler through the dispatcher.
 
 Between rounds, an instance that holds more of our requests than it ever showed running
 has its metrics read twice, `LOOK_GAP_S` apart (`scrape_soon`): two readings are what it
-takes to learn that it runs fewer than configured (dispatch/fleet.py, `learned_slots`), and
+takes to learn that it runs fewer than configured (dispatch/instances.py, `learned_slots`), and
 a flood should not wait for the next round to find out.
 """
 
@@ -111,7 +111,7 @@ def _cache_tokens(labels: dict[str, str]) -> int | None:
         return None
 
 
-class HealthChecker:
+class Prober:
     def __init__(
         self,
         targets: list[ProbeTarget],
@@ -212,7 +212,7 @@ class HealthChecker:
                 target.url + "/health", headers=target.headers, timeout=self.probe_timeout
             )
         except AttemptFailed as exc:
-            return exc.kind
+            return exc.reported
         return None if status == 200 else f"status_{status}"
 
     async def _scrape(self, target: ProbeTarget) -> None:
@@ -228,7 +228,7 @@ class HealthChecker:
                 load = parse_vllm_metrics(body.decode())
                 failed = None if load is not None else "no_vllm_metrics"
         except AttemptFailed as exc:
-            failed = exc.kind
+            failed = exc.reported
         except (ValueError, UnicodeDecodeError):
             failed = "parse"
         if failed is not None:

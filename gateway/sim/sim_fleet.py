@@ -257,7 +257,7 @@ async def _run(args: argparse.Namespace) -> None:
         await stop_fleet(instances)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m gateway.sim.fleet") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m gateway.sim.sim_fleet") -> int:
     """CLI entry point; returns the process exit status."""
     args = _build_parser(prog).parse_args(argv)
     try:

@@ -1,6 +1,6 @@
-"""The fleet a scheduler dispatches to: its instances, by name and by lane.
+"""The instances a scheduler dispatches to (the fleet), by name and by lane.
 
-The scheduler has a `Fleet` (`Scheduler.fleet`): it holds the instance states, answers
+The scheduler's `Instances` (`Scheduler.instances`): it holds the instance states, answers
 questions about them (is one up, does it serve a model, has it room for a request, where
 may a ticket go), counts a placed prompt into their prefix indexes, and takes in what the
 shell observes of them that places no request (speeds, scrapes, other processes'
@@ -47,12 +47,12 @@ from .model import (
 from .speed import update_slow_flags
 
 # A prompt longer than this is no model's context today: a peer's prefill work beyond it
-# per request is not believed (Fleet._believable).
+# per request is not believed (Instances._believable).
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_PLACEMENTS = 256  # per publish round; beyond it the oldest are not shared
 
 
-class Fleet:
+class Instances:
     states: list[InstanceState]
     limits: Limits
     health_policy: HealthPolicy
@@ -103,11 +103,11 @@ class Fleet:
         # Each hop goes to the instances whose role takes it; of those, where a lane has
         # no dedicated or shared instance, it may use any.
         self.has_prefill_role = any(s.spec.role == "prefill" for s in states)
-        self._pool: dict[tuple[Lane, Hop], list[InstanceState]] = {}
+        self._eligible: dict[tuple[Lane, Hop], list[InstanceState]] = {}
         for hop in Hop:
             takers = [s for s in states if s.takes(hop)]
             for lane in Lane:
-                self._pool[lane, hop] = [s for s in takers if s.serves(lane)] or takers
+                self._eligible[lane, hop] = [s for s in takers if s.serves(lane)] or takers
 
     def state(self, name: str) -> InstanceState:
         return self._by_name[name]
@@ -136,11 +136,11 @@ class Fleet:
 
     def alive(self, lane: Lane, model: str | None, now: float, hop: Hop = Hop.WHOLE) -> bool:
         """Whether an instance that may take `hop` of a `lane` request for `model` is up."""
-        return any(s.available(now) and s.serves_model(model) for s in self._pool[lane, hop])
+        return any(s.available(now) and s.serves_model(model) for s in self._eligible[lane, hop])
 
-    def pool(self, lane: Lane, hop: Hop) -> Sequence[InstanceState]:
+    def eligible(self, lane: Lane, hop: Hop) -> Sequence[InstanceState]:
         """The instances that may take `hop` of a `lane` request, up or not."""
-        return self._pool[lane, hop]
+        return self._eligible[lane, hop]
 
     # ------------------------------------------------------------ room and observations
 
@@ -155,7 +155,7 @@ class Fleet:
         """Whether a retry of a `lane` request that tried `tried` has anywhere left to go."""
         return any(
             s.available(now) and s.name not in tried and s.serves_model(model)
-            for s in self._pool[lane, hop]
+            for s in self._eligible[lane, hop]
         )
 
     def set_drained(self, drained: Mapping[str, float]) -> bool:
@@ -356,7 +356,7 @@ class Fleet:
         state.own_at_report = state.inflight
 
     def candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
-        """Where `ticket` may go now: the instances of its pool up for it and with room, and
+        """Where `ticket` may go now: the instances eligible for it, up and with room, and
         of those one that did not just say "busy" unless none other may take it; none while
         `holding` (requests placed in all) is at the global limit."""
         limit = self.limits.global_limit
@@ -366,7 +366,7 @@ class Fleet:
         # exists (`untried_available`) before it retries.
         room = [
             s
-            for s in self._pool[ticket.lane, ticket.hop]
+            for s in self._eligible[ticket.lane, ticket.hop]
             if s.available(now)
             and s.serves_model(ticket.model)
             and s.name not in ticket.exclude
@@ -403,7 +403,7 @@ class Fleet:
         running slots: they start before anything the gateway still queues."""
         return sum(
             max(0, s.fleet_inflight - s.slots)
-            for s in self._pool[lane, hop]
+            for s in self._eligible[lane, hop]
             if s.serves_model(model)
         )
 
@@ -438,7 +438,7 @@ class Fleet:
 
     def __repr__(self) -> str:
         instances = " ".join(f"{s.name}={s.verdict}/{s.inflight}" for s in self.states)
-        return f"<Fleet {instances or 'empty'}>"
+        return f"<Instances {instances or 'empty'}>"
 
 
 def learned_slots(state: InstanceState, last: LoadReport | None, report: LoadReport) -> int | None:
