@@ -34,7 +34,7 @@ from gateway.fleet.drains import DrainTable
 from gateway.observe import log
 from gateway.proxy.tenants import key_checker
 from gateway.server.app import apply_instances
-from gateway.server.resources import DISCOVERY, DISPATCHER, DRAINS, PROXY
+from gateway.server.resources import DISCOVERY, DISPATCHER, DRAINS, PROXY, UPSTREAM
 
 _log = log.get("gateway.reload")
 
@@ -143,6 +143,7 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
         _log.warning("reload_needs_restart", settings=restart, kept="the running values")
     before = app[DISPATCHER].instance_names()
     proxy.reconfigure(config, key_checker(config))
+    app[UPSTREAM].apply(config)
     # The discovered entries keep what they resolved; new ones resolve at the next round.
     instances = app[DISCOVERY].reconfigure(config.instances, config.dispatch.discovery_interval)
     apply_instances(app, instances)

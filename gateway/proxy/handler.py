@@ -182,7 +182,6 @@ class Proxy:
             Lane.LONG: channel.timeout.read * LONG_TTFT_FACTOR,
         }
         self.relay.write_timeout = channel.timeout.write
-        self.upstream.timeouts = channel.timeout
         self.intake.reconfigure(config, keys)
 
     @property

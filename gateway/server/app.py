@@ -51,6 +51,7 @@ from gateway.server.resources import (
     PEERS,
     PROXY,
     SHARED,
+    UPSTREAM,
     AdminListener,
 )
 from gateway.upstream.client import Upstream
@@ -120,7 +121,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
     metrics.watch(dispatcher.snapshot)
-    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
+    upstream = app[UPSTREAM] = Upstream(config.gateway.max_connections, config.channel.timeout)
     await upstream.start()
     endpoints = endpoints_of(config, instances)
     checker = HealthChecker(

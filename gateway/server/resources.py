@@ -22,6 +22,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.observe.metrics import Metrics
 from gateway.observe.peer_metrics import PeerMetrics
 from gateway.proxy.handler import Proxy
+from gateway.upstream.client import Upstream
 
 if TYPE_CHECKING:
     from gateway.fleet.shared import SharedState
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 CONFIG = web.AppKey("config", Config)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 PROXY = web.AppKey("proxy", Proxy)
+UPSTREAM = web.AppKey("upstream", Upstream)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 DRAINS = web.AppKey("drains", Drains)
