@@ -32,9 +32,15 @@ from gateway.config.load import Config, ConfigError, load
 from gateway.config.schema import ConfigFile, Settings
 from gateway.fleet.drains import DrainTable
 from gateway.observe import log
-from gateway.proxy.tenants import key_checker
 from gateway.server.app import apply_instances
-from gateway.server.resources import DISCOVERY, DISPATCHER, DRAINS, PROXY, UPSTREAM
+from gateway.server.resources import (
+    DISCOVERY,
+    DISPATCHER,
+    DRAINS,
+    PROXY,
+    TOKEN_COUNTER,
+    UPSTREAM,
+)
 
 _log = log.get("gateway.reload")
 
@@ -142,8 +148,10 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
     if restart:
         _log.warning("reload_needs_restart", settings=restart, kept="the running values")
     before = app[DISPATCHER].instance_names()
-    proxy.reconfigure(config, key_checker(config))
+    # Each component a reload changes takes its own part of `config` (docs/architecture.md).
+    proxy.apply(config)
     app[UPSTREAM].apply(config)
+    app[TOKEN_COUNTER].apply(config)
     # The discovered entries keep what they resolved; new ones resolve at the next round.
     instances = app[DISCOVERY].reconfigure(config.instances, config.dispatch.discovery_interval)
     apply_instances(app, instances)

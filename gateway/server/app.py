@@ -51,6 +51,7 @@ from gateway.server.resources import (
     PEERS,
     PROXY,
     SHARED,
+    TOKEN_COUNTER,
     UPSTREAM,
     AdminListener,
 )
@@ -131,8 +132,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         interval=dispatch.health_check_interval,
         probe_timeout=dispatch.health.probe_timeout,
     )
-    keys = tenants.key_checker(config)
-    counter = _token_counter(config, upstream, dispatcher, endpoints)
+    counter = app[TOKEN_COUNTER] = _token_counter(config, upstream, dispatcher, endpoints)
     # Each instance's KV events, where it publishes them: its prefix cache as it is.
     listeners = app[KV_LISTENERS] = KvListeners(
         dispatcher.kv_index, dispatcher.clock, grace=dispatch.health_check_interval
@@ -146,7 +146,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     discovery.on_failure = lambda entry: metrics.discovery_failures.labels(entry.label).inc()
     app[HEALTH] = checker
     proxy = app[PROXY] = Proxy(
-        config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
+        config, dispatcher, upstream, metrics, endpoints, counter, app[LIFECYCLE]
     )
     proxy.prompt_ids = PromptIds(
         upstream, dispatcher.kv_blocks, _least_busy_endpoint(dispatcher, endpoints)
@@ -158,7 +158,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         config,
         app.router.routes(),
         servers=dispatcher.instance_names(),
-        keyed=not keys.open,
+        keyed=config.keyed,
         models=dispatcher.served_models(),
         keys=[t.name for t in tenants.tenants_of(config)],
     )

@@ -22,6 +22,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.observe.metrics import Metrics
 from gateway.observe.peer_metrics import PeerMetrics
 from gateway.proxy.handler import Proxy
+from gateway.proxy.tokenizer import TokenCounter
 from gateway.upstream.client import Upstream
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ CONFIG = web.AppKey("config", Config)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 PROXY = web.AppKey("proxy", Proxy)
 UPSTREAM = web.AppKey("upstream", Upstream)
+TOKEN_COUNTER = web.AppKey("token_counter", TokenCounter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 HEALTH = web.AppKey("health", HealthChecker)
 DRAINS = web.AppKey("drains", Drains)
