@@ -96,7 +96,7 @@ class Scheduler:
         # look dear, or prompts are served whole there and make it busier.
         self._transfer = Ewma(higher_is_better=True)
 
-    def reconfigure(
+    def apply(
         self,
         specs: Sequence[InstanceSpec],
         limits: Limits,
@@ -104,7 +104,8 @@ class Scheduler:
         now: float,
         rng: random.Random,
     ) -> list[Decision]:
-        """A reloaded configuration: a new instance list, limits and health policy.
+        """A reloaded configuration: a new instance list, limits and health policy (the
+        core sees no `Config`: fleet/inputs.py makes these from it and the instance list).
 
         Instances that stay (by name) keep their state: health, in-flight requests,
         learned speed, prefix index. New ones start unknown until probed. Removed ones
@@ -112,8 +113,8 @@ class Scheduler:
         requests may now fit (more room) or have nowhere left to go (rejected).
         """
         departed = {h.state.name: h.state for h in self._holding.values()}
-        self.fleet.set_fleet(specs, limits, health_policy, departed)
-        self._service.shares = limits.shares
+        self.fleet.apply(specs, limits, health_policy, departed)
+        self._service.apply(limits.shares)
         return self._place_waiting(now, rng)
 
     # ------------------------------------------------------------ queries

@@ -3,7 +3,9 @@ background task.
 
 Resources (the upstream session, the scheduler, the health task) are created in one
 `cleanup_ctx` generator and torn down in reverse order, and hung on the app under the
-typed `AppKey`s of resources.py; a reload or discovery changes them in `apply_instances`.
+typed `AppKey`s of resources.py. Each one a reload changes has its own `apply`: reload.py
+calls those the configuration changes, and `apply_instances` (a reload, or discovery) those
+the instance list changes.
 The routes are the route modules' (api_routes.py, probe_routes.py, admin_routes.py).
 Nothing lives at module level.
 """
@@ -137,7 +139,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     listeners = app[KV_LISTENERS] = KvListeners(
         dispatcher.kv_index, dispatcher.clock, grace=dispatch.health_check_interval
     )
-    listeners.follow(kv_sources(config, instances))
+    listeners.apply(kv_sources(config, instances))
     app[METRICS] = metrics
     metrics.serving(config.digest())
     app[DISPATCHER] = dispatcher
@@ -181,10 +183,10 @@ def apply_instances(app: web.Application, instances: list[InstanceConfig]) -> No
     before = app[DISPATCHER].instance_names()
     endpoints = endpoints_of(config, instances)
     specs, limits, policy = scheduler_inputs(config, instances)
-    app[DISPATCHER].reconfigure(specs, limits, policy)
+    app[DISPATCHER].apply(specs, limits, policy)
     app[PROXY].know(endpoints)
-    app[HEALTH].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
-    app[KV_LISTENERS].follow(kv_sources(config, instances))
+    app[HEALTH].apply(config, probe_targets(endpoints))
+    app[KV_LISTENERS].apply(kv_sources(config, instances))
     # A removed instance's streams may still end (and count) for up to a request's time.
     app[METRICS].depart(before - set(endpoints), set(endpoints), config.gateway.request_timeout)
 
