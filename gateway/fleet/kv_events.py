@@ -169,7 +169,7 @@ class _Listener:
             index.malformed(seq)
             log.warning("kv_events_malformed", server=self.name, seq=seq, error=str(exc))
             return
-        index.apply(seq, events, self.clock())
+        index.apply_batch(seq, events, self.clock())
 
     async def _replay(self, start: int, until: int) -> list[tuple[int, bytes]]:
         """The batches from `start` that the replay socket still holds, up to `until`."""

@@ -207,7 +207,7 @@ def reload_from(app: web.Application, inbox: Connection) -> Callable[[], None]:
                 if isinstance(message, Ping):
                     inbox.send(message)
                 elif isinstance(message, DrainTable):
-                    app[DRAINS].apply(message.drained)
+                    app[DRAINS].apply_table(message.drained)
                 else:
                     newest = message
         except (EOFError, OSError):

@@ -220,7 +220,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     app[METRICS].registry.register(SharedStateCollector(shared))
     # The drains live in Redis: every replica applies them (drains.py).
     app[DRAINS].store = shared.store_drain
-    shared.on_drains = app[DRAINS].apply
+    shared.on_drains = app[DRAINS].apply_table
     limits = SharedLimits(shared.link, settings.namespace)
     app[PROXY].limiter.shared = limits
     await shared.run_round()  # join the view before the first request, if Redis answers
