@@ -174,10 +174,6 @@ class Dispatcher:
             key=key,
         )
 
-    def key_count(self, key: str) -> float:
-        """`key`'s fair-share count, fleet-wide (fairness.py)."""
-        return self.scheduler.key_count(key)
-
     def answered(self, key: str, output_tokens: int) -> None:
         """An answer of `key` ended with `output_tokens` relayed: its fair-share count."""
         self.scheduler.charge_output(key, output_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from _sched_helpers import FAR, assigned_to, bring_up, holder, make, tk
+from _sched_helpers import FAR, assigned_to, bring_up, holder, inflight_of, make, tk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,9 +71,9 @@ def test_removed_instance_takes_nothing_new_and_its_requests_release() -> None:
     assert not sched.has("b")
     assert {assigned_to(sched.submit(tk(100 + i), 0.0, rng)) for i in range(20)} == {"a"}
     assert holder(sched, on_b) == "b"
-    inflight = sched.inflight
+    inflight = inflight_of(sched)
     assert sched.release(on_b, Outcome.FAILURE, 1.0, rng) == []
-    assert sched.inflight == inflight - 1
+    assert inflight_of(sched) == inflight - 1
     # Late news about it (a probe or a scrape that was out) is ignored.
     assert sched.probe("b", False, 1.0, rng) == []
     sched.observe_tpot("b", 0.1)
@@ -134,7 +134,7 @@ def test_counts_stay_exact_across_any_sequence_of_reloads(
             sched.release(held.pop(0), Outcome.SUCCESS, 0.0, rng)
     for t in held:
         sched.release(t, Outcome.SUCCESS, 0.0, rng)
-    assert sched.inflight == 0
+    assert inflight_of(sched) == 0
     assert all(s.inflight == 0 and s.pending_prefill_tokens == 0 for s in states.values())
 
 
