@@ -43,6 +43,10 @@ class ServiceCounts:
         self.peers: Mapping[str, float] = {}  # the other processes' service, as published
         self._last_picked = 0.0  # the count of the key the queue picked last
 
+    def apply(self, shares: Mapping[str, float]) -> None:
+        """A reload's shares (`Limits.shares`): counts from now on divide by these."""
+        self.shares = dict(shares)
+
     def share(self, key: str) -> float:
         """A key's share (1 unless configured)."""
         return self.shares.get(key, 1.0)

@@ -5,7 +5,7 @@ questions about them (is one up, does it serve a model, has it room for a reques
 may a ticket go), counts a placed prompt into their prefix indexes, and takes in what the
 shell observes of them that places no request (speeds, scrapes, other processes'
 placements). It never sees a queue or a ticket's life: those are the scheduler's.
-`set_fleet` swaps in a new instance list (a reload) and keeps the state of the instances
+`apply` swaps in a new instance list (a reload) and keeps the state of the instances
 that stay.
 
 Limits an instance holds:
@@ -67,9 +67,9 @@ class Instances:
         # Prompts of ours whose first token came where they were not known computed yet:
         # the other processes settle them too (a long prompt with them skips the long cap).
         self._settled: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PLACEMENTS)
-        self.set_fleet(specs, limits, health_policy)
+        self.apply(specs, limits, health_policy)
 
-    def set_fleet(
+    def apply(
         self,
         specs: Sequence[InstanceSpec],
         limits: Limits,

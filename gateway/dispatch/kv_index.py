@@ -259,7 +259,7 @@ class KvIndex:
         """The state it has, or had before its events stopped."""
         return self._before_stale if self.state is KvState.STALE else self.state
 
-    def apply(self, seq: int, events: Sequence[Event], now: float) -> None:
+    def apply_batch(self, seq: int, events: Sequence[Event], now: float) -> None:
         """Batch `seq`, in order (after `arrival` said so, or a replay brought it)."""
         if seq == 0:  # a new engine: its cache starts empty, and everything since is here
             self._forget()

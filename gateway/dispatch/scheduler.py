@@ -96,7 +96,7 @@ class Scheduler:
         # look dear, or prompts are served whole there and make it busier.
         self._transfer = Ewma(higher_is_better=True)
 
-    def reconfigure(
+    def apply(
         self,
         specs: Sequence[InstanceSpec],
         limits: Limits,
@@ -104,7 +104,8 @@ class Scheduler:
         now: float,
         rng: random.Random,
     ) -> list[Decision]:
-        """A reloaded configuration: a new instance list, limits and health policy.
+        """A reloaded configuration: a new instance list, limits and health policy (the
+        core sees no `Config`: fleet/inputs.py makes these from it and the instance list).
 
         Instances that stay (by name) keep their state: health, in-flight requests,
         learned speed, prefix index. New ones start unknown until probed. Removed ones
@@ -112,8 +113,8 @@ class Scheduler:
         requests may now fit (more room) or have nowhere left to go (rejected).
         """
         departed = {h.state.name: h.state for h in self._holding.values()}
-        self.instances.set_fleet(specs, limits, health_policy, departed)
-        self._service.shares = limits.shares
+        self.instances.apply(specs, limits, health_policy, departed)
+        self._service.apply(limits.shares)
         return self._place_waiting(now, rng)
 
     # ------------------------------------------------------------ queries
@@ -123,14 +124,7 @@ class Scheduler:
         """The limits it runs with now (the fleet's: a reload changes both at once)."""
         return self.instances.limits
 
-    @property
-    def inflight(self) -> int:
-        return len(self._holding)
-
-    def queue_length(self, lane: Lane) -> int:
-        return self._queues.length(lane)
-
-    def ahead(
+    def _ahead(
         self,
         lane: Lane,
         model: str | None = None,
@@ -148,7 +142,7 @@ class Scheduler:
         own = self._queues.length_for(lane, model, hop, priority)
         return own + max(0, peers_queued) + at_instances
 
-    def bounded(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> int:
+    def _bounded(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> int:
         """What a new `lane` request of `priority`'s class finds against the bound
         `gateway_queue_size` (fleet-wide, with a shared view): every new request waiting
         for a batch one; the interactive ones alone for an interactive one, so batch
@@ -161,7 +155,7 @@ class Scheduler:
             peers -= self._shared.queued_batch.get(lane, 0)
         return waiting + max(0, peers)
 
-    def predicted_wait(
+    def _predicted_wait(
         self,
         lane: Lane,
         now: float,
@@ -171,7 +165,7 @@ class Scheduler:
     ) -> float | None:
         """How long a new `lane` request of `priority`'s class would wait to start (None:
         its class's rate not known yet)."""
-        ahead = self.ahead(lane, model, hop, priority)
+        ahead = self._ahead(lane, model, hop, priority)
         return predicted_wait(ahead, self._departures.rate(lane, model, now, priority))
 
     def splits(self, ticket: Ticket, now: float) -> bool:
@@ -209,8 +203,8 @@ class Scheduler:
             candidates = self.instances.candidates(ticket, now, len(self._holding))
             if candidates:
                 return self._assign(ticket, candidates, now, rng)
-        if self.bounded(lane, priority) >= self.limits.gateway_queue_size:
-            wait = self.predicted_wait(lane, now, model, hop, priority)
+        if self._bounded(lane, priority) >= self.limits.gateway_queue_size:
+            wait = self._predicted_wait(lane, now, model, hop, priority)
             return self._refuse(ticket, "queue_full", wait or self.limits.queue_retry_after)
         rate = self._departures.rate(lane, model, now, priority)
         # It must also have its first token in time once it starts: the lane's usual time
@@ -352,11 +346,6 @@ class Scheduler:
         """`key`'s answer ended with `output_tokens`: its fair-share count (its prompt was
         counted when it was placed)."""
         self._service.charge(key, output_tokens=output_tokens)
-
-    def key_count(self, key: str) -> float:
-        """`key`'s fair-share count: the service every process gave it (ours and the shared
-        view's), over its share, plus any lift."""
-        return self._service.count(key)
 
     # ------------------------------------------------------------ instances
 
@@ -561,8 +550,8 @@ class Scheduler:
         return Snapshot(
             at=now,
             strategy=self.strategy.name,
-            inflight=self.inflight,
-            queues=MappingProxyType({lane: self.queue_length(lane) for lane in Lane}),
+            inflight=len(self._holding),
+            queues=MappingProxyType({lane: self._queues.length(lane) for lane in Lane}),
             instances=instances_at(self.instances.states, now, self.limits.metrics_stale_after),
             key_service=MappingProxyType(self._service.own()),
             key_queued=MappingProxyType(self._queues.key_counts()),
@@ -645,4 +634,4 @@ class Scheduler:
         self.instances.learn_settled(settled)
 
     def __repr__(self) -> str:
-        return f"<Scheduler {self.strategy.name} inflight={self.inflight} {self._queues!r}>"
+        return f"<Scheduler {self.strategy.name} inflight={len(self._holding)} {self._queues!r}>"

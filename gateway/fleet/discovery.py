@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from gateway.config.load import Config
 from gateway.config.schema import InstanceConfig
 from gateway.config.urls import endpoint, without_credentials
 from gateway.observe import log
@@ -222,17 +223,15 @@ class Discovery:
             if e.discover is not None
         ]
 
-    def reconfigure(
-        self, entries: Sequence[InstanceConfig], interval: float
-    ) -> list[InstanceConfig]:
-        """A reload's entries: an entry that stays (by URL) keeps what it resolved."""
-        self.entries, self.interval = list(entries), interval
+    def apply(self, config: Config) -> None:
+        """A reload's entries (`vllm.instances`) and `dispatch.discovery_interval`: an entry
+        that stays (by URL) keeps what it resolved; `instances()` is the list now."""
+        self.entries, self.interval = list(config.instances), config.dispatch.discovery_interval
         urls = {e.url for e in self.entries if e.discover is not None}
         if urls - self.states.keys():
             self._wake.set()  # a new entry stands for nothing until it is resolved
         self.states = {url: s for url, s in self.states.items() if url in urls}
         self._current = instances_of(self.entries, self.states)
-        return self.instances()
 
     async def run_round(self) -> bool:
         """Resolve every discovered entry once; whether the instance list changed."""

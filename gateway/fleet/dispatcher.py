@@ -174,10 +174,6 @@ class Dispatcher:
             key=key,
         )
 
-    def key_count(self, key: str) -> float:
-        """`key`'s fair-share count, fleet-wide (fairness.py)."""
-        return self.scheduler.key_count(key)
-
     def answered(self, key: str, output_tokens: int) -> None:
         """An answer of `key` ended with `output_tokens` relayed: its fair-share count."""
         self.scheduler.charge_output(key, output_tokens)
@@ -374,11 +370,14 @@ class Dispatcher:
         """What `name`'s /v1/models lists now; requests waiting for those models may go."""
         self._settle(self.scheduler.set_models(name, models, self.clock(), self.rng))
 
-    def reconfigure(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
+    def apply(self, specs: list[InstanceSpec], limits: Limits, policy: HealthPolicy) -> None:
         """A reloaded instance list and limits; queued requests may be placed or refused.
 
-        A drained instance that stays stays drained; one removed is forgotten."""
-        self._settle(self.scheduler.reconfigure(specs, limits, policy, self.clock(), self.rng))
+        It takes the scheduler's inputs (fleet/inputs.py's `scheduler_inputs`), not the
+        `Config`: the instance list is discovery's as much as the files', and the scheduler
+        it hands them to sees no `Config`. A drained instance that stays stays drained; one
+        removed is forgotten."""
+        self._settle(self.scheduler.apply(specs, limits, policy, self.clock(), self.rng))
         self._drained = {n: t for n, t in self._drained.items() if self.scheduler.has(n)}
 
     # ------------------------------------------------------------ the core's face

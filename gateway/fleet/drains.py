@@ -96,13 +96,13 @@ class Drains:
         order = DrainOrder(name, since if drained else None)
         if self.store is not None and not await self.store(order):
             return None
-        self.apply(ordered(table, order))
+        self.apply_table(ordered(table, order))
         if self.upward is not None:
             self.upward(order)
         _log.warning("instance_drained" if drained else "instance_resumed", server=name)
         return order
 
-    def apply(self, table: Mapping[str, float]) -> None:
+    def apply_table(self, table: Mapping[str, float]) -> None:
         """The table as its holder says it is now."""
         if table != self.dispatcher.drained:
             self.dispatcher.set_drained(table)

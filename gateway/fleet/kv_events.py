@@ -50,7 +50,7 @@ class KvSource:
 
 class KvListeners:
     """One listener task per instance with a `KvSource`, started and stopped as the fleet
-    changes (`follow`)."""
+    changes (`apply`)."""
 
     def __init__(
         self,
@@ -64,8 +64,11 @@ class KvListeners:
         self._context: zmq.asyncio.Context | None = None  # made for the first source
         self._tasks: dict[str, tuple[KvSource, asyncio.Task[None]]] = {}
 
-    def follow(self, sources: Mapping[str, KvSource]) -> None:
-        """Listen to exactly these instances: new ones start, gone or moved ones stop."""
+    def apply(self, sources: Mapping[str, KvSource]) -> None:
+        """Listen to exactly these instances: new ones start, gone or moved ones stop.
+
+        It takes the instances' sources (fleet/inputs.py's `kv_sources`), not the `Config`:
+        the instance list is discovery's as much as the files'; the grace is fixed at start."""
         for name in list(self._tasks):
             source, task = self._tasks[name]
             if sources.get(name) != source:
@@ -166,7 +169,7 @@ class _Listener:
             index.malformed(seq)
             log.warning("kv_events_malformed", server=self.name, seq=seq, error=str(exc))
             return
-        index.apply(seq, events, self.clock())
+        index.apply_batch(seq, events, self.clock())
 
     async def _replay(self, start: int, until: int) -> list[tuple[int, bytes]]:
         """The batches from `start` that the replay socket still holds, up to `until`."""

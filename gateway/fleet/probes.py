@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config.load import Config
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.observe import log
 from gateway.upstream.client import Upstream
@@ -135,10 +136,13 @@ class Prober:
         self._scrape_failing: set[str] = set()  # whose last scrape failed (logged once)
         dispatcher.on_unconfirmed = self.scrape_soon
 
-    def reconfigure(self, targets: list[ProbeTarget], probe_timeout: float) -> None:
-        """A reloaded instance list: probe it now, so new instances get a verdict soon."""
+    def apply(self, config: Config, targets: list[ProbeTarget]) -> None:
+        """A reloaded configuration (`dispatch.health.probe_timeout`) and instance list:
+        probe it now, so new instances get a verdict soon. The instance list comes as its
+        probe targets (fleet/inputs.py), not from `config`: discovery's instances are in
+        no file. The interval is fixed at start."""
         self.targets = targets
-        self.probe_timeout = probe_timeout
+        self.probe_timeout = config.dispatch.health.probe_timeout
         names = {t.name for t in targets}
         self.models = {k: v for k, v in self.models.items() if k in names}
         self._wake.set()

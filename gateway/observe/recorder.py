@@ -19,7 +19,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway.config.load import Config
 from gateway.observe import log, request_id
-from gateway.observe.client_address import Network, client_of
+from gateway.observe.client_address import Network, client_of, networks
 from gateway.observe.exchange import Exchange, tokens_used
 from gateway.observe.metrics import NONE, REJECTIONS, Metrics
 
@@ -188,6 +188,11 @@ class Recorder:
         self.trusted: tuple[Network, ...] = ()  # [gateway] trusted_proxies
         # Each labelled series once: prometheus_client's labels() checks and locks per call.
         self._series: dict[tuple[object, ...], Any] = {}
+
+    def apply(self, config: Config) -> None:
+        """A (reloaded) configuration: the proxies trusted to name the client
+        (`gateway.trusted_proxies`); the objectives are fixed at start."""
+        self.trusted = networks(config.gateway.trusted_proxies)
 
     def _series_of(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)

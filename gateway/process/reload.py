@@ -1,10 +1,13 @@
 """SIGHUP: read `config.toml` and `settings.json` again and apply them without a restart.
 
 A reload never drops a request. The new files are read and validated first; if either
-is bad, the old configuration stays and `reload_failed` says why. Otherwise the new
-`Config` is handed to the shell (proxy, intake, upstream, prober: what they read
-per request changes from the next request on) and the instance list, limits and health
-policy to the scheduler, which keeps the state of instances that stay.
+is bad, the old configuration stays and `reload_failed` says why. Otherwise each component
+a reload changes takes the new `Config` through its own `apply(config)`: the proxy (and the
+parts it builds: intake, relay, recorder), the upstream (and its pools), the token counter
+and discovery; what they read per request changes from the next request on. Then
+app.py's `apply_instances` hands the instance list to those it concerns: the dispatcher
+(with the limits and health policy; the scheduler keeps the state of instances that stay),
+the prober, the KV events listeners and the metrics.
 
 Under `--workers` the supervisor reads and validates the files, once, and hands each
 worker what it read through a pipe, which the worker applies as it arrives (`reload_from`):
@@ -32,9 +35,15 @@ from gateway.config.load import Config, ConfigError, load
 from gateway.config.schema import ConfigFile, Settings
 from gateway.fleet.drains import DrainTable
 from gateway.observe import log
-from gateway.proxy.tenants import key_checker
 from gateway.server.app import apply_instances
-from gateway.server.resources import DISCOVERY, DISPATCHER, DRAINS, PROXY
+from gateway.server.resources import (
+    DISCOVERY,
+    DISPATCHER,
+    DRAINS,
+    PROXY,
+    TOKEN_COUNTER,
+    UPSTREAM,
+)
 
 _log = log.get("gateway.reload")
 
@@ -142,9 +151,13 @@ def reload(app: web.Application, pushed: Pushed | None = None) -> bool:
     if restart:
         _log.warning("reload_needs_restart", settings=restart, kept="the running values")
     before = app[DISPATCHER].instance_names()
-    proxy.reconfigure(config, key_checker(config))
+    # Each component a reload changes takes its own part of `config` (docs/architecture.md).
+    proxy.apply(config)
+    app[UPSTREAM].apply(config)
+    app[TOKEN_COUNTER].apply(config)
     # The discovered entries keep what they resolved; new ones resolve at the next round.
-    instances = app[DISCOVERY].reconfigure(config.instances, config.dispatch.discovery_interval)
+    app[DISCOVERY].apply(config)
+    instances = app[DISCOVERY].instances()
     apply_instances(app, instances)
     names = {i.label for i in instances}
     proxy.metrics.config_reloads.labels("applied").inc()
@@ -194,7 +207,7 @@ def reload_from(app: web.Application, inbox: Connection) -> Callable[[], None]:
                 if isinstance(message, Ping):
                     inbox.send(message)
                 elif isinstance(message, DrainTable):
-                    app[DRAINS].apply(message.drained)
+                    app[DRAINS].apply_table(message.drained)
                 else:
                     newest = message
         except (EOFError, OSError):

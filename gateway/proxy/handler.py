@@ -40,7 +40,6 @@ from gateway.dispatch.affinity import prompt_blocks, prompt_text
 from gateway.fleet.dispatcher import Dispatcher, Lease
 from gateway.lifecycle import Lifecycle
 from gateway.observe import log, request_id
-from gateway.observe.client_address import networks
 from gateway.observe.exchange import Exchange, tokens_used
 from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.observe.recorder import EXCHANGE, Recorder
@@ -55,7 +54,6 @@ from gateway.proxy.attempt import (
     taken_back,
     vllm_priority,
 )
-from gateway.proxy.auth import KeyChecker
 from gateway.proxy.body import InvalidField, ask_usage, wants_stream
 from gateway.proxy.disaggregate import PrefillHop
 from gateway.proxy.intake import Intake, max_tokens_of
@@ -109,7 +107,6 @@ class Proxy:
         dispatcher: Dispatcher,
         upstream: Upstream,
         metrics: Metrics,
-        keys: KeyChecker[Tenant],
         endpoints: dict[str, Endpoint],
         counter: TokenCounter,
         lifecycle: Lifecycle | None = None,
@@ -121,7 +118,7 @@ class Proxy:
         self.endpoints = endpoints
         self.counter = counter
         self.prompt_ids = prompt_ids  # token ids for the KV events index (prompt_ids.py)
-        self.intake = Intake(config, keys, dispatcher, metrics)
+        self.intake = Intake(config, dispatcher, metrics)
         # Long-lane requests carry the [prefill] tag as their lane name in logs and metrics.
         self.lane_names = metrics.lane_names  # the long lane is named by [prefill].tag
         self.budget = RetryBudget()  # the core's ratio, 0.2 (docs/decisions/0017)
@@ -154,36 +151,36 @@ class Proxy:
                 (long, Priority.BATCH): (batch.long_ttft, batch.long_tpot),
             },
         )
-        self.reconfigure(config, keys)
+        self.apply(config)
 
     def know(self, endpoints: dict[str, Endpoint]) -> None:
         """The instances' endpoints now (a reload, discovery). Those of removed instances
         stay known, so a request still on one finishes normally."""
         self.endpoints.update(endpoints)
 
-    def reconfigure(self, config: Config, keys: KeyChecker[Tenant]) -> None:
-        """Take a (reloaded) configuration: what is read per request changes from here on.
+    def apply(self, config: Config) -> None:
+        """Take a (reloaded) configuration: what is read per request changes from here on,
+        here and in the parts the proxy builds (intake, relay, recorder), each through its
+        own `apply`. The parts it is handed (upstream, token counter) are applied by whoever
+        built them (reload.py).
 
         Requests in progress keep what they read at their start.
         """
         self.config = config
-        self.keys = keys
         self.loaded_at = time.time()  # wall clock, for /admin/config
         self.waiting_for_restart: list[str] = []  # settings a reload left (reload.py)
-        self.recorder.trusted = networks(config.gateway.trusted_proxies)
         channel = config.channel
         self.default_model = channel.default_model
         self.threshold = config.prefill.long_input_threshold
-        self.counter.threshold = self.threshold  # where an exact count is worth asking for
         self.request_timeout = config.gateway.request_timeout
         self.retry = channel.retry
         self.ttft_allowance = {
             Lane.SHORT: channel.timeout.read,
             Lane.LONG: channel.timeout.read * LONG_TTFT_FACTOR,
         }
-        self.relay.write_timeout = channel.timeout.write
-        self.upstream.timeouts = channel.timeout
-        self.intake.reconfigure(config, keys)
+        self.intake.apply(config)
+        self.relay.apply(config)
+        self.recorder.apply(config)
 
     @property
     def aborting(self) -> bool:

@@ -18,7 +18,7 @@ from gateway.fleet.dispatcher import Dispatcher
 from gateway.observe.metrics import Metrics
 from gateway.proxy import auth, form, jsoncodec
 from gateway.proxy.auth import KeyChecker
-from gateway.proxy.tenants import Tenant
+from gateway.proxy.tenants import Tenant, key_checker
 
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:/@+=-]{1,64}")
 # Client headers an instance acts on, passed through (the rest never is): vLLM reads the
@@ -40,17 +40,15 @@ def max_tokens_of(payload: dict[str, Any]) -> int:
 
 
 class Intake:
-    def __init__(
-        self, config: Config, keys: KeyChecker[Tenant], dispatcher: Dispatcher, metrics: Metrics
-    ) -> None:
+    def __init__(self, config: Config, dispatcher: Dispatcher, metrics: Metrics) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.max_body = config.gateway.max_body_bytes  # the app's own limit: fixed at start
-        self.reconfigure(config, keys)
+        self.apply(config)
 
-    def reconfigure(self, config: Config, keys: KeyChecker[Tenant]) -> None:
-        """A reloaded configuration: the keys, default tag and body timeout it names."""
-        self.keys = keys
+    def apply(self, config: Config) -> None:
+        """A (reloaded) configuration: the keys, default tag and body timeout it names."""
+        self.keys: KeyChecker[Tenant] = key_checker(config)
         self.default_tag = config.channel.headers.get("X-Request-Tag", "")
         self.body_timeout = config.gateway.body_timeout
 

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from gateway.config.load import Config
 from gateway.proxy.tokens import (
     DEFAULT_MEDIA,
     PER_MESSAGE,
@@ -81,6 +82,11 @@ class TokenCounter:
         self.local = local
         self.upstream = upstream
         self.pick_instance = pick_instance
+
+    def apply(self, config: Config) -> None:
+        """A (reloaded) configuration: the long-lane threshold, near which an exact count is
+        worth asking for (the tokenizer itself is fixed at start)."""
+        self.threshold = config.prefill.long_input_threshold
 
     @property
     def exact(self) -> bool:

@@ -29,6 +29,7 @@ from typing import Protocol
 from aiohttp import web
 
 from gateway import errors
+from gateway.config.load import Config
 from gateway.dispatch import Outcome
 from gateway.fleet.dispatcher import Lease
 from gateway.observe import log
@@ -96,6 +97,11 @@ class Relay:
         self.write_timeout = write_timeout
         self.clock = clock
         self._aborting = aborting  # the lifecycle's: the drain deadline passed
+
+    def apply(self, config: Config) -> None:
+        """A (reloaded) configuration: how long a client may stay behind a stream begun
+        from now on (`channel.timeout.write`); a stream under way keeps the one it began with."""
+        self.write_timeout = config.channel.timeout.write
 
     @property
     def aborting(self) -> bool:

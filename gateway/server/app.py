@@ -3,7 +3,9 @@ background task.
 
 Resources (the upstream session, the scheduler, the health task) are created in one
 `cleanup_ctx` generator and torn down in reverse order, and hung on the app under the
-typed `AppKey`s of resources.py; a reload or discovery changes them in `apply_instances`.
+typed `AppKey`s of resources.py. Each one a reload changes has its own `apply`: reload.py
+calls those the configuration changes, and `apply_instances` (a reload, or discovery) those
+the instance list changes.
 The routes are the route modules' (api_routes.py, probe_routes.py, admin_routes.py).
 Nothing lives at module level.
 """
@@ -51,6 +53,8 @@ from gateway.server.resources import (
     PROBER,
     PROXY,
     SHARED,
+    TOKEN_COUNTER,
+    UPSTREAM,
     AdminListener,
 )
 from gateway.upstream.client import Upstream
@@ -120,7 +124,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     scheduler = Scheduler(specs, strategy, limits, policy)
     dispatcher = Dispatcher(scheduler, metrics)
     metrics.watch(dispatcher.snapshot)
-    upstream = Upstream(config.gateway.max_connections, config.channel.timeout)
+    upstream = app[UPSTREAM] = Upstream(config.gateway.max_connections, config.channel.timeout)
     await upstream.start()
     endpoints = endpoints_of(config, instances)
     prober = Prober(
@@ -130,13 +134,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         interval=dispatch.health_check_interval,
         probe_timeout=dispatch.health.probe_timeout,
     )
-    keys = tenants.key_checker(config)
-    counter = _token_counter(config, upstream, dispatcher, endpoints)
+    counter = app[TOKEN_COUNTER] = _token_counter(config, upstream, dispatcher, endpoints)
     # Each instance's KV events, where it publishes them: its prefix cache as it is.
     listeners = app[KV_LISTENERS] = KvListeners(
         dispatcher.kv_index, dispatcher.clock, grace=dispatch.health_check_interval
     )
-    listeners.follow(kv_sources(config, instances))
+    listeners.apply(kv_sources(config, instances))
     app[METRICS] = metrics
     metrics.serving(config.digest())
     app[DISPATCHER] = dispatcher
@@ -145,7 +148,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     discovery.on_failure = lambda entry: metrics.discovery_failures.labels(entry.label).inc()
     app[PROBER] = prober
     proxy = app[PROXY] = Proxy(
-        config, dispatcher, upstream, metrics, keys, endpoints, counter, app[LIFECYCLE]
+        config, dispatcher, upstream, metrics, endpoints, counter, app[LIFECYCLE]
     )
     proxy.prompt_ids = PromptIds(
         upstream, dispatcher.kv_blocks, _least_busy_endpoint(dispatcher, endpoints)
@@ -157,7 +160,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         config,
         app.router.routes(),
         servers=dispatcher.instance_names(),
-        keyed=not keys.open,
+        keyed=config.keyed,
         models=dispatcher.served_models(),
         keys=[t.name for t in tenants.tenants_of(config)],
     )
@@ -180,10 +183,10 @@ def apply_instances(app: web.Application, instances: list[InstanceConfig]) -> No
     before = app[DISPATCHER].instance_names()
     endpoints = endpoints_of(config, instances)
     specs, limits, policy = scheduler_inputs(config, instances)
-    app[DISPATCHER].reconfigure(specs, limits, policy)
+    app[DISPATCHER].apply(specs, limits, policy)
     app[PROXY].know(endpoints)
-    app[PROBER].reconfigure(probe_targets(endpoints), config.dispatch.health.probe_timeout)
-    app[KV_LISTENERS].follow(kv_sources(config, instances))
+    app[PROBER].apply(config, probe_targets(endpoints))
+    app[KV_LISTENERS].apply(kv_sources(config, instances))
     # A removed instance's streams may still end (and count) for up to a request's time.
     app[METRICS].depart(before - set(endpoints), set(endpoints), config.gateway.request_timeout)
 
@@ -217,7 +220,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     app[METRICS].registry.register(SharedStateCollector(shared))
     # The drains live in Redis: every replica applies them (drains.py).
     app[DRAINS].store = shared.store_drain
-    shared.on_drains = app[DRAINS].apply
+    shared.on_drains = app[DRAINS].apply_table
     limits = SharedLimits(shared.link, settings.namespace)
     app[PROXY].limiter.shared = limits
     await shared.run_round()  # join the view before the first request, if Redis answers

@@ -22,6 +22,8 @@ from gateway.lifecycle import Lifecycle
 from gateway.observe.metrics import Metrics
 from gateway.observe.peer_metrics import PeerMetrics
 from gateway.proxy.handler import Proxy
+from gateway.proxy.tokenizer import TokenCounter
+from gateway.upstream.client import Upstream
 
 if TYPE_CHECKING:
     from gateway.fleet.shared import SharedState
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 CONFIG = web.AppKey("config", Config)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 PROXY = web.AppKey("proxy", Proxy)
+UPSTREAM = web.AppKey("upstream", Upstream)
+TOKEN_COUNTER = web.AppKey("token_counter", TokenCounter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 PROBER = web.AppKey("prober", Prober)
 DRAINS = web.AppKey("drains", Drains)

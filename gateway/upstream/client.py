@@ -17,10 +17,15 @@ through the same interface.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gateway.config.schema import Timeouts
 from gateway.upstream.connection import Response
 from gateway.upstream.pool import KEEPALIVE_S, Pool
 from gateway.upstream.response import AttemptFailed, read_whole
+
+if TYPE_CHECKING:
+    from gateway.config.load import Config
 
 # Probes and scrapes: a round sends three calls to each instance at once; eight is plenty
 # for a fleet checked every few seconds, and small next to max_connections.
@@ -39,6 +44,14 @@ class Upstream:
         keepalive = KEEPALIVE_S if self.pooled else 0.0
         self._pool = Pool(self.max_connections, self.timeouts.connect, keepalive)
         self._control = Pool(CONTROL_CONNECTIONS, self.timeouts.connect, keepalive)
+
+    def apply(self, config: Config) -> None:
+        """A (reloaded) configuration: its channel timeouts, which both pools take (the
+        connect timeout is the one a pool reads; `max_connections` is fixed at start)."""
+        self.timeouts = config.channel.timeout
+        for pool in (self._pool, self._control):
+            if pool is not None:
+                pool.apply(config)
 
     async def close(self) -> None:
         for pool in (self._pool, self._control):
@@ -79,7 +92,6 @@ class Upstream:
     ) -> Response:
         if pool is None:
             raise RuntimeError("Upstream.start() was not awaited")
-        pool.connect_timeout = self.timeouts.connect  # a reload may change it
         try:
             return await pool.request(method, url, body=body, headers=headers, timeout=timeout)
         except ValueError as exc:  # a header that cannot be sent

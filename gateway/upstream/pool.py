@@ -19,10 +19,14 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from gateway.upstream.connection import H1Connection, Key, Response
 from gateway.upstream.response import AttemptFailed
+
+if TYPE_CHECKING:
+    from gateway.config.load import Config
 
 # vLLM (uvicorn) closes idle connections after 5 s; dropping ours sooner avoids sending a
 # request down a socket the instance is closing.
@@ -46,6 +50,11 @@ class Pool:
         self._reaper: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None  # made at the first https:// instance
         self.closed = False
+
+    def apply(self, config: Config) -> None:
+        """A (reloaded) configuration: its `channel.timeout.connect` bounds the connections
+        opened from now on (the limit and keep-alive are fixed at start)."""
+        self.connect_timeout = config.channel.timeout.connect
 
     def __repr__(self) -> str:
         idle = sum(len(v) for v in self._idle.values())

@@ -1,7 +1,8 @@
 """Builders the scheduler's example tests share: a scheduler over named instances, brought
 up at once, and short tickets; and looks inside it (which instance holds a ticket, what
-waits in its queue, where a ticket is in its life) that only tests need, so the scheduler
-does not offer them."""
+waits in its queue, where a ticket is in its life, how many it holds and queues, what a new
+request would find ahead of it) that only tests need, so the scheduler does not offer them
+(the shell reads its `snapshot`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from gateway.dispatch import (
     STRATEGIES,
     Assigned,
     HealthPolicy,
+    Hop,
     InstanceSpec,
     Lane,
     Limits,
+    Priority,
     Scheduler,
     Ticket,
 )
@@ -71,3 +74,41 @@ def ticket_state(sched: Scheduler, ticket_id: int) -> TicketState:
     """Where the scheduler keeps `ticket_id` in its life (ticket_state.py); new once it is
     gone, as before it came."""
     return sched._ticket_state(ticket_id)
+
+
+def inflight_of(sched: Scheduler) -> int:
+    """The requests the scheduler holds on instances now."""
+    return len(sched._holding)
+
+
+def queue_length_of(sched: Scheduler, lane: Lane) -> int:
+    """The requests waiting in the scheduler's `lane` queue, retries included."""
+    return sched._queues.length(lane)
+
+
+def ahead_of(
+    sched: Scheduler,
+    lane: Lane,
+    model: str | None = None,
+    hop: Hop = Hop.WHOLE,
+    priority: Priority = Priority.INTERACTIVE,
+) -> int:
+    """The requests that would start before a new one (Scheduler._ahead)."""
+    return sched._ahead(lane, model, hop, priority)
+
+
+def bounded_of(sched: Scheduler, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> int:
+    """What a new request finds against `gateway_queue_size` (Scheduler._bounded)."""
+    return sched._bounded(lane, priority)
+
+
+def predicted_wait_of(
+    sched: Scheduler,
+    lane: Lane,
+    now: float,
+    model: str | None = None,
+    hop: Hop = Hop.WHOLE,
+    priority: Priority = Priority.INTERACTIVE,
+) -> float | None:
+    """How long a new request would wait to start (Scheduler._predicted_wait)."""
+    return sched._predicted_wait(lane, now, model, hop, priority)

@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from _sched_helpers import holder, queued_tickets, ticket_state
+from _sched_helpers import holder, inflight_of, queue_length_of, queued_tickets, ticket_state
 from _sched_ops import Setup
 
 from gateway.dispatch import (
@@ -215,9 +215,9 @@ class Model:
             assert state.long_prefilling >= 0, state
             assert state.long_prefilling == sum(1 for h in mine if h[2]), state
         total = sum(s.inflight for s in self.sched.instances.states)
-        assert total == self.sched.inflight == len(self.held)
+        assert total == inflight_of(self.sched) == len(self.held)
         if limits.global_limit is not None:
-            assert self.sched.inflight <= limits.global_limit
+            assert inflight_of(self.sched) <= limits.global_limit
         for tid, (name, _, _) in self.held.items():
             assert holder(self.sched, tid) == name
             # Its life by the state table: decoding once its first token came.
@@ -232,7 +232,7 @@ class Model:
         assert {t.id for t in queued_tickets(self.sched) if t.exclude} == set(self.retries)
         for lane, queue in self.queued.items():
             retries = sum(1 for t in self.retries.values() if t.lane is lane)
-            assert self.sched.queue_length(lane) == len(queue) + retries
+            assert queue_length_of(self.sched, lane) == len(queue) + retries
             assert len(queue) <= limits.gateway_queue_size
             actual = [t.id for t in queued_tickets(self.sched) if t.lane is lane and not t.exclude]
             assert actual == list(queue), f"{lane} queue {actual} != model {list(queue)}"
@@ -263,5 +263,5 @@ class Model:
             del self.held[tid]
             assert self.sched.release(tid, Outcome.SUCCESS, self.now, self.rng) == []
             self.check()
-        assert self.sched.inflight == 0
+        assert inflight_of(self.sched) == 0
         assert all(s.long_prefilling == 0 for s in self.sched.instances.states)

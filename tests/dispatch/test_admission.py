@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _sched_helpers import ahead_of, predicted_wait_of, queue_length_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -105,7 +106,7 @@ def test_expire_rejects_only_a_ticket_still_queued_and_due() -> None:
     assert sched.expire(2, 2.0, rng) == [
         Rejected(Ticket(2, Lane.SHORT, FAR), "deadline", sched.limits.queue_retry_after)
     ]
-    assert sched.queue_length(Lane.SHORT) == 0
+    assert queue_length_of(sched, Lane.SHORT) == 0
     assert sched.expire(2, 3.0, rng) == []  # gone already
     assert sched.expire(1, 3.0, rng) == []  # placed, not queued
 
@@ -142,7 +143,7 @@ def test_request_predicted_to_wait_past_its_budget_is_refused_at_arrival() -> No
     assert isinstance(sched.submit(Ticket(4, Lane.SHORT, FAR), now, rng), Queued)  # 2.0 s
     refused = sched.submit(Ticket(5, Lane.SHORT, FAR), now, rng)
     assert refused == Rejected(Ticket(5, Lane.SHORT, FAR), "predicted_wait", 0.5)
-    assert sched.queue_length(Lane.SHORT) == 4
+    assert queue_length_of(sched, Lane.SHORT) == 4
 
 
 def test_short_deadline_is_a_smaller_budget() -> None:
@@ -168,8 +169,8 @@ def test_long_request_on_a_shared_instance_departs_when_its_prefill_ends() -> No
     for i in range(1, 6):  # each first token lets the next long request in
         now += 0.5
         assert [d.ticket.id for d in sched.prefill_done(i, now, rng)] == [i + 1]
-    assert sched.predicted_wait(Lane.LONG, now) is not None
-    assert sched.predicted_wait(Lane.SHORT, now) is None  # nothing left a slot yet
+    assert predicted_wait_of(sched, Lane.LONG, now) is not None
+    assert predicted_wait_of(sched, Lane.SHORT, now) is None  # nothing left a slot yet
 
 
 def test_the_lanes_time_to_first_token_comes_off_the_budget() -> None:
@@ -210,7 +211,7 @@ def test_admitted_queue_never_exceeds_rate_times_budget(
     for i in range(arrivals):
         sched.submit(Ticket(i, Lane.SHORT, FAR), now, rng)
     if rate is not None:
-        assert sched.queue_length(Lane.SHORT) <= rate * budget + 1
+        assert queue_length_of(sched, Lane.SHORT) <= rate * budget + 1
 
 
 def test_one_models_queue_does_not_get_another_model_refused() -> None:
@@ -239,4 +240,4 @@ def test_one_models_queue_does_not_get_another_model_refused() -> None:
     assert refused.reason == "predicted_wait"
     other = sched.submit(Ticket(11, Lane.SHORT, FAR, model="model-b"), now, rng)
     assert isinstance(other, Queued)  # b's rate is unknown: nothing refused by prediction
-    assert sched.ahead(Lane.SHORT, "model-b") == 1
+    assert ahead_of(sched, Lane.SHORT, "model-b") == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from _sched_helpers import FAR, assigned_to, bring_up, make
+from _sched_helpers import FAR, assigned_to, bring_up, make, predicted_wait_of
 
 from gateway.dispatch import (
     Assigned,
@@ -230,7 +230,7 @@ def test_prefill_hops_are_not_departures_for_admission() -> None:
             sched.submit(ticket(base + i, hop=hop), i - 0.5, rng)
             sched.release(base + i - 1, Outcome.SUCCESS, float(i), rng)
         sched.release(base + 29, Outcome.SUCCESS, 30.0, rng)
-        rate = sched.predicted_wait(Lane.SHORT, 30.0)
+        rate = predicted_wait_of(sched, Lane.SHORT, 30.0)
         # After the prefill hops alone no rate is known; the whole ones teach one.
         assert (rate is None) == (hop is Hop.PREFILL)
 

@@ -378,7 +378,7 @@ def test_a_reload_changes_the_shares_of_the_keys_waiting() -> None:
         sched.submit(ticket(next(ids), "plain"), 0.0, rng)
     limits = Limits(max_queue_per_instance=0, shares={"gold": 3.0})
     specs = [InstanceSpec("a", slots=1)]
-    assert sched.reconfigure(specs, limits, sched.instances.health_policy, 0.5, rng) == []
+    assert sched.apply(specs, limits, sched.instances.health_policy, 0.5, rng) == []
     assert turns(sched, 1, 40, rng) == {"gold": 30, "plain": 10}
 
 

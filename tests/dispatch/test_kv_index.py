@@ -63,10 +63,10 @@ PROMPT = list(range(100, 124))  # 6 blocks
 def whole(*events: object, seq: int = 0) -> KvIndex:
     index = KvIndex()
     assert index.arrival(0) == "apply"
-    index.apply(0, [], 0.0)
+    index.apply_batch(0, [], 0.0)
     for n, event in enumerate(events, start=1):
         assert index.arrival(n) == "apply"
-        index.apply(n, [event], float(n))  # type: ignore[list-item]
+        index.apply_batch(n, [event], float(n))  # type: ignore[list-item]
     return index
 
 
@@ -81,7 +81,7 @@ def test_stored_blocks_match_a_request_of_the_same_tokens_in_several_batches() -
 def test_removed_blocks_stop_matching_from_the_first_missing_one() -> None:
     index = whole(stored(PROMPT), removed(PROMPT, range(3, 6)))
     assert index.match(chain(PROMPT, BS)) == 3
-    index.apply(3, [removed(PROMPT, range(0, 1))], 3.0)
+    index.apply_batch(3, [removed(PROMPT, range(0, 1))], 3.0)
     # vLLM's lookup stops at the first miss, even if later blocks are still there.
     assert index.match(chain(PROMPT, BS)) == 0
     assert len(index) == 2
@@ -92,7 +92,7 @@ def test_a_block_held_in_two_media_stays_until_both_remove_it() -> None:
     cpu = StoredBlocks(cpu.block_hashes, None, cpu.token_ids, BS, cpu.extra_keys, None, "CPU")
     index = whole(stored(PROMPT), cpu, removed(PROMPT, range(6)))
     assert index.match(chain(PROMPT, BS)) == 6
-    index.apply(4, [RemovedBlocks(engine_hashes(PROMPT), "CPU")], 4.0)
+    index.apply_batch(4, [RemovedBlocks(engine_hashes(PROMPT), "CPU")], 4.0)
     assert index.match(chain(PROMPT, BS)) == 0
     assert len(index) == 0
 
@@ -105,7 +105,7 @@ def test_a_cache_salt_and_an_adapter_never_share_blocks() -> None:
     lora = StoredBlocks(
         engine_hashes(PROMPT, "x"), None, PROMPT, BS, [("sql",)] * 6, lora_name="sql"
     )
-    index.apply(2, [lora], 2.0)
+    index.apply_batch(2, [lora], 2.0)
     assert index.adapters == {"sql"}
     assert index.match(chain(PROMPT, BS, lora_name="sql")) == 6
     # An older engine sends no extra keys: its adapter's name keeps it apart all the same.
@@ -118,7 +118,7 @@ def test_all_blocks_cleared_empties_it_and_makes_it_whole() -> None:
     index = whole(stored(PROMPT))
     index.unreplayed(5)
     assert index.state is KvState.PARTIAL
-    index.apply(5, [ClearedCache()], 5.0)
+    index.apply_batch(5, [ClearedCache()], 5.0)
     assert index.state is KvState.WHOLE
     assert len(index) == 0
 
@@ -151,7 +151,7 @@ def test_the_first_batch_at_zero_is_whole_and_a_late_join_asks_a_replay_from_zer
     # The replay brings 0..6: whole.
     for seq in range(7):
         assert index.arrival(seq) == "apply"
-        index.apply(seq, [], 0.0)
+        index.apply_batch(seq, [], 0.0)
     assert index.state is KvState.WHOLE
     assert index.next_seq == 7
 
@@ -159,7 +159,7 @@ def test_the_first_batch_at_zero_is_whole_and_a_late_join_asks_a_replay_from_zer
 def test_a_late_join_whose_replay_does_not_reach_zero_is_partial() -> None:
     index = KvIndex()
     index.unreplayed(40)
-    index.apply(40, [stored(PROMPT)], 1.0)
+    index.apply_batch(40, [stored(PROMPT)], 1.0)
     assert index.state is KvState.PARTIAL
     assert index.usable
     assert index.next_seq == 41
@@ -172,7 +172,7 @@ def test_a_gap_asks_a_replay_from_the_next_one() -> None:
     index.gap(replaying=True)
     assert index.gaps_total == 1
     for seq in (2, 3, 4):
-        index.apply(seq, [], 0.0)
+        index.apply_batch(seq, [], 0.0)
     assert index.arrival(5) == "apply"
     assert index.state is KvState.WHOLE
 
@@ -183,7 +183,7 @@ def test_a_lost_gap_empties_a_whole_index_and_keeps_a_partial_ones_blocks() -> N
     assert index.state is KvState.PARTIAL
     assert len(index) == 0
     assert index.next_seq == 9
-    index.apply(9, [stored(PROMPT)], 9.0)
+    index.apply_batch(9, [stored(PROMPT)], 9.0)
     index.unreplayed(20)
     assert len(index) == 6  # partial already: what it holds is still surely there
 
@@ -199,7 +199,7 @@ def test_numbering_that_goes_back_is_an_engine_restart() -> None:
         assert len(index) == 0
         assert index.arrival(first) == ("apply" if first == 0 else "replay")
         assert index.replay_from() == 0
-        index.apply(0, [], 10.0)
+        index.apply_batch(0, [], 10.0)
         assert index.state is KvState.WHOLE
 
 
@@ -228,7 +228,7 @@ def test_events_owed_for_a_health_interval_make_it_stale_and_one_event_revives_i
     assert not index.check(now=20.0, grace=1.0)  # once
     # The next batch in order: the engine was only silent, nothing was missed.
     assert index.arrival(1) == "apply"
-    index.apply(1, [stored(PROMPT)], 21.0)
+    index.apply_batch(1, [stored(PROMPT)], 21.0)
     assert index.state is KvState.WHOLE
     assert index.match(chain(PROMPT, BS)) == 6
 
@@ -249,7 +249,7 @@ def test_an_event_after_the_first_token_pays_what_was_owed() -> None:
     index = whole()
     index.hold(1, chain(PROMPT, BS), now=9.0)
     index.computed(1, now=10.0)
-    index.apply(1, [stored(PROMPT)], 10.1)  # it came just after the first token
+    index.apply_batch(1, [stored(PROMPT)], 10.1)  # it came just after the first token
     assert not index.check(now=30.0, grace=1.0)
 
 
@@ -260,8 +260,8 @@ def test_nothing_is_owed_for_a_cached_prompt_or_after_an_event_since_placing() -
     assert index.expecting_since is None
     other = list(range(500, 524))
     index.hold(2, chain(other, BS), now=11.0)
-    index.apply(2, [stored(other)], 11.5)  # its blocks, before its first token
-    index.apply(3, [removed(other, range(6))], 11.6)  # and evicted at once
+    index.apply_batch(2, [stored(other)], 11.5)  # its blocks, before its first token
+    index.apply_batch(3, [removed(other, range(6))], 11.6)  # and evicted at once
     index.computed(2, now=12.0)
     assert index.expecting_since is None  # the engine spoke since it was placed
     assert not index.check(now=30.0, grace=1.0)
@@ -295,14 +295,14 @@ def test_the_cost_reads_an_exact_index_and_not_the_inferred_one() -> None:
     sched, _rng = scheduler_with_events()
     a, b = sched.state("a"), sched.state("b")
     for state in (a, b):
-        state.kv.apply(0, [], 0.0)
+        state.kv.apply_batch(0, [], 0.0)
     long_text = bytes(range(256)) * 8  # 8 inferred blocks
     ids = list(range(64))
     # The gateway sent the prompt to a (inferred: cached there) but a's events say it evicted.
     a.cache.insert(prompt_blocks(long_text))
     ticket = kv_ticket(1, ids, long_text)
     assert a.cached_tokens(ticket) == 0
-    b.kv.apply(1, [stored(ids)], 1.0)
+    b.kv.apply_batch(1, [stored(ids)], 1.0)
     assert b.cached_tokens(ticket) == 64
     assert b.cached_tokens(ticket, settled=True) == 64
     # Partial: the larger of both.
@@ -317,7 +317,7 @@ def test_the_cost_reads_an_exact_index_and_not_the_inferred_one() -> None:
 def test_a_placed_prompt_attracts_its_twin_until_it_is_computed() -> None:
     sched, rng = scheduler_with_events()
     for state in sched.instances.states:
-        state.kv.apply(0, [], 0.0)
+        state.kv.apply_batch(0, [], 0.0)
     ids = list(range(400))
     first = sched.submit(kv_ticket(1, ids), 0.1, rng)
     assert isinstance(first, Assigned)
@@ -340,7 +340,7 @@ def test_the_fleet_says_how_to_chain_a_prompt_once_an_index_is_usable() -> None:
     sched, _rng = scheduler_with_events()
     assert sched.kv_blocks("m") is None
     a = sched.state("a")
-    a.kv.apply(0, [StoredBlocks([1], None, [1, 2, 3, 4], BS, lora_name="sql")], 0.0)
+    a.kv.apply_batch(0, [StoredBlocks([1], None, [1, 2, 3, 4], BS, lora_name="sql")], 0.0)
     assert sched.kv_blocks("m") == (BS, None)
     assert sched.kv_blocks("sql") == (BS, "sql")
     plain = make("c")
@@ -364,10 +364,10 @@ def test_the_index_is_exactly_the_cache_its_events_describe(
     index = whole()
     for n, (op, p, upto) in enumerate(ops, start=1):
         if op == "store":
-            index.apply(n, [stored(prompts[p], 0, upto)], float(n))
+            index.apply_batch(n, [stored(prompts[p], 0, upto)], float(n))
             truth |= {(p, k) for k in range(upto)}
         else:
-            index.apply(n, [removed(prompts[p], range(upto - 1, upto))], float(n))
+            index.apply_batch(n, [removed(prompts[p], range(upto - 1, upto))], float(n))
             truth.discard((p, upto - 1))
     for p, ids in enumerate(prompts):
         run = 0
@@ -380,7 +380,7 @@ def test_a_decode_hop_holds_no_pending_blocks_and_owes_no_event() -> None:
     """It reads its prompt's blocks from the prefill instance: nothing computed there."""
     sched, rng = scheduler_with_events()
     for state in sched.instances.states:
-        state.kv.apply(0, [], 0.0)
+        state.kv.apply_batch(0, [], 0.0)
     ids = list(range(400))
     decode = dataclasses.replace(kv_ticket(1, ids), hop=Hop.DECODE)
     placed = sched.submit(decode, 0.1, rng)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from _sched_helpers import ahead_of, bounded_of, predicted_wait_of
+
 from gateway.dispatch import (
     STRATEGIES,
     Assigned,
@@ -97,12 +99,12 @@ def test_admission_predicts_each_class_from_its_own_drain_rate() -> None:
         (placed,) = sched.release(done, Outcome.SUCCESS, now, rng)
         assert placed.ticket.id == done + 1
     # Now: ticket 5 runs, 6..15 wait, batch drains at 1/s.
-    assert sched.predicted_wait(Lane.SHORT, 4.0, priority=BATCH) == 11.0
+    assert predicted_wait_of(sched, Lane.SHORT, 4.0, priority=BATCH) == 11.0
     refused = sched.submit(ticket(20, BATCH), 4.0, rng)
     assert isinstance(refused, Rejected)
     assert refused.reason == "predicted_wait"
     assert refused.retry_after == 1.0  # 11 s - 10 s
-    assert sched.predicted_wait(Lane.SHORT, 4.0, priority=INTERACTIVE) is None  # unknown
+    assert predicted_wait_of(sched, Lane.SHORT, 4.0, priority=INTERACTIVE) is None  # unknown
     interactive = sched.submit(ticket(21, INTERACTIVE), 4.0, rng)
     assert isinstance(interactive, Queued)
     (placed,) = sched.release(5, Outcome.SUCCESS, 4.5, rng)
@@ -124,8 +126,8 @@ def test_the_peers_batch_queue_is_not_ahead_of_an_interactive_request() -> None:
         0.0,
         rng,
     )
-    assert sched.ahead(Lane.SHORT, priority=INTERACTIVE) == 2
-    assert sched.ahead(Lane.SHORT, priority=BATCH) == 7
+    assert ahead_of(sched, Lane.SHORT, priority=INTERACTIVE) == 2
+    assert ahead_of(sched, Lane.SHORT, priority=BATCH) == 7
 
 
 def test_share_tells_the_peers_how_many_batch_requests_wait() -> None:
@@ -160,7 +162,7 @@ def test_a_batch_request_takes_a_running_slot_only() -> None:
     assert isinstance(sched.submit(ticket(1, BATCH), 0.0, rng), Assigned)  # the slot
     assert isinstance(sched.submit(ticket(2, BATCH), 0.0, rng), Queued)  # here, not there
     assert isinstance(sched.submit(ticket(3, INTERACTIVE), 0.0, rng), Assigned)
-    assert sched.ahead(Lane.SHORT, priority=INTERACTIVE) == 1  # 3, at the instance
+    assert ahead_of(sched, Lane.SHORT, priority=INTERACTIVE) == 1  # 3, at the instance
     assert sched.release(1, Outcome.SUCCESS, 1.0, rng) == []  # 3 runs in the freed slot
     (placed,) = sched.release(3, Outcome.SUCCESS, 2.0, rng)
     assert placed.ticket.id == 2
@@ -185,7 +187,10 @@ def test_batch_requests_never_fill_the_queue_for_interactive_ones() -> None:
     full = sched.submit(ticket(4, BATCH), 0.0, rng)
     assert isinstance(full, Rejected)
     assert full.reason == "queue_full"
-    assert (sched.bounded(Lane.SHORT, BATCH), sched.bounded(Lane.SHORT, INTERACTIVE)) == (2, 0)
+    assert (bounded_of(sched, Lane.SHORT, BATCH), bounded_of(sched, Lane.SHORT, INTERACTIVE)) == (
+        2,
+        0,
+    )
     for i in (5, 6):
         assert isinstance(sched.submit(ticket(i, INTERACTIVE), 0.0, rng), Queued)
     for i, priority in ((7, INTERACTIVE), (8, BATCH)):
@@ -210,7 +215,10 @@ def test_the_peers_batch_queue_does_not_fill_the_bound_for_interactive_ones() ->
         peers=1,
     )
     sched.apply_shared(view, 0.0, rng)
-    assert (sched.bounded(Lane.SHORT, BATCH), sched.bounded(Lane.SHORT, INTERACTIVE)) == (4, 1)
+    assert (bounded_of(sched, Lane.SHORT, BATCH), bounded_of(sched, Lane.SHORT, INTERACTIVE)) == (
+        4,
+        1,
+    )
     refused = sched.submit(ticket(1, BATCH), 0.0, rng)
     assert isinstance(refused, Rejected)
     assert refused.reason == "queue_full"

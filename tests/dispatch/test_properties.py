@@ -9,6 +9,7 @@ invariants and against the model.
 from __future__ import annotations
 
 import pytest
+from _sched_helpers import predicted_wait_of
 from _sched_model import Model
 from _sched_ops import (
     Advance,
@@ -89,7 +90,7 @@ class Harness(Model):
                 assert not ticket.exclude
                 assert waiting_before > 0 or not room
                 budget = min(ticket.deadline, self.now + self.limits.max_queue_wait(op.lane))
-                wait = self.sched.predicted_wait(op.lane, self.now, ticket.model)
+                wait = predicted_wait_of(self.sched, op.lane, self.now, ticket.model)
                 assert wait is not None
                 assert wait > budget - self.now, (wait, budget)
             else:

@@ -304,12 +304,12 @@ def test_release_of_unknown_ticket_raises() -> None:
 
 def test_an_empty_fleet_refuses_every_request_until_an_instance_comes() -> None:
     """Discovery may find no instance yet: the scheduler holds none, refuses at once, and
-    a reconfigure that brings one serves."""
+    an apply that brings one serves."""
     rng = random.Random(0)
     sched = make()
     assert isinstance(sched.submit(tk(1), 0.0, rng), Rejected)
     assert sched.snapshot(0.0).instances == ()
-    sched.reconfigure([InstanceSpec("a")], sched.limits, sched.instances.health_policy, 0.0, rng)
+    sched.apply([InstanceSpec("a")], sched.limits, sched.instances.health_policy, 0.0, rng)
     bring_up(sched, rng)
     assert assigned_to(sched.submit(tk(2), 0.0, rng)) == "a"
 

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import random
 
-from _sched_helpers import FAR, assigned_to, bring_up, holder, make, queued_tickets, tk
+from _sched_helpers import (
+    FAR,
+    assigned_to,
+    bring_up,
+    holder,
+    inflight_of,
+    make,
+    queue_length_of,
+    queued_tickets,
+    tk,
+)
 
 from gateway.dispatch import (
     Assigned,
@@ -64,7 +74,7 @@ def test_gateway_queue_is_bounded() -> None:
     assert isinstance(rejected, Rejected)
     assert rejected.reason == "queue_full"
     assert rejected.retry_after > 0
-    assert sched.queue_length(Lane.SHORT) == 2
+    assert queue_length_of(sched, Lane.SHORT) == 2
 
 
 def test_global_limit_queues_although_instances_have_room() -> None:
@@ -78,7 +88,7 @@ def test_global_limit_queues_although_instances_have_room() -> None:
     out = sched.release(1, Outcome.SUCCESS, 0.0, rng)
     assert [type(d) for d in out] == [Assigned]
     assert out[0].ticket == tk(3)
-    assert sched.inflight == 2
+    assert inflight_of(sched) == 2
 
 
 # ------------------------------------------------------------------ queue: FIFO, cancel
@@ -97,7 +107,7 @@ def test_release_drains_the_queue_in_arrival_order() -> None:
         out = sched.release(i, Outcome.SUCCESS, 0.0, rng)
         order += [d.ticket.id for d in out if isinstance(d, Assigned)]
     assert order == [2, 3, 4]
-    assert sched.inflight == 0
+    assert inflight_of(sched) == 0
 
 
 def test_one_event_can_place_several_queued_requests_in_order() -> None:
@@ -128,7 +138,7 @@ def test_cancel_removes_a_queued_ticket() -> None:
     assert sched.cancel(3) is True
     assert sched.cancel(3) is False
     assert sched.cancel(1) is False  # held, not queued: cancel does not touch it
-    assert sched.queue_length(Lane.SHORT) == 2
+    assert queue_length_of(sched, Lane.SHORT) == 2
     assert sched.release(1, Outcome.SUCCESS, 0.0, rng) == [Assigned(tk(2), "a")]
     assert sched.release(2, Outcome.SUCCESS, 0.0, rng) == [Assigned(tk(4), "a")]
 
@@ -247,7 +257,7 @@ def test_last_instance_going_down_rejects_the_queue() -> None:
         (2, "Rejected", "no_instance"),
         (3, "Rejected", "no_instance"),
     ]
-    assert sched.queue_length(Lane.SHORT) == sched.queue_length(Lane.LONG) == 0
+    assert queue_length_of(sched, Lane.SHORT) == queue_length_of(sched, Lane.LONG) == 0
     assert holder(sched, 1) == "a"  # the request already there is the shell's to finish
 
 
@@ -259,7 +269,7 @@ def test_expired_deadline_is_rejected_at_submit() -> None:
     decision = sched.submit(tk(1, deadline=5.0), 5.0, rng)
     assert isinstance(decision, Rejected)
     assert decision.reason == "deadline"
-    assert sched.inflight == 0
+    assert inflight_of(sched) == 0
 
 
 def test_queued_ticket_past_deadline_is_rejected_on_drain() -> None:
@@ -292,7 +302,7 @@ def test_close_rejects_queued_and_later_requests() -> None:
     assert isinstance(later, Rejected)
     assert later.reason == "shutting_down"
     assert sched.release(1, Outcome.SUCCESS, 0.0, rng) == []
-    assert sched.inflight == 0
+    assert inflight_of(sched) == 0
 
 
 # ------------------------------------------------------------------ known defects
@@ -311,7 +321,7 @@ def test_queued_retry_does_not_block_its_lane() -> None:
     # A retry of a request that failed on a: only b will do, and b is full, so it waits
     # apart from the lane's FIFO...
     assert isinstance(sched.submit(tk(2, exclude={"a"}), 0.0, rng), Queued)
-    assert sched.queue_length(Lane.SHORT) == 1
+    assert queue_length_of(sched, Lane.SHORT) == 1
     assert sched.state("a").inflight == 0
     # ...and a fresh request still goes to the idle instance.
     assert assigned_to(sched.submit(tk(3), 0.0, rng)) == "a"
@@ -337,7 +347,7 @@ def test_queued_retry_is_rejected_when_its_last_untried_instance_goes_down() -> 
     assert assigned_to(sched.submit(tk(1, exclude={"a"}), 0.0, rng)) == "b"
     assert isinstance(sched.submit(tk(2, exclude={"a"}), 0.0, rng), Queued)
     assert sched.probe("b", False, 1.0, rng) == [Rejected(tk(2, exclude={"a"}), "no_instance", 2.5)]
-    assert sched.queue_length(Lane.SHORT) == 0
+    assert queue_length_of(sched, Lane.SHORT) == 0
 
 
 def test_a_waiter_whose_deadline_is_now_is_rejected_not_placed() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _sched_helpers import ahead_of, predicted_wait_of, queue_length_of
 
 from gateway.dispatch import (
     STRATEGIES,
@@ -134,12 +135,12 @@ def test_the_drain_rate_for_admission_adds_the_peers_rates() -> None:
         (moved,) = sched.release(i - 1, Outcome.SUCCESS, now, rng)
         assert isinstance(moved, Assigned)
     assert sched.share(2.5).rates == {(Lane.SHORT, None, INTERACTIVE): pytest.approx(2.0)}
-    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)  # 1 ahead, 2/s
+    assert predicted_wait_of(sched, Lane.SHORT, 2.5) == pytest.approx(0.5)  # 1 ahead, 2/s
     view = SharedView(rates={(Lane.SHORT, None, INTERACTIVE): 6.0}, peers=3)
     sched.apply_shared(view, 2.5, rng)
-    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(1 / 8.0)
+    assert predicted_wait_of(sched, Lane.SHORT, 2.5) == pytest.approx(1 / 8.0)
     sched.apply_shared(SharedView(), 2.5, rng)  # Redis away: our own rate again
-    assert sched.predicted_wait(Lane.SHORT, 2.5) == pytest.approx(0.5)
+    assert predicted_wait_of(sched, Lane.SHORT, 2.5) == pytest.approx(0.5)
 
 
 def test_a_view_applied_without_placing_leaves_the_queue_to_place_waiting() -> None:
@@ -254,7 +255,7 @@ def test_an_instance_the_store_says_is_full_takes_no_queued_request_when_ours_le
     assert isinstance(sched.submit(Ticket(2, Lane.SHORT, FAR), 0.0, rng), Queued)
     sched.note_full("a")
     assert sched.release(1, Outcome.NEUTRAL, 0.0, rng) == []  # ticket 2 stays queued
-    assert sched.queue_length(Lane.SHORT) == 1
+    assert queue_length_of(sched, Lane.SHORT) == 1
 
 
 def test_a_peers_queue_beyond_what_a_gateway_may_queue_is_not_believed() -> None:
@@ -263,4 +264,4 @@ def test_a_peers_queue_beyond_what_a_gateway_may_queue_is_not_believed() -> None
     sched = make(InstanceSpec("a", slots=1), gateway_queue_size=4, max_queue_per_instance=0)
     view = SharedView(queued={Lane.SHORT: 1_000_000}, peers=1)
     sched.apply_shared(view, 0.0, rng)
-    assert sched.ahead(Lane.SHORT) <= 4 + 1
+    assert ahead_of(sched, Lane.SHORT) <= 4 + 1

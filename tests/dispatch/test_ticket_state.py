@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-from _sched_helpers import bring_up, make, ticket_state, tk
+from _sched_helpers import bring_up, inflight_of, make, queue_length_of, ticket_state, tk
 
 from gateway.dispatch import Assigned, InstanceSpec, Lane, Limits, Outcome, Queued, Rejected
 from gateway.dispatch.ticket_state import MOVES, IllegalMove, TicketState, move
@@ -81,10 +81,14 @@ def test_a_live_ticket_submitted_again_is_refused_and_changes_nothing(queued: bo
     live = 2 if queued else 1
     if queued:
         assert isinstance(sched.submit(tk(2), 0.0, rng), Queued)
-    before = (sched.inflight, sched.queue_length(Lane.SHORT), ticket_state(sched, live))
+    before = (inflight_of(sched), queue_length_of(sched, Lane.SHORT), ticket_state(sched, live))
     with pytest.raises(IllegalMove, match=f"ticket {live} is {before[2].value}"):
         sched.submit(tk(live), 0.0, rng)
-    assert (sched.inflight, sched.queue_length(Lane.SHORT), ticket_state(sched, live)) == before
+    assert (
+        inflight_of(sched),
+        queue_length_of(sched, Lane.SHORT),
+        ticket_state(sched, live),
+    ) == before
 
 
 def test_refused_and_cancelled_tickets_leave_the_queue_and_are_forgotten() -> None:
@@ -106,4 +110,4 @@ def test_refused_and_cancelled_tickets_leave_the_queue_and_are_forgotten() -> No
     assert isinstance(closed, Rejected)
     assert closed.ticket.id == 4
     assert [ticket_state(sched, i) for i in (1, 2, 3, 4)] == [S.PREFILLING, S.NEW, S.NEW, S.NEW]
-    assert sched.queue_length(Lane.SHORT) == 0
+    assert queue_length_of(sched, Lane.SHORT) == 0

@@ -112,9 +112,9 @@ async def test_full_fleet_queues_then_answers_429_with_retry_after() -> None:
         ) as gw,
     ):
         running = asyncio.create_task(chat(gw, max_tokens=15))
-        await eventually(lambda: gw.dispatcher.scheduler.inflight == 1)
+        await eventually(lambda: gw.dispatcher.snapshot().inflight == 1)
         queued = asyncio.create_task(chat(gw, max_tokens=1))
-        await eventually(lambda: gw.dispatcher.scheduler.queue_length(_short()) == 1)
+        await eventually(lambda: gw.dispatcher.snapshot().queues[_short()] == 1)
         async with client(gw) as c:
             with pytest.raises(openai.RateLimitError) as info:
                 await c.chat.completions.create(
@@ -144,7 +144,7 @@ async def test_queue_depth_metric_shows_requests_waiting_at_an_instance() -> Non
         ) as gw,
     ):
         tasks = [asyncio.create_task(chat(gw, max_tokens=20)) for _ in range(5)]
-        await eventually(lambda: gw.dispatcher.scheduler.inflight == 5)
+        await eventually(lambda: gw.dispatcher.snapshot().inflight == 5)
         assert await metric(gw, "gateway_instance_queue_depth", server="card0") == 3.0
         assert await metric(gw, "gateway_instance_inflight", server="card0") == 5.0
         await asyncio.gather(*tasks)
@@ -274,7 +274,7 @@ async def test_client_disconnect_cancels_the_upstream_request(stream: bool) -> N
                 async with asyncio.timeout(0.3):
                     await _disconnect_after(gw, payload, leave)
         await eventually(lambda: sims[0].stats.cancelled == 1, timeout=1.0)
-        await eventually(lambda: gw.dispatcher.scheduler.inflight == 0, timeout=1.0)
+        await eventually(lambda: gw.dispatcher.snapshot().inflight == 0, timeout=1.0)
         assert sims[0].stats.running == 0
 
 
@@ -289,10 +289,10 @@ async def test_queued_client_that_leaves_never_reaches_an_instance() -> None:
         ) as gw,
     ):
         running = asyncio.create_task(chat(gw, max_tokens=30))
-        await eventually(lambda: gw.dispatcher.scheduler.inflight == 1)
+        await eventually(lambda: gw.dispatcher.snapshot().inflight == 1)
         queued = asyncio.create_task(chat(gw, max_tokens=1))
-        await eventually(lambda: gw.dispatcher.scheduler.queue_length(_short()) == 1)
+        await eventually(lambda: gw.dispatcher.snapshot().queues[_short()] == 1)
         queued.cancel()
-        await eventually(lambda: gw.dispatcher.scheduler.queue_length(_short()) == 0, timeout=1.0)
+        await eventually(lambda: gw.dispatcher.snapshot().queues[_short()] == 0, timeout=1.0)
         await running
         assert sims[0].stats.requests == 1

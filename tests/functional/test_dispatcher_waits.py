@@ -90,12 +90,12 @@ def test_place_given_in_the_pass_its_deadline_fires_is_not_leaked(loop_name: str
         loop.call_later(0.045, loop.call_soon, release_then_stall)
         result = (await asyncio.gather(waiter, return_exceptions=True))[0]
         if result == "a":  # it got the place in time and uses it
-            assert dispatcher.scheduler.inflight == 1
+            assert dispatcher.snapshot().inflight == 1
             dispatcher.release(second.id, Outcome.SUCCESS)
         else:
             assert isinstance(result, errors.QueueTimeout), result
-        assert dispatcher.scheduler.inflight == 0
-        assert dispatcher.scheduler.queue_length(Lane.SHORT) == 0
+        assert dispatcher.snapshot().inflight == 0
+        assert dispatcher.snapshot().queues[Lane.SHORT] == 0
 
     run(loop_name, scenario)
 
@@ -118,7 +118,7 @@ def test_queued_request_whose_wait_runs_out_gets_503_counted_once(loop_name: str
         assert response.headers["Retry-After"] == "3"
         assert rejections(dispatcher, "deadline") == 1
         dispatcher.release(held.id, Outcome.SUCCESS)
-        assert dispatcher.scheduler.inflight == 0
+        assert dispatcher.snapshot().inflight == 0
 
     run(loop_name, scenario)
 
@@ -143,7 +143,7 @@ def test_expiry_and_a_freed_place_in_one_pass_count_once(loop_name: str) -> None
         else:
             assert isinstance(result, errors.QueueTimeout), result
             assert rejections(dispatcher, "deadline") == 1
-        assert dispatcher.scheduler.inflight == 0
+        assert dispatcher.snapshot().inflight == 0
 
     run(loop_name, scenario)
 
@@ -160,13 +160,13 @@ def test_cancelled_while_queued_leaves_the_queue(loop_name: str) -> None:
             dispatcher.acquire(dispatcher.new_ticket(Lane.SHORT, dispatcher.clock() + 60))
         )
         await asyncio.sleep(0.01)
-        assert dispatcher.scheduler.queue_length(Lane.SHORT) == 1
+        assert dispatcher.snapshot().queues[Lane.SHORT] == 1
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        assert dispatcher.scheduler.queue_length(Lane.SHORT) == 0
+        assert dispatcher.snapshot().queues[Lane.SHORT] == 0
         dispatcher.release(held.id, Outcome.SUCCESS)
-        assert dispatcher.scheduler.inflight == 0
+        assert dispatcher.snapshot().inflight == 0
 
     run(loop_name, scenario)
 
@@ -190,9 +190,9 @@ def test_cancelled_in_the_pass_it_is_placed_hands_the_place_back(loop_name: str)
         with pytest.raises(asyncio.CancelledError):
             await first
         assert await asyncio.wait_for(second, 1.0) == "a"
-        assert dispatcher.scheduler.inflight == 1
+        assert dispatcher.snapshot().inflight == 1
         dispatcher.release(later.id, Outcome.SUCCESS)
-        assert dispatcher.scheduler.inflight == 0
+        assert dispatcher.snapshot().inflight == 0
 
     run(loop_name, scenario)
 

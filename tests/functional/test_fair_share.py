@@ -16,6 +16,7 @@ from fakes import KEY, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import redis_server
 
+from gateway.fleet.dispatcher import Dispatcher
 from gateway.proxy import jsoncodec
 from gateway.server.resources import DISPATCHER
 from gateway.sim.sim_vllm import SimConfig, SimInstance
@@ -26,6 +27,11 @@ FLOOD_KEY = "sk-flood-0123456789abcdef"
 CALM_KEY = "sk-calm-0123456789abcdefg"
 KEYS = [{"name": "flood", "key": FLOOD_KEY}, {"name": "calm", "key": CALM_KEY, "share": 2}]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def fair_count(dispatcher: Dispatcher, key: str) -> float:
+    """`key`'s fair-share count at `dispatcher`, fleet-wide (fairness.py): only tests ask."""
+    return dispatcher.scheduler._service.count(key)
 
 
 class Arrivals:
@@ -147,8 +153,8 @@ async def test_two_gateways_order_by_the_same_service_counts() -> None:
                 own_a, own_b = at_a.snapshot().key_service, at_b.snapshot().key_service
 
                 def heard() -> bool:  # the next round carries the answers' output tokens
-                    return at_a.key_count("calm") == pytest.approx(own_b["calm"] / 2) and (
-                        at_b.key_count("flood") == pytest.approx(own_a["flood"])
+                    return fair_count(at_a, "calm") == pytest.approx(own_b["calm"] / 2) and (
+                        fair_count(at_b, "flood") == pytest.approx(own_a["flood"])
                     )
 
                 async with asyncio.timeout(5):

@@ -59,7 +59,7 @@ async def test_client_leaving_while_queued_frees_the_queue_and_never_reaches_an_
             model="sim-model", messages=MESSAGES, stream=True, max_tokens=200
         )
         queued = asyncio.create_task(stream_text(client, max_tokens=2))
-        await _leave_after(queued, lambda: gw.dispatcher.scheduler.queue_length(_short()) == 1)
+        await _leave_after(queued, lambda: gw.dispatcher.snapshot().queues[_short()] == 1)
         assert value(await scrape(gw), "gateway_queue_depth") == 0
         await running.close()
         await settled(gw)
@@ -131,14 +131,14 @@ async def test_ten_times_capacity_is_bounded_and_admitted_requests_finish() -> N
         proxied(sim, sections=sections, instance_extra={"max_num_seqs": slots}) as (gw, _),
         sdk(gw) as client,
     ):
-        scheduler = gw.dispatcher.scheduler
         peaks = {"inflight": 0, "queued": 0, "tasks": 0}
         stop = asyncio.Event()
 
         async def watch() -> None:
             while not stop.is_set():
-                peaks["inflight"] = max(peaks["inflight"], scheduler.inflight)
-                peaks["queued"] = max(peaks["queued"], scheduler.queue_length(_short()))
+                snapshot = gw.dispatcher.snapshot()
+                peaks["inflight"] = max(peaks["inflight"], snapshot.inflight)
+                peaks["queued"] = max(peaks["queued"], snapshot.queues[_short()])
                 peaks["tasks"] = max(peaks["tasks"], len(asyncio.all_tasks()))
                 await asyncio.sleep(0.005)
 

@@ -107,7 +107,9 @@ async def test_refused_long_request_waits_for_room_on_another_instance() -> None
         holder = asyncio.create_task(long_stream(1000))  # 1 s of prefill, 1 s of decode
         await eventually(lambda: b.stats.running == 1, what="the first long request on b")
         waiter = asyncio.create_task(long_stream(2))
-        await eventually(lambda: sched.queue_length(Lane.LONG) == 1, what="the second queued")
+        await eventually(
+            lambda: gw.dispatcher.snapshot().queues[Lane.LONG] == 1, what="the second queued"
+        )
         # b is still prefilling the first: the second waits in the gateway, not on b.
         assert sched.state("b").long_prefilling == 1
         assert b.stats.requests == 1

@@ -266,7 +266,7 @@ async def test_a_full_gateway_is_a_rate_limit_error_with_retry_after() -> None:
         running = asyncio.create_task(
             c.messages.create(model="sim-model", max_tokens=15, messages=HELLO)
         )
-        await until(lambda: gw.dispatcher.scheduler.inflight == 1)
+        await until(lambda: gw.dispatcher.snapshot().inflight == 1)
         queued = asyncio.create_task(
             c.messages.create(model="sim-model", max_tokens=1, messages=HELLO)
         )

@@ -17,7 +17,6 @@ import aiohttp
 import openai
 from fakes import KEY, Gateway, fleet, gateway_with
 
-from gateway.dispatch import Lane
 from gateway.sim.sim_vllm import SimConfig
 
 SIM = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, prefill_tokens_per_s=1e6)
@@ -73,9 +72,9 @@ async def test_flood_is_refused_fast_with_retry_after_and_never_504() -> None:
         rejections = gw.metrics.rejections
         assert rejections.labels("predicted_wait")._value.get() == statuses.count(429)
         assert rejections.labels("deadline")._value.get() == statuses.count(503)
-        scheduler = gw.dispatcher.scheduler
-        assert scheduler.inflight == 0
-        assert sum(scheduler.queue_length(lane) for lane in Lane) == 0
+        snapshot = gw.dispatcher.snapshot()
+        assert snapshot.inflight == 0
+        assert sum(snapshot.queues.values()) == 0
 
 
 async def test_the_openai_sdk_comes_back_after_retry_after_ms_and_is_answered() -> None:

@@ -121,7 +121,7 @@ async def test_the_per_instance_limit_holds_across_gateways() -> None:
             held = asyncio.create_task(stream(a, max_tokens=150))
             await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1)
             waiting = asyncio.create_task(stream(b, max_tokens=2))
-            await until(lambda: b.dispatcher.scheduler.queue_length(Lane.SHORT) == 1)
+            await until(lambda: b.dispatcher.snapshot().queues[Lane.SHORT] == 1)
             assert not held.done()
             assert sims[0].stats.waiting == 0  # the instance never queued a second request
             assert (await held)[0] == 200
@@ -214,7 +214,7 @@ async def test_a_queued_request_placed_on_a_peers_push_is_pushed_too() -> None:
             held = asyncio.create_task(stream(a, max_tokens=3))
             await until(lambda: b.dispatcher.scheduler.state(name).peers.inflight == 1, 1.0)
             waiting = asyncio.create_task(stream(b, max_tokens=3))
-            await until(lambda: b.dispatcher.scheduler.queue_length(Lane.SHORT) == 1)
+            await until(lambda: b.dispatcher.snapshot().queues[Lane.SHORT] == 1)
             assert (await held)[0] == 200
             await until(lambda: a.dispatcher.scheduler.state(name).peers.inflight == 1, 0.5)
             assert (await waiting)[0] == 200

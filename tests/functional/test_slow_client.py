@@ -52,7 +52,7 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() ->
         dropped = gw.metrics.stream_aborts.labels("client")
         try:
             await eventually(lambda: dropped._value.get() >= 1, 10, "the client dropped")
-            await eventually(lambda: gw.dispatcher.scheduler.inflight == 0, 5, "in-flight 0")
+            await eventually(lambda: gw.dispatcher.snapshot().inflight == 0, 5, "in-flight 0")
             # Closing the upstream connection is what tells vLLM to abort the request; a
             # gateway that read the rest of the stream would let it run to completion.
             await eventually(lambda: sim.stats.cancelled == 1, 5, "the instance cancelled it")

@@ -134,7 +134,7 @@ async def test_a_client_that_leaves_closes_the_instance_connection_at_once() -> 
             # Leaving the block closed the client's connection with the stream unread.
             took = await eventually(lambda: sim.stats.cancelled == 1, 3, "the instance cancelled")
             assert took < 1.0
-            await eventually(lambda: gw.dispatcher.scheduler.inflight == 0, 2, "in-flight 0")
+            await eventually(lambda: gw.dispatcher.snapshot().inflight == 0, 2, "in-flight 0")
             assert sim.stats.completed == 0
             assert gw.metrics.stream_aborts.labels("client")._value.get() == 1
             await eventually(lambda: any(e["event"] == "request" for e in events), 2, "logged")

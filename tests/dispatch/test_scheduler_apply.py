@@ -1,10 +1,10 @@
-"""`Scheduler.reconfigure`: a reloaded instance list and limits, without losing state."""
+"""`Scheduler.apply`: a reloaded instance list and limits, without losing state."""
 
 from __future__ import annotations
 
 import random
 
-from _sched_helpers import FAR, assigned_to, bring_up, holder, make, tk
+from _sched_helpers import FAR, assigned_to, bring_up, holder, inflight_of, make, tk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,7 @@ def test_staying_instances_keep_their_state() -> None:
     a.speed.observe_tpot(0.05)
     a.cache.insert((1, 2, 3))
     before = (a.up, a.inflight, a.speed.tpot.value, len(a.cache))
-    sched.reconfigure(
+    sched.apply(
         [InstanceSpec("a", weight=3.0, slots=8), InstanceSpec("c")],
         Limits(),
         HealthPolicy(),
@@ -51,7 +51,7 @@ def test_added_instance_is_unknown_until_probed_then_takes_traffic() -> None:
     rng = random.Random(2)
     sched = make("a", limits=Limits(max_queue_per_instance=0))
     bring_up(sched, rng)
-    sched.reconfigure(
+    sched.apply(
         [InstanceSpec("a", slots=1), InstanceSpec("b", slots=1)], Limits(0), HealthPolicy(), 0, rng
     )
     assert sched.state("b").up is None
@@ -67,13 +67,13 @@ def test_removed_instance_takes_nothing_new_and_its_requests_release() -> None:
     sched = make("a", "b")
     bring_up(sched, rng)
     on_b = next(i for i in range(10) if assigned_to(sched.submit(tk(i), 0.0, rng)) == "b")
-    sched.reconfigure([InstanceSpec("a")], Limits(), HealthPolicy(), 0.0, rng)
+    sched.apply([InstanceSpec("a")], Limits(), HealthPolicy(), 0.0, rng)
     assert not sched.has("b")
     assert {assigned_to(sched.submit(tk(100 + i), 0.0, rng)) for i in range(20)} == {"a"}
     assert holder(sched, on_b) == "b"
-    inflight = sched.inflight
+    inflight = inflight_of(sched)
     assert sched.release(on_b, Outcome.FAILURE, 1.0, rng) == []
-    assert sched.inflight == inflight - 1
+    assert inflight_of(sched) == inflight - 1
     # Late news about it (a probe or a scrape that was out) is ignored.
     assert sched.probe("b", False, 1.0, rng) == []
     sched.observe_tpot("b", 0.1)
@@ -89,7 +89,7 @@ def test_removing_every_instance_of_a_model_rejects_its_queued_requests() -> Non
     sched.submit(Ticket(1, Lane.SHORT, FAR, model="m"), 0.0, rng)
     queued = sched.submit(Ticket(2, Lane.SHORT, FAR, model="m"), 0.0, rng)
     assert isinstance(queued, Queued)
-    out = sched.reconfigure([other], limits, HealthPolicy(), 0.0, rng)
+    out = sched.apply([other], limits, HealthPolicy(), 0.0, rng)
     assert [(type(d), d.ticket.id) for d in out] == [(Rejected, 2)]
 
 
@@ -101,7 +101,7 @@ def test_more_slots_wake_queued_requests() -> None:
     bring_up(sched, rng)
     sched.submit(tk(1), 0.0, rng)
     assert isinstance(sched.submit(tk(2), 0.0, rng), Queued)
-    out = sched.reconfigure([InstanceSpec("a", slots=2)], limits, HealthPolicy(), 0.0, rng)
+    out = sched.apply([InstanceSpec("a", slots=2)], limits, HealthPolicy(), 0.0, rng)
     assert [(type(d), d.ticket.id) for d in out] == [(Assigned, 2)]
 
 
@@ -126,7 +126,7 @@ def test_counts_stay_exact_across_any_sequence_of_reloads(
             decision = sched.submit(tk(ticket), 0.0, rng)
             if isinstance(decision, Assigned):
                 held.append(ticket)
-        sched.reconfigure([InstanceSpec(n) for n in names_now], Limits(), HealthPolicy(), 0, rng)
+        sched.apply([InstanceSpec(n) for n in names_now], Limits(), HealthPolicy(), 0, rng)
         states.update({s.name: s for s in sched.instances.states})
         bring_up(sched, rng)
         assert [s.name for s in sched.instances.states] == names_now
@@ -134,7 +134,7 @@ def test_counts_stay_exact_across_any_sequence_of_reloads(
             sched.release(held.pop(0), Outcome.SUCCESS, 0.0, rng)
     for t in held:
         sched.release(t, Outcome.SUCCESS, 0.0, rng)
-    assert sched.inflight == 0
+    assert inflight_of(sched) == 0
     assert all(s.inflight == 0 and s.pending_prefill_tokens == 0 for s in states.values())
 
 
@@ -145,8 +145,8 @@ def test_an_instance_removed_and_added_back_keeps_its_in_flight_count() -> None:
     bring_up(sched, rng)
     on_b = next(i for i in range(10) if assigned_to(sched.submit(tk(i), 0.0, rng)) == "b")
     b = sched.state("b")
-    sched.reconfigure([InstanceSpec("a")], Limits(), HealthPolicy(), 0.0, rng)
-    sched.reconfigure([InstanceSpec("a"), InstanceSpec("b")], Limits(), HealthPolicy(), 0.0, rng)
+    sched.apply([InstanceSpec("a")], Limits(), HealthPolicy(), 0.0, rng)
+    sched.apply([InstanceSpec("a"), InstanceSpec("b")], Limits(), HealthPolicy(), 0.0, rng)
     assert sched.state("b") is b
     assert b.inflight == 1
     sched.release(on_b, Outcome.SUCCESS, 0.0, rng)
