@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from gateway import errors
 from gateway.dispatch import STRATEGIES, InstanceSpec, Lane, Limits, Outcome, Scheduler
 from gateway.fleet.dispatcher import Dispatcher
-from gateway.observe.metrics import Metrics
+from gateway.observe.metrics import ERROR_KINDS, Metrics
 from gateway.proxy.attempt import Failed, failed_to_send
 from gateway.upstream.response import AttemptFailed, AttemptKind
 
@@ -80,10 +80,30 @@ def test_no_response_head_fails_with_the_matching_gateway_error(
     assert "detail" in failed.answer.message
 
 
-@pytest.mark.parametrize("kind", ["stale", "unsendable", "shutting_down"])
-def test_a_kind_that_says_more_than_connect_is_reported_as_connect(kind: AttemptKind) -> None:
-    """Retries, metrics and recent errors name these "connect", as before they had names;
-    the client gets the same 503 with Retry-After."""
-    failed = failed_to_send(AttemptFailed(kind, "detail"), retry_after=3.0)
-    assert failed.reason == "connect"
+def test_a_stale_connection_is_reported_as_connect() -> None:
+    """A reused connection the instance had closed is "connect" for retries, metrics and
+    recent errors, and the client gets the same 503 with Retry-After."""
+    failed = failed_to_send(AttemptFailed("stale", "detail"), retry_after=3.0)
+    assert (failed.reason, failed.outcome, failed.final) == ("connect", Outcome.FAILURE, False)
     assert type(failed.answer) is errors.NoInstanceAvailable
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "status", "retry_after"),
+    [
+        ("unsendable", errors.UpstreamError, 502, None),
+        ("shutting_down", errors.ShuttingDown, 503, 3.0),
+    ],
+)
+def test_the_gateways_own_failures_are_final_and_no_fault_of_the_instance(
+    kind: AttemptKind, error: type[errors.GatewayError], status: int, retry_after: float | None
+) -> None:
+    """A header or URL the gateway cannot write, or its own shutdown, would fail alike on
+    every instance: answered at once (`final`), held against no instance (NEUTRAL), and not
+    counted as an instance error (the reason is no metric's `kind`)."""
+    failed = failed_to_send(AttemptFailed(kind, "detail"), retry_after=3.0)
+    assert (failed.reason, failed.outcome, failed.final) == (kind, Outcome.NEUTRAL, True)
+    assert type(failed.answer) is error
+    assert isinstance(failed.answer, errors.GatewayError)
+    assert (failed.answer.status, failed.answer.retry_after) == (status, retry_after)
+    assert failed.reason not in ERROR_KINDS

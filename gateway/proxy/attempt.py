@@ -63,9 +63,11 @@ class Failed:
     whole answer (a 503 "engine busy" passes on as vLLM wrote it).
     """
 
-    reason: str  # "connect", "timeout", "bad_response", "taken_back" or "status_<code>"
+    reason: str  # "connect", "timeout", "bad_response", "taken_back", "status_<code>",
+    # or "unsendable" / "shutting_down" (the gateway's own, `final`)
     outcome: Outcome
     answer: errors.GatewayError | Whole
+    final: bool = False  # no other instance would do better: answered, not retried
 
     @property
     def note(self) -> str:
@@ -73,9 +75,22 @@ class Failed:
         return self.reason.replace("_", " ") if self.reason.startswith("status_") else self.reason
 
 
+# Kinds of `AttemptFailed` that are the gateway's own state, not the instance's: every
+# instance would fail alike, so they are neither retried nor held against the instance.
+GATEWAYS_OWN = frozenset({"unsendable", "shutting_down"})
+
+
 def failed_to_send(failed: AttemptFailed, retry_after: float) -> Failed:
     """An attempt that got no response head: the error the client gets if none follows."""
     error: errors.GatewayError
+    if failed.kind == "unsendable":  # a configured header or URL the gateway cannot write
+        error = errors.UpstreamError(
+            f"the gateway could not send the request to the vLLM instance ({failed.detail})"
+        )
+        return Failed(failed.kind, Outcome.NEUTRAL, error, final=True)
+    if failed.kind == "shutting_down":  # its connections closed under the request
+        error = errors.ShuttingDown("the gateway is shutting down", retry_after=retry_after)
+        return Failed(failed.kind, Outcome.NEUTRAL, error, final=True)
     if failed.kind == "timeout":
         error = errors.UpstreamTimeout(
             f"the vLLM instance did not answer in time ({failed.detail})"

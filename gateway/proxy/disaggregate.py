@@ -36,7 +36,7 @@ from gateway.observe import log
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import FALLBACK_REASONS, Metrics
 from gateway.proxy import jsoncodec
-from gateway.proxy.attempt import Call, send_body, send_headers
+from gateway.proxy.attempt import GATEWAYS_OWN, Call, send_body, send_headers
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
 from gateway.upstream.response import AttemptFailed, UpstreamResponse, read_whole
@@ -191,6 +191,9 @@ class PrefillHop:
                 )
                 status, answer = await read_whole(response, timeout)
             except AttemptFailed as failed:
+                if failed.kind in GATEWAYS_OWN:  # no fault of the prefill instance
+                    outcome, error = Outcome.NEUTRAL, failed.kind
+                    return None, FAILED
                 outcome, error = Outcome.FAILURE, failed.reported
                 self.metrics.instance_errors.labels(lease.instance, failed.reported).inc()
                 _log.info("prefill_failed", reason=failed.reported, detail=failed.detail)

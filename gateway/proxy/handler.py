@@ -458,6 +458,8 @@ class Proxy:
                 )
             if isinstance(result, Committed):
                 return result.response
+            if result.final:
+                return self._answer(result, ex)
             tried = tried | {lease.instance}
             now = self.clock()
             plan = plan_retry(

@@ -102,6 +102,27 @@ async def test_with_no_instance_left_the_last_instance_answer_is_passed_on() -> 
         assert nothing_held(gw)
 
 
+async def test_a_request_the_gateway_cannot_send_is_answered_at_once_and_blames_no_instance() -> (
+    None
+):
+    """An "unsendable" attempt (a configured header or URL the gateway cannot write) would
+    fail alike everywhere: 502 at once, no retry, no error against the instance."""
+    answer = json.dumps({"choices": [], "usage": {"completion_tokens": 4}}).encode()
+    async with scripted(
+        AttemptFailed("unsendable", "a header holding a line break"),
+        FakeResponse(200, [answer], JSON),
+    ) as (gw, upstream):
+        status, _, body = await post(gw, stream=False)
+        assert status == 502
+        assert b"could not send the request" in body
+        assert len(upstream.sent) == 1
+        assert metric(gw, "gateway_retries_total", reason="connect") == 0
+        (first,) = instances_of(gw, upstream)
+        state = gw.dispatcher.scheduler.state(first)
+        assert (state.recent_errors, state.consecutive_failures) == ([], 0)
+        assert nothing_held(gw)
+
+
 async def test_an_unreachable_instance_then_a_good_one_serves_a_whole_answer() -> None:
     """A connect failure is retried; the whole answer of the next instance is the client's."""
     answer = json.dumps({"choices": [], "usage": {"completion_tokens": 4}}).encode()
