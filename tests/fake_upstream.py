@@ -72,7 +72,7 @@ class FakeResponse:
             raise AttemptFailed("timeout", f"body not read within {timeout:.1f}s") from None
 
     @property
-    def drained(self) -> bool:
+    def fully_read(self) -> bool:
         """Nothing is left to replay: the next read would be the clean end."""
         return not self._items
 

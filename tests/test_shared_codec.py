@@ -110,7 +110,7 @@ INTER, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
 
 def test_drain_rates_travel_by_lane_model_and_class_and_sum() -> None:
-    """Each process's saturated drain rates survive the codec and add up per lane, model
+    """Each process's saturated departure rates survive the codec and add up per lane, model
     and class; so does its count of batch requests queued."""
     rates = {
         (Lane.SHORT, None, INTER): 2.0,

@@ -7,7 +7,7 @@ their running slots) and how fast the lane drains while it is saturated (a reque
 departs when it frees the place that held the next one back: its slot, or on a shared
 instance a long request's prefill place). By Little's law the wait is about
 
-    wait = (ahead + 1) / drain rate
+    wait = (ahead + 1) / departure rate
 
 Its budget is what is left of its deadline, capped by the lane's `max_queue_wait`, less
 the time the lane's requests take from being sent to their first token (learned): a
@@ -18,7 +18,7 @@ exactly, in milliseconds: a client that retries (the OpenAI SDK does, twice by d
 and reads `retry-after-ms` first) comes back when the queue should have room, soon enough
 to meet an objective that a whole-second `Retry-After` would have made it miss.
 
-The drain rate counts only departures that found requests waiting, and the gaps between
+The departure rate counts only departures that found requests waiting, and the gaps between
 them: those gaps are the fleet's service time, not lulls in arrivals. So refusing does
 not lower the measured rate (a lane with requests refused still has a queue), there is
 no feedback loop that could shrink admissions toward nothing, and the admitted queue is
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from .model import Lane, Priority, RateKey
 
 MIN_DEPARTURES = 3
-WINDOW = 30.0  # seconds of saturated departures the drain rate is measured over
+WINDOW = 30.0  # seconds of saturated departures the departure rate is measured over
 
 
 class Throughput:
@@ -103,8 +103,8 @@ def refusal(ahead: float, rate: float | None, budget: float) -> float | None:
     return max(1.0 / rate, wait - budget)
 
 
-class DrainRates:
-    """The fleet's saturated drain rate per lane, model and class: our own departures,
+class DepartureRates:
+    """The fleet's saturated departure rate per lane, model and class: our own departures,
     measured, plus the other gateway processes' rates as they last said (their queues
     count in the requests ahead, so their rates must count too).
 

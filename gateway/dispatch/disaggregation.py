@@ -57,7 +57,7 @@ def decode_load(state: InstanceState, now: float, stale_after: float) -> float:
     process's in flight, or what a fresh scrape says runs and waits there, if more (traffic
     from elsewhere stalls as much)."""
     report = state.fresh_report(now, stale_after)
-    own = float(state.fleet_inflight)
+    own = float(state.total_inflight)
     return own if report is None else max(own, report.running + report.waiting)
 
 

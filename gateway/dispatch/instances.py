@@ -352,7 +352,7 @@ class Instances:
         state.learned_slots = learned_slots(state, last, report)
         state.running_seen = max(state.running_seen, report.running)
         state.report = report
-        state.inflight_at_report = state.fleet_inflight
+        state.inflight_at_report = state.total_inflight
         state.own_at_report = state.inflight
 
     def candidates(self, ticket: Ticket, now: float, holding: int) -> list[InstanceState]:
@@ -402,7 +402,7 @@ class Instances:
         """The fleet's requests waiting at `lane`'s instances for `model` beyond their
         running slots: they start before anything the gateway still queues."""
         return sum(
-            max(0, s.fleet_inflight - s.slots)
+            max(0, s.total_inflight - s.slots)
             for s in self._eligible[lane, hop]
             if s.serves_model(model)
         )
@@ -411,7 +411,7 @@ class Instances:
         beyond_slots = (
             0 if ticket.priority is Priority.BATCH else self.limits.max_queue_per_instance
         )
-        if state.fleet_inflight >= state.slots + beyond_slots:
+        if state.total_inflight >= state.slots + beyond_slots:
             return False
         if self._capped_long(state) and self.takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.

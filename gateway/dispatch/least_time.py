@@ -113,9 +113,9 @@ class LeastTime:
             # the instance that holds the prefix (the fleet computes the prefix twice), and
             # a long prompt goes where it would start soonest however many answers its
             # prefill would stall there.
-            crowd = state.fleet_inflight + loads[state.name].others
+            crowd = state.total_inflight + loads[state.name].others
             stall = uncached / rate * crowd
-            queued = state.fleet_inflight - state.slots
+            queued = state.total_inflight - state.slots
             if queued >= 0:
                 ttft += (queued + 1) * max(1, ticket.max_tokens) * tpot / state.slots
             decode = ticket.max_tokens * max(0.0, tpot - objective)

@@ -49,7 +49,7 @@ class Priority(enum.StrEnum):
     BATCH = "batch"
 
 
-# Admission measures a drain rate per lane, model and class (admission.py).
+# Admission measures a departure rate per lane, model and class (admission.py).
 RateKey = tuple[Lane, str | None, Priority]
 
 
@@ -114,7 +114,7 @@ class SharedView:
     speeds: Mapping[str, Sequence[PeerSpeed]] = field(default_factory=dict)
     queued: Mapping[Lane, int] = field(default_factory=dict)  # their gateway queues
     peers: int = 0  # how many other processes contributed
-    # Their saturated drain rates (departures/s) per lane, model and class, summed
+    # Their saturated departure rates (departures/s) per lane, model and class, summed
     # (admission.py).
     rates: Mapping[RateKey, float] = field(default_factory=dict)
     # Of `queued`, the batch requests (an interactive one waits only behind the rest).
@@ -132,7 +132,7 @@ class LocalShare:
     loads: Mapping[str, PeerLoad]
     speeds: Mapping[str, PeerSpeed]
     queued: Mapping[Lane, int]
-    # Our saturated drain rate per lane, model and class, where known: with several
+    # Our saturated departure rate per lane, model and class, where known: with several
     # processes each drains a share of the fleet's, and admission predicts with the sum.
     rates: Mapping[RateKey, float] = field(default_factory=dict)
     queued_batch: Mapping[Lane, int] = field(default_factory=dict)
@@ -298,7 +298,7 @@ class InstanceState:
         return self.spec.slots if learned is None else min(learned, self.spec.slots)
 
     @property
-    def fleet_inflight(self) -> int:
+    def total_inflight(self) -> int:
         """Requests every gateway process has in flight here: ours exactly, peers' as shared."""
         return self.inflight + self.peers.inflight
 
@@ -363,7 +363,7 @@ class InstanceState:
     def queue_depth(self, report: LoadReport | None = None) -> float:
         """Requests waiting at the instance beyond its running slots: ours, or what a
         fresh scrape (`fresh_report`) says is waiting there, whichever is larger."""
-        own = max(0, self.fleet_inflight - self.slots)
+        own = max(0, self.total_inflight - self.slots)
         return own if report is None else max(own, report.waiting)
 
     @property

@@ -15,7 +15,7 @@ room, a request waits in a bounded queue of its lane (and model) for at most the
 `max_queue_wait`, never past its deadline; one whose predicted wait is longer is refused
 at once (`admission.py`). The queue serves keys by fair share (`fairness.py`), and a
 request's predicted wait is its key's: the requests of its key ahead of it, at its key's
-part of the drain rate.
+part of the departure rate.
 
 A request for a model goes only to instances that serve it (`InstanceState.models`);
 its prompt's cached share on each (`affinity.py`), estimated here, counts in the
@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
-from .admission import DrainRates, predicted_wait, refusal
+from .admission import DepartureRates, predicted_wait, refusal
 from .disaggregation import fastest_prefill, split
 from .fairness import ServiceCounts
 from .health import apply_outcome
@@ -82,9 +82,9 @@ class Scheduler:
         self._service = ServiceCounts(limits.shares)  # each key's fair-share count
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
-        # Departure rates per lane and model (admission's drain rate): each model's
+        # Departure rates per lane and model (admission's departure rate): each model's
         # instances serve its own queue.
-        self._departures = DrainRates()
+        self._departures = DepartureRates()
         # Each lane's time from sending a request to its first token, leaning to the slow
         # side (a slower sample weighs 0.5, a faster 0.1): what admission budgets for it.
         self._service_ttft = {lane: Ewma(higher_is_better=False) for lane in Lane}
@@ -410,11 +410,11 @@ class Scheduler:
         state = self.instances.state(name)
         if state.learned_slots is None:
             return []
-        excess = state.fleet_inflight - (state.slots + self.limits.max_queue_per_instance)
+        excess = state.total_inflight - (state.slots + self.limits.max_queue_per_instance)
         if excess <= 0 or not state.inflight:
             return []
         # Our share of it: every gateway process takes back its own part, not the whole.
-        excess = -(-excess * state.inflight // state.fleet_inflight)
+        excess = -(-excess * state.inflight // state.total_inflight)
         waiting = [
             ticket
             for ticket, held in reversed(self._holding.items())
@@ -427,7 +427,7 @@ class Scheduler:
         UNCONFIRMED): time to look at its metrics again, rather than at the next round,
         in case it runs fewer than its configured slots."""
         state = self.instances.state(name)
-        return state.learned_slots is None and state.fleet_inflight > max(
+        return state.learned_slots is None and state.total_inflight > max(
             UNCONFIRMED, 2 * state.running_seen
         )
 

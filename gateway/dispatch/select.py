@@ -114,7 +114,7 @@ def least_prefill_work(candidates: Sequence[InstanceState]) -> list[InstanceStat
     where it is cached, least_busy's bounded affinity term decides (placed by work too,
     the prefix workload lost goodput: docs/decisions/0016).
     """
-    free = [c for c in candidates if c.fleet_inflight < c.slots]
+    free = [c for c in candidates if c.total_inflight < c.slots]
     candidates = free or candidates
     work = {
         c.name: (c.pending_prefill_tokens + c.peers.pending_prefill_tokens) / c.spec.weight

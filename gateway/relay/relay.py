@@ -52,7 +52,7 @@ class StreamAnswer(UpstreamResponse, splice.Source, Protocol):
         ...
 
     @property
-    def drained(self) -> bool:
+    def fully_read(self) -> bool:
         """The whole body arrived and has been pulled: nothing is left to splice."""
         ...
 
@@ -278,7 +278,7 @@ class Relay:
             while True:
                 if data:
                     await out.write(rewrite(data))
-                if response.drained or _ended_well(framer, route):
+                if response.fully_read or _ended_well(framer, route):
                     break
                 try:
                     chunk = await response.next_chunk(timeout=silence)
@@ -352,7 +352,7 @@ class Relay:
         """
         # The whole answer came with its first token (one burst): head, events and the last
         # chunk go out in one write, with nothing left to splice.
-        whole = response.drained and _ended_well(started.framer, route)
+        whole = response.fully_read and _ended_well(started.framer, route)
         try:
             await (out.end if whole else out.write)(started.first)
         except ConnectionResetError:  # gone, or behind for write_timeout

@@ -88,7 +88,7 @@ class Response:
         return value.partition(";")[0].strip().lower()
 
     @property
-    def drained(self) -> bool:
+    def fully_read(self) -> bool:
         """The whole body arrived and has been pulled: nothing is left to read or splice."""
         return self.complete and not self._chunks
 

@@ -215,7 +215,7 @@ def test_a_cached_prompt_prefills_where_it_is_cached() -> None:
 
 def test_prefill_hops_are_not_departures_for_admission() -> None:
     """A request departs when its decode hop does: counting its prefill hop too would
-    double the drain rate admission predicts waits with."""
+    double the departure rate admission predicts waits with."""
     one_slot = Limits(max_queue_per_instance=0)
     sched = make(
         InstanceSpec("p", role="prefill", slots=1),

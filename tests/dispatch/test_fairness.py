@@ -188,7 +188,7 @@ def test_a_key_waiting_at_another_replica_is_not_lifted_here() -> None:
 
 
 def learn_rate(sched: Scheduler, key: str, rng: random.Random) -> float:
-    """Queue `key`'s requests and let three leave at 0.1 s gaps: a drain rate of 10/s.
+    """Queue `key`'s requests and let three leave at 0.1 s gaps: a departure rate of 10/s.
     Returns the time then."""
     assert isinstance(sched.submit(ticket(1, key), 0.0, rng), Assigned)
     for i in range(2, 40):
