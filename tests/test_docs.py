@@ -125,3 +125,18 @@ def test_the_readme_lists_every_docs_page() -> None:
     index = readme[start : end if end != -1 else len(readme)]
     listed = set(LINK.findall(index))
     assert {f"docs/{page.name}" for page in DOCS} <= listed
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    """README's Layout names each module of each package of the gateway (the simulator
+    aside, which it sums up), so a newcomer finds every room from it."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("\n## Layout\n")
+    layout = readme[start : readme.index("\n## ", start + 1)]
+    named = set(re.findall(r"[a-z_]+", layout))
+    modules = {
+        f"{path.parent.name}/{path.stem}"
+        for path in (ROOT / "gateway").glob("*/*.py")
+        if path.stem != "__init__" and path.parent.name != "sim"
+    }
+    assert {m for m in modules if m.split("/")[1] not in named} == set()
