@@ -13,7 +13,10 @@ and front, one after the other. The fronts, side by side in one run:
                      every request waits in an instance's queue
     ours@q2          ours with `max_queue_per_instance = 2` set (the named-keys default is 0)
     ours@r4          four replicas of ours sharing a view through a throwaway Redis, each
-                     client's streams spread over them; ours@r4s with `strict_caps`
+                     client's streams spread over them; ours@r4s with `strict_caps`;
+                     ours@r2p (pinned) each key through one replica, the keys dealt
+                     round the replicas in order (the flood through the first, the calm
+                     key through the second)
 
 Parts:
 
@@ -101,10 +104,15 @@ class Front:
     base_urls: list[str]
     gateway_pids: list[int] = field(default_factory=list)
     gateway_logs: list[Path] = field(default_factory=list)
+    pinned: list[str] | None = None  # each key through one replica: the keys, in order
 
-    def route(self) -> Route:
-        """Spread over the replicas by the loop's worker (an open loop's: its client)."""
+    def route(self, key: str) -> Route:
+        """Spread over the replicas by the loop's worker (an open loop's: its client); on
+        a pinned front, `key`'s one replica."""
         urls = self.base_urls
+        if self.pinned is not None:
+            url = urls[self.pinned.index(key) % len(urls)]
+            return lambda spec, worker: url
         return lambda spec, worker: urls[worker % len(urls)]
 
     def cpu_seconds(self) -> float:
@@ -133,13 +141,14 @@ class Front:
 
 def variant(name: str) -> tuple[int | None, int]:
     """A front name's variant of ours: "ours@q2" sets `max_queue_per_instance` 2 (the
-    named-keys default's test), "ours@r4" runs 4 replicas sharing a view through Redis.
+    named-keys default's test), "ours@r4" runs 4 replicas sharing a view through Redis
+    ("ours@r4s" with strict caps, "ours@r2p" each key pinned to one).
     Returns (queue, replicas)."""
     _, _, spec = name.partition("@")
     if spec.startswith("q"):
         return int(spec[1:]), 1
     if spec.startswith("r"):
-        return None, int(spec[1:].removesuffix("s"))
+        return None, int(spec[1:].rstrip("ps"))
     return None, 1
 
 
@@ -171,7 +180,7 @@ async def front(
         if replicas > 1:
             redis = await stack.enter_async_context(redis_process())
             extra["shared"] = {"redis_url": redis, "namespace": "bench"}
-            if name.endswith("s"):  # "ours@r4s": with strict caps (leases in Redis)
+            if "s" in name.partition("@r")[2]:  # "ours@r4s": strict caps (leases in Redis)
                 extra["shared"]["strict_caps"] = True
         gateways = [
             await stack.enter_async_context(
@@ -196,6 +205,7 @@ async def front(
             [g.base_url for g in gateways],
             [g.pid for g in gateways],
             [g.log for g in gateways],
+            list(keys) if "p" in name.partition("@r")[2] else None,
         )
 
 
@@ -274,10 +284,12 @@ async def neighbour_arm(
         calm = Client(http, f.key("calm"))
         span = opts.warmup + opts.duration
         flood_run, calm_run = await asyncio.gather(
-            _closed(flood, f.route(), common.seed, opts.mix, opts.flood_streams, span)
+            _closed(flood, f.route("flood"), common.seed, opts.mix, opts.flood_streams, span)
             if arm != "calm alone"
             else _nothing(),
-            _calm(calm, f.route(), opts, common.seed + 1) if arm != "flood alone" else _nothing(),
+            _calm(calm, f.route("calm"), opts, common.seed + 1)
+            if arm != "flood alone"
+            else _nothing(),
         )
         refused = {k: f.refusals(k) for k in ("flood", "calm")}
     entry: dict[str, Any] = {"refused_by_reason": refused}
@@ -338,7 +350,7 @@ async def shares(opts: FairnessOptions, common: Common) -> dict[str, Any]:
                 *(
                     _closed(
                         Client(http, f.key(k), retries=SDK_RETRIES),
-                        f.route(),
+                        f.route(k),
                         common.seed + i,
                         opts.mix,
                         opts.share_streams,
@@ -419,7 +431,7 @@ async def many(
             for i, (k, rate) in enumerate(zip(names, rates, strict=True)):
                 specs = poisson(common.seed + 1000 + i, opts.mix, rate, span)
                 client = Client(http, f.key(k))
-                jobs.append(run_open(client, specs, f.route(), label=k, limit=span + 60))
+                jobs.append(run_open(client, specs, f.route(k), label=k, limit=span + 60))
             runs = await asyncio.gather(*jobs)
             cpu = f.cpu_seconds() - cpu0
             reasons: dict[str, Counter[str]] = {"within": Counter(), "above": Counter()}

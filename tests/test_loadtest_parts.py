@@ -207,3 +207,20 @@ def test_the_budget_gives_each_sample_to_its_innermost_stage() -> None:
         OTHER: 0.25,
     }
     assert stages["metrics"]["us_per_request"] == 300.0
+
+
+def test_fairness_fronts_spread_or_pin_each_keys_streams() -> None:
+    """ "ours@r4" spreads a key's streams over the replicas by worker; "ours@r2p" sends each
+    key through one replica, the keys dealt round them in order; "s" asks strict caps."""
+    from loadtest import fairness
+
+    assert fairness.variant("ours@r4") == (None, 4)
+    assert fairness.variant("ours@r4s") == (None, 4)
+    assert fairness.variant("ours@r2p") == (None, 2)
+    assert fairness.variant("ours@q2") == (2, 1)
+    spread = fairness.Front("ours@r4", ["u0", "u1", "u2", "u3"])
+    assert [spread.route("calm")(None, w) for w in range(5)] == ["u0", "u1", "u2", "u3", "u0"]
+    pinned = fairness.Front("ours@r2p", ["u0", "u1"], pinned=["flood", "calm", "x"])
+    assert {pinned.route("calm")(None, w) for w in range(4)} == {"u1"}
+    assert {pinned.route("flood")(None, w) for w in range(4)} == {"u0"}
+    assert pinned.route("x")(None, 1) == "u0"

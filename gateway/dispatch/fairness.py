@@ -16,7 +16,10 @@ has caught up with a day of someone else's traffic.
 
 The counts are fleet-wide with a shared view: every process adds the service the others
 published (`peers`), so replicas order by the same numbers within a push interval. The
-lifts stay local: each process lifts the keys that start waiting in its own queue.
+lifts stay local: each process lifts the keys that start waiting in its own queue. A place
+freed at one process is seen there first: it is left free for a while when another
+process holds a lower-count key's request waiting (`owed_to_peers`), so that key is not
+starved by a flood that comes through another replica.
 
 Pure: the scheduler charges and asks; nothing here knows about time or I/O.
 """
@@ -107,6 +110,15 @@ class ServiceCounts:
             if behind >= 0:
                 turns += min(n, math.floor(behind / self._step(other)) + 1)
         return turns
+
+    def owed_to_peers(self, key: str, peer_queued: Mapping[str, int]) -> int:
+        """Requests the other processes hold waiting for keys whose count is below `key`'s:
+        in the fleet-wide order they go before `key`'s next request. A place freed here is
+        seen here first, so without leaving them places a key whose requests all come
+        through another process would wait behind this process's flood, however low its
+        count (the shell leaves the places for `Limits.peer_yield` at most)."""
+        mine = self.count(key)
+        return sum(n for k, n in peer_queued.items() if n > 0 and k != key and self.count(k) < mine)
 
     def _step(self, key: str) -> float:
         """What one more request adds to `key`'s count: its mean weighted cost per request

@@ -407,11 +407,16 @@ class Instances:
             if s.serves_model(model)
         )
 
-    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
+    def places_left(self, state: InstanceState, ticket: Ticket) -> int:
+        """Requests like `ticket` that `state` may still take, fleet-wide (its long-prefill
+        cap aside)."""
         beyond_slots = (
             0 if ticket.priority is Priority.BATCH else self.limits.max_queue_per_instance
         )
-        if state.total_inflight >= state.slots + beyond_slots:
+        return max(0, state.slots + beyond_slots - state.total_inflight)
+
+    def _has_room(self, state: InstanceState, ticket: Ticket) -> bool:
+        if self.places_left(state, ticket) == 0:
             return False
         if self._capped_long(state) and self.takes_long_place(state, ticket):
             # Fleet-wide: the other processes' long requests there take places too.

@@ -166,6 +166,9 @@ class Limits:
     prefix_index_learned: bool = True
     # Each named key's share of a saturated fleet (fairness.py); a key not named has 1.
     shares: Mapping[str, float] = field(default_factory=dict)
+    # With a shared view: how long a place freed here is left for a lower-count key that
+    # waits only at another process, which hears of the place a push later (0: never).
+    peer_yield: float = 0.0
 
     def max_queue_wait(self, lane: Lane, priority: Priority = Priority.INTERACTIVE) -> float:
         short = lane is Lane.SHORT

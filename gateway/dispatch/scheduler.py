@@ -25,6 +25,7 @@ strategies' costs, and only the rest as prefill work.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -80,6 +81,8 @@ class Scheduler:
         self.closed = False
         self._queues = WaitQueues()
         self._service = ServiceCounts(limits.shares)  # each key's fair-share count
+        self._yield_since: float | None = None  # places left to a peer's key since then
+        self._yield_spent = -math.inf  # when the last wait for a peer ran out
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Departure rates per lane and model (admission's departure rate): each model's
@@ -537,6 +540,8 @@ class Scheduler:
                     out.append(self._refuse(ticket, "deadline", after))
                     placed = True
                     break
+                if candidates and not expired and self._leaves_to_peers(ticket, candidates, now):
+                    continue
                 if candidates:
                     out.append(self._assign(ticket, candidates, now, rng))
                     self._service.picked(ticket.key)
@@ -544,6 +549,26 @@ class Scheduler:
                     break
             if not placed:
                 return out
+
+    def _leaves_to_peers(self, ticket: Ticket, candidates: list[InstanceState], now: float) -> bool:
+        """Whether to leave `ticket` waiting and its places free for the other processes'
+        lower-count keys (fairness.py, `owed_to_peers`): while they wait for at least as
+        many places as `ticket` has, for `peer_yield` at most; then every place free is
+        filled (the fleet never idles longer on a peer that does not come), and the next
+        place freed waits anew."""
+        if not self.limits.peer_yield or ticket.exclude or self._yield_spent == now:
+            return False
+        owed = self._service.owed_to_peers(ticket.key, self._shared.key_queued)
+        free = sum(self.instances.places_left(s, ticket) for s in candidates)
+        if owed < free:
+            self._yield_since = None
+            return False
+        if self._yield_since is None:
+            self._yield_since = now
+        if now - self._yield_since < self.limits.peer_yield:
+            return True
+        self._yield_since, self._yield_spent = None, now
+        return False
 
     def snapshot(self, now: float) -> Snapshot:
         """A frozen copy of the state, for readers (metrics, health, /admin, readiness)."""

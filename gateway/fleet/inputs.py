@@ -37,6 +37,10 @@ METRICS_STALE_ROUNDS = 3
 # measured worse: docs/decisions/0020-fair-share-queue-at-instances.md).
 FAIR_QUEUE_PER_INSTANCE = 0
 
+# The least a place freed here waits for another process's lower-count key: a push, the
+# peer's placement and its push back take a Redis round trip or two each.
+PEER_YIELD_FLOOR = 0.05
+
 
 def queue_per_instance(config: Config) -> int:
     """`max_queue_per_instance` as set, or its default: with named keys, the fair one."""
@@ -44,6 +48,19 @@ def queue_per_instance(config: Config) -> int:
     if "max_queue_per_instance" in dispatch.model_fields_set or not config.named_keys:
         return dispatch.max_queue_per_instance
     return min(dispatch.max_queue_per_instance, FAIR_QUEUE_PER_INSTANCE)
+
+
+def peer_yield(config: Config) -> float:
+    """How long a place freed here waits for another process's lower-count key (fairness):
+    with named keys and a shared view, long enough for the peer to hear of the place and
+    take it (our push, its placement and its push back: a few push intervals, or two rounds
+    without pushes); otherwise never (one process, or one key, has nobody to leave it to)."""
+    shared = config.file.shared
+    if shared.redis_url is None or not config.named_keys:
+        return 0.0
+    if shared.push_interval == 0:
+        return 2 * shared.publish_interval
+    return max(PEER_YIELD_FLOOR, 5 * shared.push_interval)
 
 
 def scheduler_inputs(
@@ -82,6 +99,7 @@ def scheduler_inputs(
         else dispatch.prefix_index_blocks,
         prefix_index_learned=dispatch.prefix_index_blocks is None,
         shares={k.entry.name: k.entry.share for k in config.named_keys},
+        peer_yield=peer_yield(config),
     )
     h = dispatch.health
     # Ejection's length and share are the core's (10 s doubling to 300 s, half the

@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 from gateway.dispatch import (
     STRATEGIES,
     Assigned,
+    Decision,
     InstanceSpec,
     Lane,
     Limits,
     Outcome,
+    PeerLoad,
     Queued,
     Rejected,
     Scheduler,
@@ -185,6 +187,142 @@ def test_a_key_waiting_at_another_replica_is_not_lifted_here() -> None:
         order.append(decision.ticket.key)
     # Not lifted to ahead's 1000: behind's two go first, then ahead.
     assert order == ["behind", "behind", "ahead"]
+
+
+def yielding(slots: int = 1, peer_yield: float = 0.1) -> Scheduler:
+    """`fleet`, as one of several processes sharing a view: a place freed here is left
+    for `peer_yield` at most to a lower-count key waiting at a peer."""
+    limits = Limits(max_queue_per_instance=0, peer_yield=peer_yield)
+    sched = Scheduler([InstanceSpec("a", slots=slots)], STRATEGIES["least_busy"](30.0), limits)
+    sched.probe("a", True, 0.0, random.Random(0))
+    return sched
+
+
+CALM_AT_PEER = SharedView(key_queued={"calm": 1}, key_service={"calm": 50.0}, peers=1)
+
+
+def test_a_place_freed_here_waits_for_a_lower_count_key_at_a_peer() -> None:
+    """The flood comes through here, the calm key through a peer: the place the flood's
+    answer frees stays free while the peer's calm request (count 50 against the flood's
+    100s) could take it, for `peer_yield` at most; then the flood's next goes (the fleet
+    does not idle on a peer that does not come), and the next freed place waits anew."""
+    rng = random.Random(0)
+    sched = yielding()
+    assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
+    for i in (2, 3):
+        assert isinstance(sched.submit(ticket(i, "flood"), 0.0, rng), Queued)
+    sched.apply_shared(CALM_AT_PEER, 0.5, rng)
+    assert sched.release(1, Outcome.SUCCESS, 1.0, rng) == []
+    assert sched.state("a").inflight == 0
+    assert sched.apply_shared(CALM_AT_PEER, 1.05, rng) == []
+    (late,) = sched.place_waiting(1.1, rng)
+    assert isinstance(late, Assigned)
+    assert late.ticket.id == 2
+    assert sched.release(2, Outcome.SUCCESS, 2.0, rng) == []
+    # The peer took the place and its calm key waits no more: ours goes at once.
+    taken = SharedView(loads={"a": PeerLoad(inflight=1)}, key_service={"calm": 150.0}, peers=1)
+    assert sched.apply_shared(taken, 2.02, rng) == []
+    free = SharedView(key_service={"calm": 150.0}, peers=1)
+    (placed,) = sched.apply_shared(free, 2.5, rng)
+    assert isinstance(placed, Assigned)
+    assert placed.ticket.id == 3
+
+
+def test_no_place_waits_for_a_peers_key_served_more() -> None:
+    """A key waiting at a peer whose count is above the flood's waits its turn there: the
+    place freed here goes to the flood's next at once."""
+    rng = random.Random(0)
+    sched = yielding()
+    assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
+    sched.submit(ticket(2, "flood"), 0.0, rng)
+    served = SharedView(key_queued={"calm": 1}, key_service={"calm": 10_000.0}, peers=1)
+    sched.apply_shared(served, 0.5, rng)
+    (decision,) = sched.release(1, Outcome.SUCCESS, 1.0, rng)
+    assert isinstance(decision, Assigned)
+    assert decision.ticket.id == 2
+
+
+def test_places_beyond_what_the_peers_wait_for_are_taken_here() -> None:
+    """One calm request waits at a peer: with one place free it is left to the peer; with
+    two, the flood takes one at once and leaves the other."""
+    rng = random.Random(0)
+    sched = yielding(slots=2)
+    for i in (1, 2):
+        assert isinstance(sched.submit(ticket(i, "flood"), 0.0, rng), Assigned)
+    for i in (3, 4):
+        sched.submit(ticket(i, "flood"), 0.0, rng)
+    sched.apply_shared(CALM_AT_PEER, 0.5, rng)
+    assert sched.release(1, Outcome.SUCCESS, 1.0, rng) == []
+    (decision,) = sched.release(2, Outcome.SUCCESS, 1.01, rng)
+    assert isinstance(decision, Assigned)
+    assert decision.ticket.id == 3
+    assert sched.state("a").inflight == 1
+    (late,) = sched.place_waiting(1.2, rng)
+    assert isinstance(late, Assigned)
+    assert late.ticket.id == 4
+
+
+def test_one_process_alone_never_leaves_a_place_free() -> None:
+    """Without a peer yield (one process, or one key) nothing waits while a place is free,
+    whatever the view says."""
+    rng = random.Random(0)
+    sched = fleet()
+    assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
+    sched.submit(ticket(2, "flood"), 0.0, rng)
+    sched.apply_shared(CALM_AT_PEER, 0.5, rng)
+    (decision,) = sched.release(1, Outcome.SUCCESS, 1.0, rng)
+    assert isinstance(decision, Assigned)
+
+
+peer_op_st = st.tuples(
+    st.sampled_from(["submit", "release", "view", "later"]),
+    st.sampled_from(["flood", "calm", "x"]),
+    st.integers(0, 3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(peer_op_st, max_size=150), st.integers(1, 3))
+def test_a_place_is_left_to_the_peers_for_peer_yield_at_most(
+    ops: list[tuple[str, str, int]], slots: int
+) -> None:
+    """Whatever the peers say is waiting there, and whatever arrives and ends here, once
+    `peer_yield` has passed every place free is filled while anything waits here; and at
+    the end everything is served."""
+    rng = random.Random(0)
+    sched = yielding(slots=slots, peer_yield=0.1)
+    running: list[int] = []
+    waiting: set[int] = set()
+    now, ids = 0.0, iter(range(1, 10_000))
+
+    def take(decisions: list[Decision]) -> None:
+        for decision in decisions:
+            if isinstance(decision, Queued):
+                waiting.add(decision.ticket.id)
+            elif isinstance(decision, Assigned):
+                waiting.discard(decision.ticket.id)
+                running.append(decision.ticket.id)
+            else:
+                raise AssertionError(decision)
+
+    for op, key, n in ops:
+        now += 0.01
+        if op == "submit":
+            take([sched.submit(ticket(next(ids), key, 100 * (n + 1)), now, rng)])
+        elif op == "release" and running:
+            take(sched.release(running.pop(0), Outcome.SUCCESS, now, rng))
+        elif op == "view":
+            view = SharedView(key_queued={key: n}, key_service={key: 40.0 * n}, peers=1)
+            take(sched.apply_shared(view, now, rng))
+        elif op == "later":
+            now += 0.1
+            take(sched.place_waiting(now, rng))
+            assert not waiting or len(running) == slots
+    while running or waiting:
+        now += 0.11
+        take(sched.place_waiting(now, rng))
+        if running:
+            take(sched.release(running.pop(0), Outcome.SUCCESS, now, rng))
 
 
 def learn_rate(sched: Scheduler, key: str, rng: random.Random) -> float:

@@ -165,3 +165,48 @@ async def test_two_gateways_order_by_the_same_service_counts() -> None:
     assert own_a.get("calm", 0.0) == 0.0
     assert own_b.get("flood", 0.0) == 0.0
     assert own_b["calm"] > 2 * 8 * 2  # two answers of 8 tokens at weight 2, and prompts
+
+
+async def test_a_calm_key_through_one_replica_beside_a_flood_through_another() -> None:
+    """With `[shared]`, the flood comes only through A and the calm key only through B.
+    A sees each place its flood frees first; it leaves the place for B's lower-count calm
+    request (a push later B takes it), so each calm request reaches the instance within a
+    few of the flood's, where without it every one waited out its queue time."""
+    slow = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, seed=5)
+    with redis_server() as redis:
+        async with recorded(slow) as (sim, arrivals):
+            instance = {"url": sim.url, "max_num_seqs": 2}
+            sections = {
+                "dispatch": {"health_check_interval": 0.2},
+                "shared": {"redis_url": redis.url, "publish_interval": 0.05},
+            }
+            channel = {"keys": KEYS}
+            async with (
+                gateway_with([sim], instances=[instance], sections=sections, channel=channel) as a,
+                gateway_with([sim], instances=[instance], sections=sections, channel=channel) as b,
+                openai.AsyncOpenAI(base_url=a.base_url, api_key=FLOOD_KEY, max_retries=0) as flood,
+                openai.AsyncOpenAI(base_url=b.base_url, api_key=CALM_KEY, max_retries=0) as calm,
+            ):
+                stop = asyncio.Event()
+
+                async def flooding() -> None:
+                    while not stop.is_set():
+                        await chat(flood, "flood", 20)
+
+                floods = [asyncio.create_task(flooding()) for _ in range(12)]
+                snapshot = a.app[DISPATCHER].snapshot
+                try:
+                    while len(arrivals.users) < 8:
+                        await asyncio.sleep(0.01)
+                    for i in range(3):
+                        while snapshot().key_queued.get("flood", 0) < 6:
+                            await asyncio.sleep(0.01)
+                        before = len(arrivals.users)
+                        await chat(calm, f"calm-{i}", 2)
+                        came = arrivals.users[before:]
+                        # The places already promised to the flood (two running and one or
+                        # two on their way), then the calm request: not the six queued.
+                        assert came.index(f"calm-{i}") <= 4, came
+                finally:
+                    stop.set()
+                    await asyncio.gather(*floods)
