@@ -69,7 +69,7 @@ def test_wheel_ships_gateway_and_its_simulator_but_no_loadtest(wheel: Path) -> N
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"gateway"}
     assert not [n for n in names if n.startswith("loadtest/")]
-    for module in ("sim_vllm", "sim_engine", "sim_batching", "sim_prefix_cache", "fleet"):
+    for module in ("sim_vllm", "sim_engine", "sim_batching", "sim_prefix_cache", "sim_fleet"):
         assert f"gateway/sim/{module}.py" in names
 
 
