@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from fakes import KEY, gateway_with
+from fakes import KEY, Gateway, gateway_with
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import redis_server
 
@@ -67,6 +67,39 @@ async def chat(c: openai.AsyncOpenAI, user: str, max_tokens: int) -> None:
     )
 
 
+@contextlib.asynccontextmanager
+async def flooding(client: openai.AsyncOpenAI, streams: int) -> AsyncIterator[None]:
+    """The flood keeps `streams` requests going until the block ends."""
+    stop = asyncio.Event()
+
+    async def stream() -> None:
+        while not stop.is_set():
+            await chat(client, "flood", 20)
+
+    floods = [asyncio.create_task(stream()) for _ in range(streams)]
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.gather(*floods)
+
+
+async def calm_beside(
+    gw: Gateway, arrivals: Arrivals, calm: openai.AsyncOpenAI, user: str, queued: int
+) -> list[str]:
+    """Once the flood is under way and `queued` of its requests wait at `gw`, one calm
+    request: who reached the instance from then on, up to and including it."""
+    while len(arrivals.users) < 8:  # past the start, when all the streams arrive at once
+        await asyncio.sleep(0.01)
+    while gw.app[DISPATCHER].snapshot().key_queued.get("flood", 0) < queued:
+        await asyncio.sleep(0.01)
+    before = len(arrivals.users)
+    await chat(calm, user, 2)
+    came = arrivals.users[before:]
+    assert user in came
+    return came
+
+
 async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None:
     """Two running slots; the flood keeps 16 requests going (with named keys an instance
     holds none beyond its slots, so about 14 wait in the gateway). Each calm request reaches
@@ -82,31 +115,12 @@ async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None
             openai.AsyncOpenAI(base_url=gw.base_url, api_key=FLOOD_KEY, max_retries=0) as flood,
             openai.AsyncOpenAI(base_url=gw.base_url, api_key=CALM_KEY, max_retries=0) as calm,
         ):
-            stop = asyncio.Event()
-
-            async def flooding() -> None:
-                while not stop.is_set():
-                    await chat(flood, "flood", 20)
-
-            floods = [asyncio.create_task(flooding()) for _ in range(16)]
-            snapshot = gw.app[DISPATCHER].snapshot
-            try:
-                while len(arrivals.users) < 8:  # past the start, when all 16 arrive at once
-                    await asyncio.sleep(0.01)
+            async with flooding(flood, 16):
                 for i in range(3):
-                    while snapshot().key_queued.get("flood", 0) < 8:
-                        await asyncio.sleep(0.01)
-                    before = len(arrivals.users)
-                    await chat(calm, f"calm-{i}", 2)
-                    came = arrivals.users[before:]
-                    assert f"calm-{i}" in came
-                    ahead = came.index(f"calm-{i}")
+                    came = await calm_beside(gw, arrivals, calm, f"calm-{i}", queued=8)
                     # One of the flood's (a tie goes to the older), and one or two that
                     # were placed already and still on their way.
-                    assert ahead <= 3, came
-            finally:
-                stop.set()
-                await asyncio.gather(*floods)
+                    assert came.index(f"calm-{i}") <= 3, came
             async with aiohttp.ClientSession() as http:
                 headers = {"Authorization": f"Bearer {KEY}"}
                 async with http.get(gw.url + "/metrics") as r:
@@ -129,13 +143,15 @@ async def test_a_calm_key_reaches_the_instance_before_the_floods_queue() -> None
     assert mean["calm"] < mean["flood"], mean  # the flood waits on its own
 
 
-async def test_two_gateways_order_by_the_same_service_counts() -> None:
-    """With `[shared]`, each gateway counts the service the other gave a key (published at
-    the push interval): the calm key served only through B, the flood only through A."""
-    fast = SimConfig(max_num_seqs=2, decode_s_per_token=0.001, seed=4)
+@contextlib.asynccontextmanager
+async def flood_at_a_calm_at_b(
+    config: SimConfig,
+) -> AsyncIterator[tuple[Gateway, Gateway, openai.AsyncOpenAI, openai.AsyncOpenAI, Arrivals]]:
+    """Two gateways sharing a view through a real Redis before one recorded instance: the
+    flood's client on A, the calm key's on B."""
     with redis_server() as redis:
-        async with recorded(fast) as (sim, _):
-            instance = {"url": sim.url, "max_num_seqs": 2}
+        async with recorded(config) as (sim, arrivals):
+            instance = {"url": sim.url, "max_num_seqs": config.max_num_seqs}
             sections = {
                 "dispatch": {"health_check_interval": 0.2},
                 "shared": {"redis_url": redis.url, "publish_interval": 0.05},
@@ -147,19 +163,27 @@ async def test_two_gateways_order_by_the_same_service_counts() -> None:
                 openai.AsyncOpenAI(base_url=a.base_url, api_key=FLOOD_KEY, max_retries=0) as flood,
                 openai.AsyncOpenAI(base_url=b.base_url, api_key=CALM_KEY, max_retries=0) as calm,
             ):
-                await asyncio.gather(*(chat(flood, "flood", 8) for _ in range(6)))
-                await asyncio.gather(*(chat(calm, "calm", 8) for _ in range(2)))
-                at_a, at_b = a.app[DISPATCHER], b.app[DISPATCHER]
-                own_a, own_b = at_a.snapshot().key_service, at_b.snapshot().key_service
+                yield a, b, flood, calm, arrivals
 
-                def heard() -> bool:  # the next round carries the answers' output tokens
-                    return fair_count(at_a, "calm") == pytest.approx(own_b["calm"] / 2) and (
-                        fair_count(at_b, "flood") == pytest.approx(own_a["flood"])
-                    )
 
-                async with asyncio.timeout(5):
-                    while not heard():
-                        await asyncio.sleep(0.05)
+async def test_two_gateways_order_by_the_same_service_counts() -> None:
+    """With `[shared]`, each gateway counts the service the other gave a key (published at
+    the push interval): the calm key served only through B, the flood only through A."""
+    fast = SimConfig(max_num_seqs=2, decode_s_per_token=0.001, seed=4)
+    async with flood_at_a_calm_at_b(fast) as (a, b, flood, calm, _):
+        await asyncio.gather(*(chat(flood, "flood", 8) for _ in range(6)))
+        await asyncio.gather(*(chat(calm, "calm", 8) for _ in range(2)))
+        at_a, at_b = a.app[DISPATCHER], b.app[DISPATCHER]
+        own_a, own_b = at_a.snapshot().key_service, at_b.snapshot().key_service
+
+        def heard() -> bool:  # the next round carries the answers' output tokens
+            return fair_count(at_a, "calm") == pytest.approx(own_b["calm"] / 2) and (
+                fair_count(at_b, "flood") == pytest.approx(own_a["flood"])
+            )
+
+        async with asyncio.timeout(5):
+            while not heard():
+                await asyncio.sleep(0.05)
     # A served the calm key nothing and B the flood nothing, yet each counts what the other
     # gave (over the key's share: calm's is 2), prompts and answers alike.
     assert own_a.get("calm", 0.0) == 0.0
@@ -173,40 +197,9 @@ async def test_a_calm_key_through_one_replica_beside_a_flood_through_another() -
     request (a push later B takes it), so each calm request reaches the instance within a
     few of the flood's, where without it every one waited out its queue time."""
     slow = SimConfig(max_num_seqs=2, decode_s_per_token=0.01, seed=5)
-    with redis_server() as redis:
-        async with recorded(slow) as (sim, arrivals):
-            instance = {"url": sim.url, "max_num_seqs": 2}
-            sections = {
-                "dispatch": {"health_check_interval": 0.2},
-                "shared": {"redis_url": redis.url, "publish_interval": 0.05},
-            }
-            channel = {"keys": KEYS}
-            async with (
-                gateway_with([sim], instances=[instance], sections=sections, channel=channel) as a,
-                gateway_with([sim], instances=[instance], sections=sections, channel=channel) as b,
-                openai.AsyncOpenAI(base_url=a.base_url, api_key=FLOOD_KEY, max_retries=0) as flood,
-                openai.AsyncOpenAI(base_url=b.base_url, api_key=CALM_KEY, max_retries=0) as calm,
-            ):
-                stop = asyncio.Event()
-
-                async def flooding() -> None:
-                    while not stop.is_set():
-                        await chat(flood, "flood", 20)
-
-                floods = [asyncio.create_task(flooding()) for _ in range(12)]
-                snapshot = a.app[DISPATCHER].snapshot
-                try:
-                    while len(arrivals.users) < 8:
-                        await asyncio.sleep(0.01)
-                    for i in range(3):
-                        while snapshot().key_queued.get("flood", 0) < 6:
-                            await asyncio.sleep(0.01)
-                        before = len(arrivals.users)
-                        await chat(calm, f"calm-{i}", 2)
-                        came = arrivals.users[before:]
-                        # The places already promised to the flood (two running and one or
-                        # two on their way), then the calm request: not the six queued.
-                        assert came.index(f"calm-{i}") <= 4, came
-                finally:
-                    stop.set()
-                    await asyncio.gather(*floods)
+    async with flood_at_a_calm_at_b(slow) as (a, _, flood, calm, arrivals), flooding(flood, 12):
+        for i in range(3):
+            came = await calm_beside(a, arrivals, calm, f"calm-{i}", queued=6)
+            # The places already promised to the flood (two running and one or two
+            # on their way), then the calm request: not the six queued.
+            assert came.index(f"calm-{i}") <= 4, came
