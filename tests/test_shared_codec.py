@@ -109,7 +109,7 @@ def test_long_prefills_travel_and_sum_and_an_older_publication_still_reads() -> 
 INTER, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
 
-def test_drain_rates_travel_by_lane_model_and_class_and_sum() -> None:
+def test_departure_rates_travel_by_lane_model_and_class_and_sum() -> None:
     """Each process's saturated departure rates survive the codec and add up per lane, model
     and class; so does its count of batch requests queued."""
     rates = {

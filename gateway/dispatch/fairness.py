@@ -112,13 +112,19 @@ class ServiceCounts:
         return turns
 
     def owed_to_peers(self, key: str, peer_queued: Mapping[str, int]) -> int:
-        """Requests the other processes hold waiting for keys whose count is below `key`'s:
-        in the fleet-wide order they go before `key`'s next request. A place freed here is
+        """Requests the other processes hold waiting for keys whose count is more than one
+        of `key`'s turns below `key`'s: in the fleet-wide order they go before `key`'s next
+        request. A place freed here is
         seen here first, so without leaving them places a key whose requests all come
         through another process would wait behind this process's flood, however low its
         count (the shell leaves the places for `Limits.peer_yield` at most)."""
-        mine = self.count(key)
-        return sum(n for k, n in peer_queued.items() if n > 0 and k != key and self.count(k) < mine)
+        # More than a turn: a peer's counts arrive a push late, its own key's here at once,
+        # so two replicas each flooding an equal key would each see the other's as lower
+        # and both leave their places idle.
+        below = self.count(key) - self._step(key)
+        return sum(
+            n for k, n in peer_queued.items() if n > 0 and k != key and self.count(k) < below
+        )
 
     def _step(self, key: str) -> float:
         """What one more request adds to `key`'s count: its mean weighted cost per request

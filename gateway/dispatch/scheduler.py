@@ -25,7 +25,6 @@ strategies' costs, and only the rest as prefill work.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,7 +57,7 @@ from .model import (
     SharedView,
     Ticket,
 )
-from .queues import WaitQueues
+from .queues import QueueKey, WaitQueues
 from .snapshot import Snapshot, instances_at
 from .speed import Ewma
 from .strategies import Strategy
@@ -81,8 +80,10 @@ class Scheduler:
         self.closed = False
         self._queues = WaitQueues()
         self._service = ServiceCounts(limits.shares)  # each key's fair-share count
-        self._yield_since: float | None = None  # places left to a peer's key since then
-        self._yield_spent = -math.inf  # when the last wait for a peer ran out
+        # Per queue: since when its head leaves places to a peer's key, and when its last
+        # wait for a peer ran out (fairness across replicas, `_leaves_to_peers`).
+        self._yield_since: dict[QueueKey, float] = {}
+        self._yield_spent: dict[QueueKey, float] = {}
         self._shared = SharedView()  # the other gateway processes, as last heard
         self._holding: dict[int, _Held] = {}
         # Departure rates per lane and model (admission's departure rate): each model's
@@ -553,21 +554,31 @@ class Scheduler:
     def _leaves_to_peers(self, ticket: Ticket, candidates: list[InstanceState], now: float) -> bool:
         """Whether to leave `ticket` waiting and its places free for the other processes'
         lower-count keys (fairness.py, `owed_to_peers`): while they wait for at least as
-        many places as `ticket` has, for `peer_yield` at most; then every place free is
-        filled (the fleet never idles longer on a peer that does not come), and the next
-        place freed waits anew."""
-        if not self.limits.peer_yield or ticket.exclude or self._yield_spent == now:
+        many places as `ticket` has, for `peer_yield` at most, and never into the last
+        `peer_yield` of its own wait; then every place free is filled (the fleet never
+        idles longer on a peer that does not come), and the next place freed waits anew.
+        The wait is kept per queue, so one queue's placements do not prolong another's.
+        A decode hop is not held: its prompt is prefilled, and a peer's new request needs
+        a whole or prefill place first."""
+        limit = self.limits.peer_yield
+        if not limit or ticket.exclude or ticket.hop is Hop.DECODE:
+            return False
+        queue = (ticket.lane, ticket.model, ticket.hop, ticket.priority)
+        wait_until = self._queues.wait_until(ticket.id)
+        if self._yield_spent.get(queue) == now or (
+            wait_until is not None and wait_until - now <= limit
+        ):
             return False
         owed = self._service.owed_to_peers(ticket.key, self._shared.key_queued)
         free = sum(self.instances.places_left(s, ticket) for s in candidates)
         if owed < free:
-            self._yield_since = None
+            self._yield_since.pop(queue, None)
             return False
-        if self._yield_since is None:
-            self._yield_since = now
-        if now - self._yield_since < self.limits.peer_yield:
+        since = self._yield_since.setdefault(queue, now)
+        if now - since < limit:
             return True
-        self._yield_since, self._yield_spent = None, now
+        del self._yield_since[queue]
+        self._yield_spent[queue] = now
         return False
 
     def snapshot(self, now: float) -> Snapshot:

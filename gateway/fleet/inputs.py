@@ -40,6 +40,8 @@ FAIR_QUEUE_PER_INSTANCE = 0
 # The least a place freed here waits for another process's lower-count key: a push, the
 # peer's placement and its push back take a Redis round trip or two each.
 PEER_YIELD_FLOOR = 0.05
+# The most: slow pushes or rounds would otherwise idle a freed place for seconds.
+PEER_YIELD_CEILING = 0.5
 
 
 def queue_per_instance(config: Config) -> int:
@@ -58,9 +60,8 @@ def peer_yield(config: Config) -> float:
     shared = config.file.shared
     if shared.redis_url is None or not config.named_keys:
         return 0.0
-    if shared.push_interval == 0:
-        return 2 * shared.publish_interval
-    return max(PEER_YIELD_FLOOR, 5 * shared.push_interval)
+    wait = 2 * shared.publish_interval if shared.push_interval == 0 else 5 * shared.push_interval
+    return min(PEER_YIELD_CEILING, max(PEER_YIELD_FLOOR, wait))
 
 
 def scheduler_inputs(

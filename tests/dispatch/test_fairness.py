@@ -203,29 +203,68 @@ CALM_AT_PEER = SharedView(key_queued={"calm": 1}, key_service={"calm": 50.0}, pe
 
 def test_a_place_freed_here_waits_for_a_lower_count_key_at_a_peer() -> None:
     """The flood comes through here, the calm key through a peer: the place the flood's
-    answer frees stays free while the peer's calm request (count 50 against the flood's
-    100s) could take it, for `peer_yield` at most; then the flood's next goes (the fleet
-    does not idle on a peer that does not come), and the next freed place waits anew."""
+    answer frees stays free while the peer's calm request (count 50, more than one of the
+    flood's turns below its 200) could take it, for `peer_yield` at most; then the flood's
+    next goes (the fleet does not idle on a peer that does not come), and the next freed
+    place waits anew."""
     rng = random.Random(0)
     sched = yielding()
     assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
-    for i in (2, 3):
+    for i in (2, 3, 4):
         assert isinstance(sched.submit(ticket(i, "flood"), 0.0, rng), Queued)
-    sched.apply_shared(CALM_AT_PEER, 0.5, rng)
-    assert sched.release(1, Outcome.SUCCESS, 1.0, rng) == []
+    (second,) = sched.release(1, Outcome.SUCCESS, 0.5, rng)
+    assert isinstance(second, Assigned)
+    sched.apply_shared(CALM_AT_PEER, 0.6, rng)
+    assert sched.release(2, Outcome.SUCCESS, 1.0, rng) == []
     assert sched.state("a").inflight == 0
     assert sched.apply_shared(CALM_AT_PEER, 1.05, rng) == []
     (late,) = sched.place_waiting(1.1, rng)
     assert isinstance(late, Assigned)
-    assert late.ticket.id == 2
-    assert sched.release(2, Outcome.SUCCESS, 2.0, rng) == []
+    assert late.ticket.id == 3
+    assert sched.release(3, Outcome.SUCCESS, 2.0, rng) == []
     # The peer took the place and its calm key waits no more: ours goes at once.
     taken = SharedView(loads={"a": PeerLoad(inflight=1)}, key_service={"calm": 150.0}, peers=1)
     assert sched.apply_shared(taken, 2.02, rng) == []
     free = SharedView(key_service={"calm": 150.0}, peers=1)
     (placed,) = sched.apply_shared(free, 2.5, rng)
     assert isinstance(placed, Assigned)
-    assert placed.ticket.id == 3
+    assert placed.ticket.id == 4
+
+
+def test_a_peers_key_within_one_turn_is_not_owed_a_place() -> None:
+    """The peers' counts arrive a push late: a key waiting there only just below the
+    flood's count (within one of the flood's turns) is not owed the place freed here, so
+    two replicas flooding equal keys do not both leave their places idle."""
+    rng = random.Random(0)
+    sched = yielding()
+    assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
+    for i in (2, 3):
+        sched.submit(ticket(i, "flood"), 0.0, rng)
+    sched.release(1, Outcome.SUCCESS, 0.5, rng)  # the flood's count 200, a turn 100
+    close = SharedView(key_queued={"calm": 1}, key_service={"calm": 150.0}, peers=1)
+    sched.apply_shared(close, 0.6, rng)
+    (decision,) = sched.release(2, Outcome.SUCCESS, 1.0, rng)
+    assert isinstance(decision, Assigned)
+    assert decision.ticket.id == 3
+
+
+def test_no_request_waits_for_a_peer_into_the_end_of_its_own_wait() -> None:
+    """A request whose wait in the queue ends within `peer_yield` takes the free place at
+    once, though the place's wait for the peer has not run out: leaving it longer would
+    run the request's own wait out."""
+    rng = random.Random(0)
+    limits = Limits(max_queue_per_instance=0, peer_yield=0.4, max_queue_wait_short=1.0)
+    sched = Scheduler([InstanceSpec("a", slots=1)], STRATEGIES["least_busy"](30.0), limits)
+    sched.probe("a", True, 0.0, rng)
+    assert isinstance(sched.submit(ticket(1, "flood"), 0.0, rng), Assigned)
+    sched.submit(ticket(2, "flood"), 0.0, rng)
+    sched.submit(ticket(3, "flood"), 0.5, rng)  # may wait until 1.5
+    sched.release(1, Outcome.SUCCESS, 0.2, rng)  # ticket 2 runs; the flood's count 200
+    sched.apply_shared(CALM_AT_PEER, 0.3, rng)
+    assert sched.release(2, Outcome.SUCCESS, 1.0, rng) == []  # left to the peer at 1.0
+    (decision,) = sched.place_waiting(1.15, rng)  # 0.15 into 0.4, 0.35 of its wait left
+    assert isinstance(decision, Assigned)
+    assert decision.ticket.id == 3
 
 
 def test_no_place_waits_for_a_peers_key_served_more() -> None:
@@ -318,11 +357,15 @@ def test_a_place_is_left_to_the_peers_for_peer_yield_at_most(
             now += 0.1
             take(sched.place_waiting(now, rng))
             assert not waiting or len(running) == slots
-    while running or waiting:
+    for _ in range(10_000):
+        if not (running or waiting):
+            break
         now += 0.11
         take(sched.place_waiting(now, rng))
         if running:
             take(sched.release(running.pop(0), Outcome.SUCCESS, now, rng))
+    assert not running
+    assert not waiting
 
 
 def learn_rate(sched: Scheduler, key: str, rng: random.Random) -> float:

@@ -85,7 +85,7 @@ def test_within_a_class_the_order_is_arrival() -> None:
     assert order == [2, 3, 4]
 
 
-def test_admission_predicts_each_class_from_its_own_drain_rate() -> None:
+def test_admission_predicts_each_class_from_its_own_departure_rate() -> None:
     """Batch requests leave one a second while batch ones wait; with ten batch requests
     waiting, a new one would wait 11 s, over its 10 s: refused at once. An interactive
     request arriving then is not judged by the batch rate and the batch queue: it waits,

@@ -124,7 +124,7 @@ def test_the_prefill_rate_learned_counts_the_peers_prefill_work_ahead() -> None:
     assert sched.state("a").speed.prefill.value == pytest.approx(20_000)
 
 
-def test_the_drain_rate_for_admission_adds_the_peers_rates() -> None:
+def test_the_departure_rate_for_admission_adds_the_peers_rates() -> None:
     """With the others draining a lane too, a queued request's predicted wait is the
     fleet's: ahead over every process's saturated departure rate, not ours alone."""
     rng = random.Random(0)
