@@ -325,6 +325,18 @@ def test_instance_api_key_env_set_loads(tmp_path: Path) -> None:
     assert config.instances[0].api_key_env == "VLLM_KEY_A"
 
 
+def test_instance_api_key_with_a_line_break_is_an_error(tmp_path: Path) -> None:
+    """A key read from a secret file with its trailing newline could never be sent as a
+    header: an error naming the variable and the instance, without the secret."""
+    settings = {"vllm": {"instances": [{"url": URLS[0], "api_key_env": "VLLM_KEY_A"}]}}
+    environ = {**ENV, "VLLM_KEY_A": "sk-secret-value\n"}
+    message = load_error(tmp_path, settings=settings, environ=environ)
+    assert "VLLM_KEY_A" in message
+    assert URLS[0] in message
+    assert "control character" in message
+    assert "sk-secret-value" not in message
+
+
 @pytest.mark.parametrize("value", ["", "   ", ["good-key", ""]])
 def test_empty_api_key_is_an_error(tmp_path: Path, value: Any) -> None:
     """An empty (or blank) api_key string is an error naming the file and channel.api_key."""

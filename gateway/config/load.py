@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from gateway.config.schema import (
+    CONTROL_CHARACTER,
     UNNAMED_KEY,
     Channel,
     ConfigFile,
@@ -182,6 +183,14 @@ def load(
             raise ConfigError(
                 f"{settings_path}: vllm.instances ({spec.url}).api_key_env: "
                 f"environment variable {spec.api_key_env} is not set"
+            )
+        if spec.api_key_env and CONTROL_CHARACTER.search(env[spec.api_key_env]):
+            # Sent as `Authorization: Bearer ...`, it could never be written: every
+            # request to this instance would fail (the value is not shown: a secret).
+            raise ConfigError(
+                f"{settings_path}: vllm.instances ({spec.url}).api_key_env: environment "
+                f"variable {spec.api_key_env} holds a control character (a trailing newline "
+                "from a secret file?); a header cannot carry it"
             )
     return Config(
         file=file,

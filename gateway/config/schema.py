@@ -34,7 +34,8 @@ KEY_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 # The unnamed keys (`api_key`, `api_key_env`) are one key by this name.
 UNNAMED_KEY = "default"
 PRIORITIES = ("interactive", "batch")  # a key's class (dispatch.Priority), first the default
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# A header value may not hold one (a header with a line break cannot be written).
+CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Frozen(BaseModel):
@@ -389,7 +390,7 @@ class Channel(Frozen):
                     f"header name {name!r} is not a valid HTTP header name "
                     "(letters, digits and !#$%&'*+-.^_`|~ only; no spaces or colons)"
                 )
-            if _CONTROL.search(text):
+            if CONTROL_CHARACTER.search(text):
                 # The value itself is not shown: a header may carry a credential.
                 raise ValueError(
                     f"the value of header {name!r} contains a control character "
