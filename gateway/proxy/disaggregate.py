@@ -191,9 +191,9 @@ class PrefillHop:
                 )
                 status, answer = await read_whole(response, timeout)
             except AttemptFailed as failed:
-                if failed.kind in GATEWAYS_OWN:  # no fault of the prefill instance
-                    outcome, error = Outcome.NEUTRAL, failed.kind
-                    return None, FAILED
+                if failed.kind in GATEWAYS_OWN:  # no fault of the prefill instance, and
+                    outcome, error = Outcome.NEUTRAL, failed.kind  # every one would fail alike
+                    return None, REFUSED
                 outcome, error = Outcome.FAILURE, failed.reported
                 self.metrics.instance_errors.labels(lease.instance, failed.reported).inc()
                 _log.info("prefill_failed", reason=failed.reported, detail=failed.detail)
