@@ -136,3 +136,32 @@ async def test_an_unreachable_instance_then_a_good_one_serves_a_whole_answer() -
         first, _ = instances_of(gw, upstream)
         assert [e for _, e in gw.dispatcher.scheduler.state(first).recent_errors] == ["connect"]
         assert nothing_held(gw)
+
+
+async def test_a_prefill_hop_the_gateway_cannot_send_ends_the_prefill_tries() -> None:
+    """With prefill and decode roles, an "unsendable" prefill attempt would fail alike on
+    every prefill instance: the request goes whole to a decode instance at once (there it
+    fails alike: 502), not first to the other prefill instance."""
+    roles = [("prefill", SimConfig()), ("prefill", SimConfig()), ("decode", SimConfig())]
+    async with fleet(*(config for _, config in roles)) as sims:
+        instances = [{"url": s.url, "role": role} for s, (role, _) in zip(sims, roles, strict=True)]
+        async with gateway_with(sims, instances=instances) as gw:
+            upstream = FakeUpstream(*(AttemptFailed("unsendable", "a header") for _ in range(3)))
+            gw.app[PROXY].upstream = upstream
+            gw.app[PROXY].prefill_hop.upstream = upstream
+            body = {"model": "sim-model", "messages": [{"role": "user", "content": "word " * 3000}]}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    gw.base_url + "/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {KEY}"},
+                ) as resp,
+            ):
+                assert resp.status == 502
+            by_url = {e.url: name for name, e in gw.app[PROXY].endpoints.items()}
+            went = [by_url[sent.url.split("/v1/")[0]] for sent in upstream.sent]
+            roles_of = {s.url: role for s, (role, _) in zip(sims, roles, strict=True)}
+            kinds = [roles_of[gw.app[PROXY].endpoints[name].url] for name in went]
+            assert kinds == ["prefill", "decode"], kinds
+            assert nothing_held(gw)
