@@ -581,6 +581,17 @@ class Scheduler:
         self._yield_spent[queue] = now
         return False
 
+    def yield_ends(self, now: float) -> float | None:
+        """When the earliest wait for a peer (`_leaves_to_peers`) runs out, if one is on:
+        the shell places what waits then, rather than at the next event. A wait that has
+        run out by `now` is forgotten (a placing at or after its end settled it, or its
+        queue emptied)."""
+        limit = self.limits.peer_yield
+        for queue, since in list(self._yield_since.items()):
+            if since + limit <= now:
+                del self._yield_since[queue]
+        return min(self._yield_since.values()) + limit if self._yield_since else None
+
     def snapshot(self, now: float) -> Snapshot:
         """A frozen copy of the state, for readers (metrics, health, /admin, readiness)."""
         return Snapshot(

@@ -473,6 +473,13 @@ class Dispatcher:
     def _settle(self, decisions: list[Decision]) -> None:
         if decisions:  # queued requests placed or refused (a peer's push may free room)
             self._changed()
+        if self.scheduler.limits.peer_yield and self._place_timer is None:
+            # A place left to a peer's key is filled when the wait runs out, whatever
+            # else happens meanwhile (fairness across replicas).
+            end = self.scheduler.yield_ends(self.clock())
+            if end is not None:
+                delay = max(0.0, end - self.clock()) + 0.001
+                self._place_timer = asyncio.get_running_loop().call_later(delay, self._place_later)
         for decision in decisions:
             future = self._waiters.get(decision.ticket.id)
             if future is None or future.done():

@@ -8,6 +8,7 @@ import doctest
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -218,9 +219,11 @@ def test_a_place_freed_here_waits_for_a_lower_count_key_at_a_peer() -> None:
     assert sched.release(2, Outcome.SUCCESS, 1.0, rng) == []
     assert sched.state("a").inflight == 0
     assert sched.apply_shared(CALM_AT_PEER, 1.05, rng) == []
+    assert sched.yield_ends(1.05) == pytest.approx(1.1)  # the shell places again then
     (late,) = sched.place_waiting(1.1, rng)
     assert isinstance(late, Assigned)
     assert late.ticket.id == 3
+    assert sched.yield_ends(1.1) is None
     assert sched.release(3, Outcome.SUCCESS, 2.0, rng) == []
     # The peer took the place and its calm key waits no more: ours goes at once.
     taken = SharedView(loads={"a": PeerLoad(inflight=1)}, key_service={"calm": 150.0}, peers=1)
