@@ -75,11 +75,6 @@ class Failed:
         return self.reason.replace("_", " ") if self.reason.startswith("status_") else self.reason
 
 
-# Kinds of `AttemptFailed` that are the gateway's own state, not the instance's: every
-# instance would fail alike, so they are neither retried nor held against the instance.
-GATEWAYS_OWN = frozenset({"unsendable", "shutting_down"})
-
-
 def failed_to_send(failed: AttemptFailed, retry_after: float) -> Failed:
     """An attempt that got no response head: the error the client gets if none follows."""
     error: errors.GatewayError

@@ -36,7 +36,7 @@ from gateway.observe import log
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import FALLBACK_REASONS, Metrics
 from gateway.proxy import jsoncodec
-from gateway.proxy.attempt import GATEWAYS_OWN, Call, send_body, send_headers
+from gateway.proxy.attempt import Call, send_body, send_headers
 from gateway.upstream.client import Upstream
 from gateway.upstream.endpoint import Endpoint
 from gateway.upstream.response import AttemptFailed, UpstreamResponse, read_whole
@@ -191,7 +191,7 @@ class PrefillHop:
                 )
                 status, answer = await read_whole(response, timeout)
             except AttemptFailed as failed:
-                if failed.kind in GATEWAYS_OWN:  # no fault of the prefill instance, and
+                if failed.gateways_own:  # no fault of the prefill instance, and
                     outcome, error = Outcome.NEUTRAL, failed.kind  # every one would fail alike
                     return None, REFUSED
                 outcome, error = Outcome.FAILURE, failed.reported

@@ -28,7 +28,7 @@ from gateway.observe import log
 from gateway.observe.exchange import Exchange
 from gateway.observe.metrics import Metrics
 from gateway.proxy import jsoncodec
-from gateway.proxy.attempt import GATEWAYS_OWN, Call, send_headers
+from gateway.proxy.attempt import Call, send_headers
 from gateway.relay import continuation
 from gateway.relay.continuation import Rewriter, Sent, Transcript
 from gateway.relay.records import Broken, Streamed, Unusable
@@ -140,7 +140,7 @@ class Migration:
                     timeout=max(0.001, min(remaining, allowance)),
                 )
             except AttemptFailed as failed:
-                if failed.kind in GATEWAYS_OWN:  # no fault of the instance
+                if failed.gateways_own:  # no fault of the instance
                     outcome, note = Outcome.NEUTRAL, failed.kind
                 else:
                     note = failed.reported

@@ -31,6 +31,9 @@ REPORTED: Mapping[AttemptKind, Reported] = {
 }
 
 
+_GATEWAYS_OWN: frozenset[AttemptKind] = frozenset({"unsendable", "shutting_down"})
+
+
 class AttemptFailed(Exception):
     """An attempt got no usable HTTP answer. `kind` says why, one of:
 
@@ -59,6 +62,13 @@ class AttemptFailed(Exception):
     def reported(self) -> Reported:
         """The kind as metrics, logs and retry reasons name it."""
         return REPORTED[self.kind]
+
+    @property
+    def gateways_own(self) -> bool:
+        """Whether the gateway's own state failed it ("unsendable", "shutting_down"), not
+        the instance: every instance would fail alike, so it is neither retried elsewhere
+        nor held against the instance."""
+        return self.kind in _GATEWAYS_OWN
 
 
 class UpstreamResponse(Protocol):

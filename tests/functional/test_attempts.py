@@ -39,8 +39,10 @@ async def scripted(
         yield gw, upstream
 
 
-async def post(gw: Gateway, *, stream: bool) -> tuple[int, dict[str, str], bytes]:
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+async def post(
+    gw: Gateway, *, stream: bool, content: str = "hi"
+) -> tuple[int, dict[str, str], bytes]:
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": content}]}
     body["stream"] = stream
     headers = {"Authorization": f"Bearer {KEY}"}
     async with (
@@ -149,16 +151,8 @@ async def test_a_prefill_hop_the_gateway_cannot_send_ends_the_prefill_tries() ->
             upstream = FakeUpstream(*(AttemptFailed("unsendable", "a header") for _ in range(3)))
             gw.app[PROXY].upstream = upstream
             gw.app[PROXY].prefill_hop.upstream = upstream
-            body = {"model": "sim-model", "messages": [{"role": "user", "content": "word " * 3000}]}
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(
-                    gw.base_url + "/chat/completions",
-                    json=body,
-                    headers={"Authorization": f"Bearer {KEY}"},
-                ) as resp,
-            ):
-                assert resp.status == 502
+            status, _, _ = await post(gw, stream=False, content="word " * 3000)
+            assert status == 502
             by_url = {e.url: name for name, e in gw.app[PROXY].endpoints.items()}
             went = [by_url[sent.url.split("/v1/")[0]] for sent in upstream.sent]
             roles_of = {s.url: role for s, (role, _) in zip(sims, roles, strict=True)}
