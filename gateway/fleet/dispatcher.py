@@ -476,9 +476,10 @@ class Dispatcher:
         if self.scheduler.limits.peer_yield and self._place_timer is None:
             # A place left to a peer's key is filled when the wait runs out, whatever
             # else happens meanwhile (fairness across replicas).
-            end = self.scheduler.yield_ends(self.clock())
+            now = self.clock()
+            end = self.scheduler.yield_ends(now)
             if end is not None:
-                delay = max(0.0, end - self.clock()) + 0.001
+                delay = max(0.0, end - now) + 0.001
                 self._place_timer = asyncio.get_running_loop().call_later(delay, self._place_later)
         for decision in decisions:
             future = self._waiters.get(decision.ticket.id)
